@@ -1,0 +1,30 @@
+# `make test` and `make demo` each set up what they need from scratch: a local .venv with torch
+# pinned by constraints.txt (the CPU wheel on our dev/CI machines), then shardwise in editable mode.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+STAMP  := $(VENV)/.installed
+NPROC  ?= 2
+
+.PHONY: test demo bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,85 @@
+"""Process group and device from the launcher's environment. The only module that reads it.
+
+torchrun (and `shardwise launch`, which is torchrun) sets RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Without them the run is a world of size one,
+which still gets a real (single-member) process group so every strategy runs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _pick_device(local_rank: int, force_cpu: bool) -> torch.device:
+    if force_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this node has only {count} GPU(s): start at most one "
+            "process per GPU (--nproc-per-node), or pass cpu=True to run on CPU processes"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(*, force_cpu: bool) -> DistInfo:
+    """Join (or create) the default process group described by the launcher's environment.
+
+    CUDA devices get NCCL for device tensors and gloo for host tensors (optimizer offload keeps
+    a few host-side collectives); CPU-only runs use gloo. An already initialised default group
+    is reused, so several engines can live in one process.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    device = _pick_device(local_rank, force_cpu)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    elif world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # No launcher: a private in-memory store, no port to pick or collide on.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return DistInfo(rank, world_size, local_rank, local_world_size, device)
+
+
+def device_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over every process: the data-parallel (sharding) dimension."""
+    return init_device_mesh(device.type, (dist.get_world_size(),))

@@ -1,0 +1,409 @@
+"""`Engine`: an ordinary PyTorch loop, sharded. The verbs follow Hugging Face Accelerate.
+
+The engine owns the process group, the precision policy and the bookkeeping of accumulation;
+everything that depends on the strategy is delegated to a `Strategy` object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ConfigError, EngineConfig, make_config
+from .data import PreparedDataLoader, is_dataloader
+from .dist import init_distributed
+from .memory import MemoryReport, tensor_memory
+from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
+from .precision import DynamicLossScaler, Precision, check_device_supports
+from .strategies import make_strategy
+
+log = logging.getLogger("shardwise")
+
+_ACCELERATE_PRECISION = {"no": "fp32", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _is_scheduler(obj: object) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)
+    )
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (every device) on this process."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Engine:
+    """Runs a PyTorch training loop under ddp, zero1, zero2 or zero3 on one or many processes.
+
+    Keywords fill an `EngineConfig` (see its fields for the meaning of each); Accelerate's
+    `mixed_precision` ("no", "fp16", "bf16") and `gradient_accumulation_steps` are accepted too.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if "mixed_precision" in kwargs:
+            mp = kwargs.pop("mixed_precision")
+            if mp not in _ACCELERATE_PRECISION:
+                raise ConfigError(f"mixed_precision={mp!r} is not valid; choose one of: no, bf16, fp16")
+            kwargs.setdefault("precision", _ACCELERATE_PRECISION[mp])
+        if "gradient_accumulation_steps" in kwargs:
+            kwargs.setdefault("grad_accum_steps", kwargs.pop("gradient_accumulation_steps"))
+        if config is not None and kwargs:
+            raise ConfigError("pass either config= or keywords to Engine(), not both")
+        self.config = config if config is not None else make_config(**kwargs)
+        cfg = self.config
+        self._info = init_distributed(force_cpu=cfg.cpu)
+        check_device_supports(cfg.precision, self._info.device)
+        self._precision = Precision(cfg.precision, self._info.device)
+        self._scaler = DynamicLossScaler(cfg.loss_scale, self.device) if cfg.precision == "fp16" else None
+        self._strategy = make_strategy(cfg, self._info, self._precision.dtype)
+        set_seed(cfg.seed)
+        self._models: list[nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self._param_ids: set[int] = set()
+        self._micro_step = 0
+        self._sync = True
+        self._loader: PreparedDataLoader | None = None  # the loader that yielded the last batch
+        self._loader_at_end = False
+
+    # -- where this process sits ------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._info.device
+
+    @property
+    def process_index(self) -> int:
+        return self._info.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self._info.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self._info.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._info.is_main
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._info.is_local_main
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-step that ends an accumulation (gradients are communicated)."""
+        return self._sync
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._scaler.scale if self._scaler is not None else 1.0
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    # -- prepare ----------------------------------------------------------------------------
+    def prepare(self, *objects: Any) -> Any:
+        """Shard models, rebind optimizers, split DataLoaders, wrap schedulers.
+
+        Any order and number; the results come back in the same order (one object: itself).
+        Everything is checked before anything is changed.
+        """
+        kinds = [self._kind(obj) for obj in objects]
+        models = [o for o, k in zip(objects, kinds) if k == "model"]
+        pending = {id(p) for m in models for p in m.parameters()}
+        for o, k in zip(objects, kinds):
+            if k == "optimizer":
+                self._check_owned(o, pending)
+        names: dict[int, tuple[int, str]] = {}
+        for m in models:  # parameter -> (model, name), to rebind optimizers made before prepare
+            for name, p in m.named_parameters():
+                names[id(p)] = (len(self._models) + models.index(m), name)
+        prepared: dict[int, Any] = {}
+        for obj in models:
+            prepared[id(obj)] = self._prepare_model(obj)
+        new_params = [dict(self._strategy.unwrap(m).named_parameters()) for m in self._models]
+
+        def new_param(p: torch.Tensor) -> torch.Tensor:
+            if id(p) in names:
+                model_idx, name = names[id(p)]
+                return new_params[model_idx][name]
+            return p  # already a prepared parameter (optimizer made after prepare(model))
+
+        for obj, kind in zip(objects, kinds):
+            if kind == "optimizer":
+                rebind_optimizer(obj, new_param, self._strategy.shard_state)
+                wrapped = PreparedOptimizer(obj, self._strategy.make_runner(obj), self)
+                self._optimizers.append(wrapped)
+                prepared[id(obj)] = wrapped
+        for obj, kind in zip(objects, kinds):
+            if kind == "scheduler":
+                prepared[id(obj)] = self._prepare_scheduler(obj)
+            elif kind == "dataloader":
+                prepared[id(obj)] = PreparedDataLoader(
+                    obj,
+                    world=self.num_processes,
+                    rank=self.process_index,
+                    seed=self.config.seed,
+                    device=self.device,
+                    on_batch=self._on_batch,
+                )
+        out = tuple(prepared[id(o)] for o in objects)
+        return out[0] if len(out) == 1 else out
+
+    def _kind(self, obj: Any) -> str:
+        if isinstance(obj, nn.Module):
+            if any(obj is m or obj is self._strategy.unwrap(m) for m in self._models):
+                raise ValueError(f"{type(obj).__name__} was already prepared; prepare each model once")
+            return "model"
+        if isinstance(obj, PreparedOptimizer):
+            raise ValueError("this optimizer was already prepared; prepare each optimizer once")
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if is_dataloader(obj):
+            return "dataloader"
+        if _is_scheduler(obj):
+            return "scheduler"
+        raise TypeError(
+            f"prepare() cannot handle {type(obj).__module__}.{type(obj).__qualname__}; it takes "
+            "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers"
+        )
+
+    def _check_owned(self, optimizer: torch.optim.Optimizer, pending: set[int]) -> None:
+        stray = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if id(p) not in pending and id(p) not in self._param_ids
+        ]
+        if stray:
+            shapes = ", ".join(str(tuple(p.shape)) for p in stray[:3])
+            raise ValueError(
+                f"{type(optimizer).__name__} holds {len(stray)} parameter(s) of no prepared model "
+                f"(shapes {shapes}{', ...' if len(stray) > 3 else ''}); pass the model to "
+                "prepare() in the same call as the optimizer, or before it"
+            )
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        wrapped = self._strategy.setup_model(model)
+        inner = self._strategy.unwrap(wrapped)
+        if self._precision.is_mixed:  # compute in the low dtype; weights stay fp32
+            forward = inner.forward
+            precision = self._precision
+
+            def autocast_forward(_self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                with precision.autocast():
+                    return forward(*args, **kwargs)
+
+            inner.forward = MethodType(autocast_forward, inner)  # type: ignore[method-assign]
+        self._models.append(wrapped)
+        self._param_ids.update(id(p) for p in wrapped.parameters())
+        return wrapped
+
+    def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        target = scheduler.optimizer
+        owners = [o for o in self._optimizers if target is o or target is o.optimizer]
+        if not owners:
+            raise ValueError(
+                f"{type(scheduler).__name__}'s optimizer was not prepared; pass the optimizer to "
+                "prepare() in the same call as the scheduler, or before it"
+            )
+        return PreparedScheduler(scheduler, owners, self)
+
+    # -- the step ---------------------------------------------------------------------------
+    def _on_batch(self, loader: PreparedDataLoader, last: bool) -> None:
+        self._loader, self._loader_at_end = loader, last
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-step. Off the boundary nothing is communicated and the prepared
+        optimizers and schedulers do nothing; `sync_gradients` says which this is."""
+        self._micro_step += 1
+        n = self.config.grad_accum_steps
+        self._sync = self._micro_step % n == 0 or self._loader_at_end
+        if self._loader_at_end:
+            self._micro_step = 0
+        with contextlib.ExitStack() as stack:
+            if not self._sync:
+                for m in models or self._models:
+                    stack.enter_context(self._strategy.no_sync(m))
+            yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()`, divided by grad_accum_steps and multiplied by the fp16 loss scale."""
+        loss = loss / self.config.grad_accum_steps
+        if self._scaler is not None:
+            loss = self._scaler.scale_loss(loss)
+        loss.backward(**kwargs)
+
+    def unscale_gradients(self) -> None:
+        """fp16: unscale every prepared optimizer's gradients now (done once per step)."""
+        for o in self._optimizers:
+            o.unscale_gradients()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip gradients in place; return the total norm over all shards (the unsharded norm).
+
+        Off an accumulation boundary gradients are partial, so nothing is clipped and None is
+        returned.
+        """
+        if not self._sync:
+            return None
+        self.unscale_gradients()
+        params = [p for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        full = getattr(norm, "full_tensor", None)
+        return full() if full is not None else norm
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The compute-dtype context of this run (prepared models already run inside it)."""
+        return self._precision.autocast()
+
+    # -- collectives ------------------------------------------------------------------------
+    def gather(self, data: Any) -> Any:
+        """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
+        return _map_tensors(data, self._gather_one)
+
+    def _gather_one(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.dim() == 0:
+            t = t[None]
+        if self.num_processes == 1:
+            return t
+        # gloo needs equal shapes: share the lengths, pad to the longest, trim after.
+        n = torch.tensor([t.shape[0]], device=t.device)
+        lengths = [torch.empty_like(n) for _ in range(self.num_processes)]
+        dist.all_gather(lengths, n)
+        longest = int(max(x.item() for x in lengths))
+        padded = t.new_zeros((longest, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        parts = [torch.empty_like(padded) for _ in range(self.num_processes)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat([p[: int(k.item())] for p, k in zip(parts, lengths)])
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """`gather`, minus the samples repeated to even out the last batch of the loader."""
+        gathered = self.gather(data)
+        loader = self._loader
+        if loader is None or not self._loader_at_end or loader.remainder() == 0:
+            return gathered
+        keep = loader.remainder()
+        return _map_tensors(gathered, lambda t: t[:keep])
+
+    def reduce(self, data: Any, reduction: str = "sum") -> Any:
+        """Sum (or mean) tensors across processes."""
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction={reduction!r} is not valid; choose one of: sum, mean")
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            out = t.detach().clone()
+            dist.all_reduce(out)
+            return out / self.num_processes if reduction == "mean" else out
+
+        return _map_tensors(data, one)
+
+    # -- models out -------------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The user's module, without the DDP wrapper (an FSDP2 module is its own unwrap)."""
+        return self._strategy.unwrap(model)
+
+    def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights as CPU tensors on the main process; `{}` on the others.
+        A collective: call it on every process."""
+        return self._strategy.full_state_dict(model)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str]) -> None:
+        """Consolidated weights as safetensors (plus config.json for a `transformers` model).
+
+        Written to a temporary folder beside the target and renamed into place, so an
+        interrupted save never leaves a half-written model. A collective.
+        """
+        state = self.get_state_dict(model)
+        if self.is_main_process:
+            _write_model(self.unwrap_model(model), state, Path(save_directory))
+        self.wait_for_everyone()
+
+    def memory_report(self) -> MemoryReport:
+        """Tensor bytes this process holds for the prepared models and optimizers."""
+        opt = [t for o in self._optimizers for t in o.runner.tensors()]
+        return tensor_memory(self._models, opt)
+
+    def end_training(self) -> None:
+        """Leave the process group (call once, at the end of the script)."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _map_tensors(data: Any, fn: Any) -> Any:
+    if torch.is_tensor(data):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)({k: _map_tensors(v, fn) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(v, fn) for v in data)
+    raise TypeError(f"expected tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
+
+
+def _write_model(module: nn.Module, state: dict[str, torch.Tensor], target: Path) -> None:
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        if hasattr(module, "save_pretrained") and hasattr(module, "config"):
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        else:
+            unique: dict[str, torch.Tensor] = {}
+            seen: set[int] = set()
+            for k, v in state.items():  # safetensors refuses aliases: keep the first name
+                if v.data_ptr() not in seen:
+                    seen.add(v.data_ptr())
+                    unique[k] = v.contiguous()
+            save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        old = None
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            target.rename(old)
+        tmp.rename(target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+Accelerator = Engine

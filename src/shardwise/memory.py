@@ -1,0 +1,72 @@
+"""Per-rank tensor memory, counted by storage so shared and aliased tensors count once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Bytes of tensor storage this process holds, by role, and how much of it is on the host."""
+
+    params: int
+    grads: int
+    optimizer: int
+    host: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def __str__(self) -> str:
+        mib = 2**20
+        return (
+            f"params {self.params / mib:.2f} MiB, grads {self.grads / mib:.2f} MiB, "
+            f"optimizer {self.optimizer / mib:.2f} MiB (on host: {self.host / mib:.2f} MiB)"
+        )
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.untyped_storage()
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, int]] = set()
+        self.host = 0
+
+    def add(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            s = _storage(t)
+            key = (str(s.device), s.data_ptr())
+            if s.nbytes() == 0 or key in self.seen:
+                continue
+            self.seen.add(key)
+            total += s.nbytes()
+            if s.device.type == "cpu":
+                self.host += s.nbytes()
+        return total
+
+
+def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch.Tensor]) -> MemoryReport:
+    """Count parameters, gradients and optimizer tensors (each storage once) on this process.
+
+    FSDP2 keeps each shard in a padded storage: the count includes that padding, as the
+    allocator does. Host bytes are reported as well; on a CPU-only machine everything is host.
+    """
+    models = list(models)
+    c = _Counter()
+    params = [p for m in models for p in m.parameters()]
+    n_params = c.add(params)
+    n_grads = c.add(p.grad for p in params)
+    n_opt = c.add(optimizer_tensors)
+    return MemoryReport(params=n_params, grads=n_grads, optimizer=n_opt, host=c.host)

@@ -1,0 +1,150 @@
+"""Prepared optimizers and schedulers, and rebinding an optimizer to sharded parameters.
+
+The user's optimizer object stays the source of truth for hyperparameters: LR schedulers built
+on it before or after `prepare` keep working. What changes is *what it steps*: FSDP2 replaces
+parameters by DTensor shards (rebound here by name), zero1 and offload step inner copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .strategies.base import OptimizerRunner
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer,
+    new_param: Callable[[torch.Tensor], torch.Tensor],
+    shard_state: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> None:
+    """Point every group of `optimizer` at the parameters that replaced the ones it held.
+
+    Class, hyperparameters and groups are untouched; existing state moves to the new parameter,
+    cut to its shard by `shard_state` where the strategy shards parameters.
+    """
+    for group in optimizer.param_groups:
+        fresh = []
+        for old in group["params"]:
+            new = new_param(old)
+            fresh.append(new)
+            if new is not old and old in optimizer.state:
+                state = optimizer.state.pop(old)
+                if shard_state is not None:
+                    state = {k: shard_state(new, v) if torch.is_tensor(v) else v for k, v in state.items()}
+                optimizer.state[new] = state
+        group["params"] = fresh
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The optimizer `prepare` returns: steps only on accumulation boundaries, handles fp16.
+
+    `param_groups`, `defaults` and `state` are the user's optimizer's, so LR schedulers and
+    code that reads or edits them behave as before.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runner: OptimizerRunner, engine: Engine) -> None:
+        # Deliberately no super().__init__: this object only delegates.
+        self.optimizer = optimizer
+        self.runner = runner
+        self._engine = engine
+        self._finite: bool | None = None  # fp16: verdict of this step's unscale, once computed
+        self.step_was_skipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def unscale_gradients(self) -> None:
+        """fp16: divide this step's gradients by the loss scale, once."""
+        scaler = self._engine._scaler
+        if scaler is not None and self._finite is None:
+            self._finite = scaler.unscale_and_check(p.grad for p in self.params() if p.grad is not None)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("prepared optimizers take no closure; compute the loss in your loop")
+        if not self._engine.sync_gradients:
+            return  # a micro-step inside accumulate(): gradients keep accumulating
+        scaler = self._engine._scaler
+        finite = True
+        if scaler is not None:
+            self.unscale_gradients()
+            finite = bool(self._finite)
+            self._finite = None
+            scaler.update(finite)
+        self.step_was_skipped = not finite
+        if finite:
+            self.runner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._engine.sync_gradients:
+            self.runner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.runner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("add parameter groups before prepare(); a prepared optimizer's groups are fixed")
+
+    def __repr__(self) -> str:
+        return f"Prepared({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """Steps the user's LR scheduler once per real optimizer step.
+
+    Unlike Accelerate, it does not step `num_processes` times per optimizer step: the schedule
+    counts optimizer steps, as it would in a single-process run.
+    """
+
+    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], engine: Engine) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self._engine = engine
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self._engine.sync_gradients:
+            return
+        if self.optimizers and all(o.step_was_skipped for o in self.optimizers):
+            return  # fp16 overflow: the weights did not move, neither does the schedule
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)

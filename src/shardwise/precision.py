@@ -1,0 +1,127 @@
+"""fp32 / bf16 / fp16 policies and dynamic loss scaling.
+
+In every mode the weights the optimizer updates, the gradients it reads and its state stay fp32:
+only the forward/backward compute runs in the low-precision dtype. FSDP strategies get the cast
+through `MixedPrecisionPolicy` (bf16/fp16 gathers, fp32 reduce-scatter); DDP strategies through
+`torch.autocast`, whose fp32 master weights are the module's own parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .config import ConfigError, LossScaleConfig
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def check_device_supports(precision: str, device: torch.device) -> None:
+    """Refuse a precision the device cannot compute in, before any model is touched."""
+    dtype = DTYPES[precision]
+    if dtype is torch.float32:
+        return
+    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"precision='bf16' is not supported by {torch.cuda.get_device_name(device)}; "
+            "use precision='fp16' or 'fp32'"
+        )
+    try:
+        a = torch.ones(8, 8, device=device, dtype=dtype)
+        with torch.autocast(device.type, dtype=dtype):
+            (a @ a).sum().item()
+    except RuntimeError as err:
+        raise ConfigError(
+            f"precision={precision!r} cannot run on device {device}: {err}. "
+            "Use precision='fp32' (or 'bf16' where supported)"
+        ) from None
+
+
+class Precision:
+    """The compute dtype of a run and the autocast context that applies it."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.dtype = DTYPES[name]
+        self.device = device
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.dtype is not torch.float32
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.is_mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class DynamicLossScaler:
+    """fp16 loss scaling that agrees across ranks.
+
+    With sharded gradients each rank sees only its shard, so the inf/nan verdict is all-reduced
+    (MAX) before anyone decides to skip: every rank skips the same step, and the scale stays
+    identical everywhere. The state (scale, growth tracker) is part of the engine's state.
+    """
+
+    def __init__(self, cfg: LossScaleConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.scale = float(cfg.init_scale)
+        self._good_steps = 0
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    @torch.no_grad()
+    def unscale_and_check(self, grads: Iterable[torch.Tensor]) -> bool:
+        """Divide gradients by the scale in place; return True when every rank's are finite."""
+        inv = 1.0 / self.scale
+        found_inf = torch.zeros((), device=self.device)
+        for g in grads:
+            local = _local(g)
+            local.mul_(inv)
+            if local.numel() and not torch.isfinite(local).all():
+                found_inf.fill_(1.0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return bool(found_inf.item() == 0)
+
+    def update(self, finite: bool) -> None:
+        if finite:
+            self._good_steps += 1
+            if self._good_steps >= self.cfg.growth_interval:
+                self.scale *= self.cfg.growth_factor
+                self._good_steps = 0
+        else:
+            self.skipped_steps += 1
+            self.scale = max(self.scale * self.cfg.backoff_factor, self.cfg.min_scale)
+            self._good_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self._good_steps, "skipped": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped", 0))
+
+
+def grads_of(params: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The existing gradients of `params`."""
+    for p in params:
+        if p.grad is not None:
+            yield p.grad

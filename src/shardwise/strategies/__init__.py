@@ -1,0 +1,30 @@
+"""Strategy name -> implementation: the one table that knows the names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..config import EngineConfig
+from ..dist import DistInfo
+from .base import OptimizerRunner, Strategy
+from .ddp import DDPStrategy
+from .fsdp import FSDPStrategy, apply_fsdp, find_blocks
+
+_Factory = Callable[[EngineConfig, DistInfo, torch.dtype], Strategy]
+
+STRATEGIES: dict[str, _Factory] = {
+    "ddp": lambda c, i, d: DDPStrategy(c, i, d, shard_optimizer=False),
+    "zero1": lambda c, i, d: DDPStrategy(c, i, d, shard_optimizer=True),
+    "zero2": lambda c, i, d: FSDPStrategy(c, i, d, stage=2),
+    "zero3": lambda c, i, d: FSDPStrategy(c, i, d, stage=3),
+}
+
+
+def make_strategy(cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -> Strategy:
+    """The strategy `cfg.strategy` names (the config has already validated the name)."""
+    return STRATEGIES[cfg.strategy](cfg, info, param_dtype)
+
+
+__all__ = ["STRATEGIES", "OptimizerRunner", "Strategy", "apply_fsdp", "find_blocks", "make_strategy"]

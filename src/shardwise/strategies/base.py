@@ -1,0 +1,85 @@
+"""The narrow interface the engine talks to. Nothing outside `strategies/` compares names."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import EngineConfig
+from ..dist import DistInfo
+
+
+class OptimizerRunner(ABC):
+    """How one optimizer's step happens under a strategy (in place, sharded, or on the host)."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """Apply one update from the current gradients."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of every parameter the optimizer updates."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
+
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this runner keeps besides the model's parameters and gradients."""
+        return [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+
+
+class InPlaceRunner(OptimizerRunner):
+    """The user's optimizer steps the (possibly sharded) model parameters directly."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+class Strategy(ABC):
+    """Turns a model into its distributed form and says how optimizers step on it."""
+
+    #: convert a full optimizer-state tensor to the form the rebound parameter needs
+    shard_state: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __init__(self, cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.param_dtype = param_dtype
+
+    @abstractmethod
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        """Shard or replicate `model` on this process's device; return what the user calls."""
+
+    @abstractmethod
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's own module (its parameter names are the ones the user created)."""
+
+    @abstractmethod
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Within this context, backward accumulates locally and communicates nothing."""
+
+    @abstractmethod
+    def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
+        """The runner for an optimizer already bound to this strategy's parameters."""
+
+    @abstractmethod
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Unsharded weights as CPU tensors on the main process, `{}` elsewhere (collective)."""

@@ -1,0 +1,69 @@
+"""ddp and zero1: full parameter replicas, gradients all-reduced by DistributedDataParallel.
+
+ddp keeps the optimizer whole on every rank. zero1 keeps DDP's bucketed, backward-overlapped
+all-reduce and shards only the optimizer: each rank updates 1/W of the elements and an
+all-gather redistributes them (see `sharded_optim`). With offload='optimizer' those 1/W live
+and step on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import EngineConfig
+from ..dist import DistInfo
+from .base import InPlaceRunner, OptimizerRunner, Strategy
+from .sharded_optim import ShardedOptimizer
+
+
+class DDPStrategy(Strategy):
+    """Replicated model; `shard_optimizer` turns ddp into zero1."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        info: DistInfo,
+        param_dtype: torch.dtype,
+        *,
+        shard_optimizer: bool,
+    ) -> None:
+        super().__init__(cfg, info, param_dtype)
+        self.shard_optimizer = shard_optimizer
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model.to(self.info.device)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                f"{type(model).__name__} has no trainable parameters; DDP cannot wrap it"
+            )
+        device_ids = [self.info.device.index] if self.info.device.type == "cuda" else None
+        # DDP broadcasts rank 0's parameters and buffers here, so every replica starts equal.
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
+        if not self.shard_optimizer:
+            return InPlaceRunner(optimizer)
+        return ShardedOptimizer(
+            optimizer,
+            partition="flat",
+            host=self.cfg.offload == "optimizer",
+            device=self.info.device,
+            bucket_numel=self.cfg.offload_bucket_numel,
+        )
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if not self.info.is_main:
+            return {}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}

@@ -1,0 +1,190 @@
+"""zero2 and zero3 on FSDP2 (`torch.distributed.fsdp.fully_shard`), with host offload.
+
+Each detected block (a transformer layer) and the root become FSDP units; a unit's parameters
+are stored as dim-0 shards (DTensor) and all-gathered just before its forward and backward.
+  zero3  reshard after forward: the full block exists only while it computes, so the per-rank
+         resting footprint of parameters, gradients (reduce-scattered) and optimizer state is 1/W.
+  zero2  keep the gathered parameters from forward to backward (one all-gather per step instead
+         of two, at the cost of holding them through the step); gradients and optimizer state
+         are still 1/W.
+offload='params' (zero3) keeps parameter shards on the host between uses and runs the optimizer
+there (FSDP2's CPUOffloadPolicy). offload='optimizer' is ours: `sharded_optim` moves the
+reduce-scattered gradient shards to the host, steps fp32 host masters and copies them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..config import ConfigError, EngineConfig
+from ..dist import DistInfo, device_mesh
+from .base import InPlaceRunner, OptimizerRunner, Strategy
+from .sharded_optim import ShardedOptimizer
+
+
+def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Module]:
+    """The submodules to shard as units, in module order.
+
+    With `wrap` given, every submodule whose class (or class name) is listed; none matching is
+    an error. Otherwise the model's own hint (`transformers`' `_no_split_modules`), else the
+    children of every ModuleList/Sequential that repeats one class at least twice.
+    """
+    if wrap:
+        names = {w for w in wrap if isinstance(w, str)}
+        classes = tuple(w for w in wrap if isinstance(w, type))
+        blocks = [
+            m
+            for m in model.modules()
+            if m is not model and (type(m).__name__ in names or (classes and isinstance(m, classes)))
+        ]
+        if not blocks:
+            found = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"wrap={[getattr(w, '__name__', w) for w in wrap]} matches no submodule of "
+                f"{type(model).__name__}; its module classes are: {', '.join(found)}"
+            )
+        return blocks
+    hinted = set(getattr(model, "_no_split_modules", None) or ())
+    if hinted:
+        blocks = [m for m in model.modules() if m is not model and type(m).__name__ in hinted]
+        if blocks:
+            return blocks
+    blocks = []
+    for container in model.modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential)) and container is not model:
+            kids = [k for k in container.children() if any(True for _ in k.parameters())]
+            if len(kids) >= 2 and len({type(k) for k in kids}) == 1:
+                blocks.extend(kids)
+    return blocks
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    blocks: Sequence[nn.Module],
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> None:
+    """Shard `blocks` (innermost first) and then the root, in place."""
+    wanted = {id(b) for b in blocks}
+    # Children before parents (reversed pre-order): a parent unit skips what a child unit owns.
+    for block in (m for m in reversed(list(model.modules())) if id(m) in wanted):
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+    )
+
+
+@torch.no_grad()
+def _sync_module_states(model: nn.Module) -> None:
+    """Broadcast rank 0's parameters and buffers: every rank must shard the same model."""
+    if dist.get_world_size() == 1:
+        return
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src=0)
+
+
+class FSDPStrategy(Strategy):
+    """ZeRO stage 2 or 3 on FSDP2."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        info: DistInfo,
+        param_dtype: torch.dtype,
+        *,
+        stage: int,
+    ) -> None:
+        super().__init__(cfg, info, param_dtype)
+        self.stage = stage
+        self.mesh = device_mesh(info.device)
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        offload_params = self.cfg.offload == "params"
+        if not offload_params:
+            model.to(self.info.device)
+        _sync_module_states(model)
+        blocks = find_blocks(model, self.cfg.wrap)
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        if self.param_dtype is torch.float32:
+            mp = MixedPrecisionPolicy()
+        offload: OffloadPolicy = (
+            CPUOffloadPolicy(pin_memory=self.info.device.type == "cuda")
+            if offload_params
+            else OffloadPolicy()
+        )
+        apply_fsdp(
+            model,
+            mesh=self.mesh,
+            blocks=blocks,
+            reshard_after_forward=self.stage == 3,
+            mp_policy=mp,
+            offload_policy=offload,
+        )
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if not isinstance(model, FSDPModule):
+            yield
+            return
+        # Gradients accumulate unsharded in the units; the reduce-scatter waits for the boundary.
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
+        if self.cfg.offload != "optimizer":
+            return InPlaceRunner(optimizer)
+        return ShardedOptimizer(
+            optimizer,
+            partition="local",
+            host=True,
+            device=self.info.device,
+            bucket_numel=self.cfg.offload_bucket_numel,
+        )
+
+    @staticmethod
+    def shard_state(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A full optimizer-state tensor, cut like its (DTensor) parameter."""
+        if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+            sharded = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+            return sharded
+        return value
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)  # collective: all ranks gather
+        return state if self.info.is_main else {}

@@ -1,0 +1,253 @@
+"""Optimizer-state sharding (ZeRO-1) and optimizer offload: one mechanism for both.
+
+Each rank owns a contiguous range of elements ("segment") of parameters. The user's optimizer
+class is instantiated again over 1-D *master* tensors, one per segment, with the user's
+parameter groups; before every step the hyperparameters are copied from the user's optimizer,
+so LR schedulers bound to it keep working. For elementwise optimizers (SGD, Adam, AdamW, ...)
+the sharded update is exactly the unsharded one; optimizers that need whole-tensor statistics
+(LAMB, Adafactor) are not exact under sharding, as with every ZeRO implementation.
+
+Where segments come from (``partition``):
+  ``flat``  zero1 over DDP. Parameters are full replicas with full, all-reduced gradients. All
+            parameters of one dtype are laid end to end and split into W equal ranges; rank r
+            updates range r, then one all-gather (a transient buffer the size of those
+            parameters) gives every rank the updated full parameters.
+  ``local`` zero2/zero3 + optimizer offload. Parameters are FSDP2 DTensors, gradients already
+            reduce-scattered; the segment is this rank's whole local shard, nothing to gather.
+
+Where masters live (``host``):
+  device    (zero1, no offload) the master *is* a view of the parameter: no copy, the inner
+            optimizer writes the parameter in place, its state is 1/W of the unsharded state.
+  host      (offload) fp32 copies in host memory (pinned on CUDA). Segments are grouped in
+            buckets and pipelined: all gradient copies device->host are queued on a side stream
+            up front; the CPU steps bucket i as soon as its copies land, and bucket i's updated
+            parameters go back host->device while the CPU steps bucket i+1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .base import OptimizerRunner
+
+
+def local_flat(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of `t` as a 1-D view (the local shard for a DTensor)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.detach().view(-1)
+
+
+@dataclass(slots=True)
+class _Segment:
+    param: torch.Tensor  # the model's parameter (full tensor, or a DTensor shard)
+    group: int  # index of the user's param group
+    start: int  # element range of local_flat(param) this rank updates
+    end: int
+    master: nn.Parameter  # what the inner optimizer updates
+    host_grad: torch.Tensor | None  # host gradient buffer (offload only)
+
+
+@dataclass(slots=True)
+class _FlatSpace:
+    """Parameters of one dtype laid end to end (zero1's all-gather unit)."""
+
+    params: list[tuple[torch.Tensor, int]]  # (parameter, offset in the space)
+    chunk: int  # elements owned per rank: ceil(total / world)
+    dtype: torch.dtype
+
+
+def _flat_spaces(params: list[torch.Tensor], world: int) -> list[_FlatSpace]:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    spaces = []
+    for dtype, ps in by_dtype.items():
+        placed, offset = [], 0
+        for p in ps:
+            placed.append((p, offset))
+            offset += p.numel()
+        spaces.append(_FlatSpace(placed, math.ceil(offset / world), dtype))
+    return spaces
+
+
+class ShardedOptimizer(OptimizerRunner):
+    """Steps the user's optimizer class on this rank's segments only (see the module docstring)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        partition: Literal["flat", "local"],
+        host: bool,
+        device: torch.device,
+        bucket_numel: int,
+    ) -> None:
+        self.optimizer = optimizer
+        self.partition = partition
+        self.host = host
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        owned = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
+        self._spaces = _flat_spaces([p for _, p in owned], self.world) if partition == "flat" else []
+        pin = host and device.type == "cuda"
+        self._segments: list[_Segment] = []
+        for gi, p, start, end in self._ranges(owned):
+            view = local_flat(p)[start:end]
+            if host:
+                master = nn.Parameter(view.to("cpu", torch.float32, copy=True))
+                host_grad = torch.empty_like(master, pin_memory=pin)
+                if pin:
+                    master.data = master.data.pin_memory()
+            else:
+                master, host_grad = nn.Parameter(view), None  # aliases the parameter's storage
+            self._segments.append(_Segment(p, gi, start, end, master, host_grad))
+        self._buckets = self._make_buckets(bucket_numel if host else None)
+        self._inner = [self._build_inner(bucket) for bucket in self._buckets]
+        optimizer.state.clear()  # its state now lives, sliced, in the inner optimizers
+        self._copy_stream = torch.cuda.Stream(device) if pin else None
+
+    # -- construction -------------------------------------------------------------------------
+    def _ranges(self, owned: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor, int, int]]:
+        if self.partition == "local":
+            return [(gi, p, 0, local_flat(p).numel()) for gi, p in owned if local_flat(p).numel()]
+        group_of = {id(p): gi for gi, p in owned}
+        ranges = []
+        for space in self._spaces:
+            lo, hi = self.rank * space.chunk, (self.rank + 1) * space.chunk
+            for p, off in space.params:
+                a, b = max(lo, off), min(hi, off + p.numel())
+                if a < b:
+                    ranges.append((group_of[id(p)], p, a - off, b - off))
+        return ranges
+
+    def _make_buckets(self, bucket_numel: int | None) -> list[list[_Segment]]:
+        if bucket_numel is None:
+            return [self._segments] if self._segments else []
+        buckets: list[list[_Segment]] = []
+        size = bucket_numel
+        for seg in self._segments:
+            if size >= bucket_numel:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(seg)
+            size += seg.end - seg.start
+        return buckets
+
+    def _build_inner(self, bucket: list[_Segment]) -> torch.optim.Optimizer:
+        groups: list[dict[str, Any]] = []
+        self_map: list[int] = []
+        for gi, user_group in enumerate(self.optimizer.param_groups):
+            masters = [s.master for s in bucket if s.group == gi]
+            if masters:
+                groups.append({**_hyper(user_group), "params": masters})
+                self_map.append(gi)
+        cls = type(self.optimizer)
+        try:
+            inner = cls(groups, **self.optimizer.defaults)
+        except TypeError:  # `defaults` holds keys the constructor does not take
+            inner = cls(groups)
+        inner._shardwise_groups = self_map  # type: ignore[attr-defined]
+        for seg in bucket:  # carry over state the user's optimizer already had, sliced
+            old = self.optimizer.state.get(seg.param)
+            if old:
+                inner.state[seg.master] = {k: self._slice_state(v, seg) for k, v in old.items()}
+        return inner
+
+    def _slice_state(self, value: Any, seg: _Segment) -> Any:
+        if not torch.is_tensor(value):
+            return value
+        flat = local_flat(value)
+        if flat.numel() == local_flat(seg.param).numel():
+            return flat[seg.start : seg.end].to(seg.master.device, torch.float32, copy=True)
+        return value.detach().clone()  # scalars such as Adam's `step`
+
+    # -- the step ---------------------------------------------------------------------------
+    def _sync_hyperparams(self) -> None:
+        for inner in self._inner:
+            for group, gi in zip(inner.param_groups, inner._shardwise_groups):  # type: ignore[attr-defined]
+                group.update(_hyper(self.optimizer.param_groups[gi]))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self._sync_hyperparams()
+        if self.host:
+            self._host_step()
+        else:
+            for seg in self._segments:
+                g = seg.param.grad
+                seg.master.grad = None if g is None else local_flat(g)[seg.start : seg.end]
+            for inner in self._inner:
+                inner.step()
+            for seg in self._segments:
+                seg.master.grad = None  # drop the alias, or zero_grad could not free the grad
+        if self.partition == "flat":
+            self._all_gather_params()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR-scheduler bookkeeping
+
+    def _host_step(self) -> None:
+        stream = self._copy_stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients are ready
+        landed = []
+        with ctx:  # queue every device->host gradient copy at once
+            for bucket in self._buckets:
+                for seg in bucket:
+                    g = seg.param.grad
+                    seg.master.grad = None if g is None else seg.host_grad
+                    if g is not None:
+                        seg.host_grad.copy_(local_flat(g)[seg.start : seg.end], non_blocking=True)
+                landed.append(stream.record_event() if stream is not None else None)
+        for inner, bucket, event in zip(self._inner, self._buckets, landed):
+            if event is not None:
+                event.synchronize()  # this bucket's gradients are on the host
+            inner.step()  # host compute, overlapping the copies of the other buckets
+            with ctx:
+                for seg in bucket:
+                    local_flat(seg.param)[seg.start : seg.end].copy_(seg.master, non_blocking=True)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _all_gather_params(self) -> None:
+        """Give every rank the ranges the others updated (zero1): one all-gather per dtype."""
+        for space in self._spaces:
+            lo = self.rank * space.chunk
+            mine = torch.zeros(space.chunk, dtype=space.dtype, device=self.device)
+            full = torch.empty(space.chunk * self.world, dtype=space.dtype, device=self.device)
+            for p, off in space.params:
+                a, b = max(lo, off), min(lo + space.chunk, off + p.numel())
+                if a < b:
+                    mine[a - lo : b - lo].copy_(local_flat(p)[a - off : b - off])
+            _all_gather_flat(full, mine)
+            for p, off in space.params:
+                local_flat(p).copy_(full[off : off + p.numel()])
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"partition": self.partition, "inner": [o.state_dict() for o in self._inner]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for inner, sd in zip(self._inner, state["inner"], strict=True):
+            inner.load_state_dict(sd)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [v for o in self._inner for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
+        if self.host:
+            out += [s.master for s in self._segments] + [s.host_grad for s in self._segments]
+        return out
+
+
+# torch 2.13 renamed all_gather_into_tensor; older releases (down to 2.6) only have the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}

@@ -1,0 +1,74 @@
+"""A small spawn helper: N CPU processes on gloo over loopback, torchrun's environment,
+worker errors re-raised in the test process with their traceback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        torch.save(result, Path(out) / f"{rank}.pt")
+    except BaseException:
+        (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) -> list[Any]:
+    """Run `fn(*args)` on `world` processes; return each rank's result (rank order)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs):
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                time.sleep(2)  # let the failing rank finish writing its traceback
+                for p in procs:
+                    p.kill()
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.join()
+        errors = sorted(Path(out).glob("*.err"))
+        if errors:
+            raise RuntimeError("worker failed:\n" + "\n".join(e.read_text() for e in errors))
+        if any(p.exitcode != 0 for p in procs):
+            codes = [p.exitcode for p in procs]
+            raise RuntimeError(f"workers exited with {codes} (timeout {timeout}s?)")
+        return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]

@@ -1,0 +1,170 @@
+"""Engine verbs on 2 CPU processes: several models, optimizer order, metrics, clipping, accumulation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import workloads as W
+from spawn import spawn
+
+RUN = dict(batch=2, accum=2, steps=3)
+
+
+class Indexed(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+class IndexedStream(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.tensor(i) for i in range(self.n))
+
+
+def _two_models(engine: Any) -> dict[str, Any]:
+    """Two models, one optimizer made before prepare, one after, in one run."""
+    a, b = W.build("tiny"), W.build("gpt2")
+    opt_a = W.make_optimizer(a)
+    loader = DataLoader(W.Tokens(engine.num_processes * 2 * 2 * 3), batch_size=2, shuffle=True)
+    a, opt_a, b, loader = engine.prepare(a, opt_a, b, loader)
+    opt_b = engine.prepare(W.make_optimizer(b))  # built from the already sharded parameters
+    losses: dict[str, list[float]] = {"tiny": [], "gpt2": []}
+    for ids in loader:
+        with engine.accumulate(a, b):
+            la, lb = W.lm_loss(a, ids), W.lm_loss(b, ids)
+            engine.backward(la + lb)
+            losses["tiny"].append(engine.reduce(la.detach(), "mean").item())
+            losses["gpt2"].append(engine.reduce(lb.detach(), "mean").item())
+            if engine.sync_gradients:
+                engine.clip_grad_norm_(a.parameters(), 1.0)
+                engine.clip_grad_norm_(b.parameters(), 1.0)
+            for opt in (opt_a, opt_b):
+                opt.step()
+                opt.zero_grad()
+    return {"losses": losses, "tiny": engine.get_state_dict(a), "gpt2": engine.get_state_dict(b)}
+
+
+def _metrics(engine: Any) -> dict[str, Any]:
+    out = {}
+    for label, ds, shuffle in [
+        ("map", Indexed(13), False),
+        ("map-shuffled", Indexed(13), True),
+        ("iterable", IndexedStream(13), False),
+    ]:
+        loader = engine.prepare(DataLoader(ds, batch_size=2, shuffle=shuffle))
+        seen = [engine.gather_for_metrics(batch) for batch in loader]
+        out[label] = {
+            "all": torch.cat(seen).tolist(),
+            "plain_gather": sum(len(engine.gather(b)) for b in loader),
+            "batches": len(loader) if label != "iterable" else None,
+        }
+    return out
+
+
+def _subset_norm(engine: Any) -> dict[str, float]:
+    """Norm of a subset of sharded gradients equals the norm over the same full gradients."""
+    model = W.build("gpt2")
+    ref = W.build("gpt2")
+    model = engine.prepare(model)
+    ids = W.Tokens(8).data[engine.process_index * 4 : (engine.process_index + 1) * 4]
+    engine.backward(W.lm_loss(model, ids))
+    subset = [p for n, p in model.named_parameters() if "h.1." in n]
+    norm = float(engine.clip_grad_norm_(subset, 1e9))
+    W.lm_loss(ref, W.Tokens(8).data).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_([p for n, p in ref.named_parameters() if "h.1." in n], 1e9)
+    return {"norm": norm, "ref": float(ref_norm)}
+
+
+def _accumulation(engine: Any) -> dict[str, Any]:
+    """Off the boundary: no step, no zero_grad, no scheduler step, clip returns None."""
+    model = W.build("tiny")
+    opt = W.make_optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = engine.prepare(model, opt, sched)
+    ids = W.Tokens(4).data[:2]
+    before = engine.get_state_dict(model)
+    with engine.accumulate(model):
+        engine.backward(W.lm_loss(model, ids))
+        micro = {"sync": engine.sync_gradients, "clip": engine.clip_grad_norm_(model.parameters(), 1.0)}
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    micro["unchanged"] = engine.get_state_dict(model)
+    micro["lr"] = sched.get_last_lr()
+    with engine.accumulate(model):
+        engine.backward(W.lm_loss(model, ids))
+        boundary = {"sync": engine.sync_gradients, "clip": engine.clip_grad_norm_(model.parameters(), 1.0)}
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    boundary["changed"] = engine.get_state_dict(model)
+    boundary["lr"] = sched.get_last_lr()
+    return {"before": before, "micro": micro, "boundary": boundary}
+
+
+def _work() -> dict[str, Any]:
+    import shardwise
+
+    out: dict[str, Any] = {}
+    out["two_models"] = _two_models(shardwise.Engine(strategy="zero3", cpu=True, grad_accum_steps=2, seed=W.SEED))
+    for strategy in ("zero3", "ddp"):
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED)
+        out[f"metrics-{strategy}"] = _metrics(engine)
+    out["subset_norm"] = _subset_norm(shardwise.Engine(strategy="zero3", cpu=True))
+    out["accumulation"] = {
+        s: _accumulation(shardwise.Engine(strategy=s, cpu=True, grad_accum_steps=2)) for s in ("zero2", "zero1")
+    }
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return spawn(_work, 2)
+
+
+def test_two_models_two_optimizers(results: list) -> None:
+    run = results[0]["two_models"]
+    for name in ("tiny", "gpt2"):
+        ref = W.reference(name, world=2, **RUN)
+        assert W.close(run["losses"][name], ref["losses"]) < 1e-5
+        assert W.max_diff(run[name], ref["state"]) < 2e-5
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_gather_for_metrics_returns_exactly_the_dataset(results: list, strategy: str) -> None:
+    for res in results:
+        m = res[f"metrics-{strategy}"]
+        assert m["map"]["all"] == list(range(13))  # in order, padding dropped
+        assert sorted(m["map-shuffled"]["all"]) == list(range(13))
+        assert m["iterable"]["all"] == list(range(13))
+        assert m["map"]["batches"] == 4  # ceil(13 / (2 * 2)) global batches
+        assert m["map"]["plain_gather"] == 14  # 12 + the last sample and its one repeat
+
+
+def test_clip_norm_of_a_subset_is_the_unsharded_norm(results: list) -> None:
+    r = results[0]["subset_norm"]
+    assert r["norm"] == pytest.approx(r["ref"], rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero1"])
+def test_accumulate_defers_steps(results: list, strategy: str) -> None:
+    r = results[0]["accumulation"][strategy]
+    micro, boundary = r["micro"], r["boundary"]
+    assert micro["sync"] is False and micro["clip"] is None
+    assert W.max_diff(micro["unchanged"], r["before"]) == 0.0
+    assert micro["lr"] == [1e-3, 1e-3]
+    assert boundary["sync"] is True and boundary["clip"] is not None
+    assert W.max_diff(boundary["changed"], r["before"]) > 0
+    assert boundary["lr"] == [5e-4, 5e-4]

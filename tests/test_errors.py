@@ -1,0 +1,85 @@
+"""Bad input is refused before any work starts, with a message naming the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import shardwise
+import workloads as W
+from shardwise import ConfigError
+from shardwise.precision import check_device_supports
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needles"),
+    [
+        ({"strategy": "zero4"}, ["strategy='zero4'", "ddp, zero1, zero2, zero3"]),
+        ({"strategy": "zer3"}, ["did you mean 'zero3'"]),
+        ({"precision": "fp8"}, ["precision='fp8'", "fp32, bf16, fp16"]),
+        ({"offload": "disk"}, ["offload='disk'", "none, optimizer, params"]),
+        ({"strategy": "zero2", "offload": "params"}, ["offload='params' needs strategy='zero3'"]),
+        ({"strategy": "ddp", "offload": "optimizer"}, ["needs a sharded strategy"]),
+        ({"grad_accum_steps": 0}, ["grad_accum_steps=0"]),
+        ({"stratgey": "zero3"}, ["unknown setting 'stratgey'", "did you mean 'strategy'"]),
+        ({"mixed_precision": "fp8"}, ["mixed_precision='fp8'", "no, bf16, fp16"]),
+    ],
+)
+def test_bad_engine_settings(kwargs: dict, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        shardwise.Engine(cpu=True, **kwargs)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_precision_the_device_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="precision='bf16' cannot run on device meta"):
+        check_device_supports("bf16", torch.device("meta"))
+
+
+def test_accelerate_spellings_map_to_ours() -> None:
+    engine = shardwise.Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=3)
+    assert engine.config.precision == "fp32" and engine.config.grad_accum_steps == 3
+
+
+@pytest.fixture()
+def engine() -> shardwise.Engine:
+    return shardwise.Engine(strategy="zero3", cpu=True)
+
+
+def test_prepare_refuses_unknown_objects(engine: shardwise.Engine) -> None:
+    with pytest.raises(TypeError, match=r"prepare\(\) cannot handle builtins.str"):
+        engine.prepare("model.pt")
+
+
+def test_optimizer_of_unprepared_model_is_refused_before_any_sharding(engine: shardwise.Engine) -> None:
+    model, other = W.build("tiny"), W.build("tiny")
+    with pytest.raises(ValueError, match=r"AdamW holds \d+ parameter\(s\) of no prepared model"):
+        engine.prepare(model, W.make_optimizer(other))
+    assert type(model) is W.TinyLM  # nothing was sharded
+
+
+def test_wrap_matching_nothing(engine: shardwise.Engine) -> None:
+    picky = shardwise.Engine(strategy="zero3", cpu=True, wrap=("GPT2Block",))
+    with pytest.raises(ConfigError, match="wrap=\\['GPT2Block'\\] matches no submodule of TinyLM"):
+        picky.prepare(W.build("tiny"))
+
+
+def test_scheduler_of_unprepared_optimizer(engine: shardwise.Engine) -> None:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match="StepLR's optimizer was not prepared"):
+        engine.prepare(torch.optim.lr_scheduler.StepLR(opt, 1))
+
+
+def test_model_prepared_twice(engine: shardwise.Engine) -> None:
+    model = engine.prepare(W.build("tiny"))
+    with pytest.raises(ValueError, match="already prepared"):
+        engine.prepare(model)
+
+
+def test_custom_batch_sampler_is_refused(engine: shardwise.Engine) -> None:
+    sampler = torch.utils.data.BatchSampler(range(8), batch_size=2, drop_last=False)
+    with pytest.raises(TypeError, match="needs a DataLoader built with batch_size"):
+        engine.prepare(DataLoader(W.Tokens(8), batch_sampler=sampler))

@@ -1,0 +1,160 @@
+"""Tiny models, data, the plain single-process reference, and the same loop on shardwise.
+
+The contract under test: a prepared DataLoader with per-process batch B on W processes yields
+global batch k = samples [kWB, (k+1)WB) of the permutation torch.randperm(n, seed + epoch), so
+one plain process with batch W*B over that permutation sees the same global batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB, SEQ = 64, 8
+SEED = 0
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Our own small model: embedding, repeated residual blocks, norm, head."""
+
+    def __init__(self, d: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(1234)
+    if name == "tiny":
+        return TinyLM()
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        )
+        return GPT2LMHeadModel(cfg)
+    raise ValueError(name)
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids)
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1)
+    )
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+def param_groups(model: nn.Module, wd: float = 0.1) -> list[dict[str, Any]]:
+    """Two groups: weight decay on matrices, none on biases and norms."""
+    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model), lr=1e-3)
+
+
+def reference(
+    name: str, *, world: int, batch: int, accum: int, steps: int, clip: float = 1.0
+) -> dict[str, Any]:
+    """One plain process on the same global batches: micro-batch losses, norms, final weights."""
+    model = build(name)
+    opt = make_optimizer(model)
+    data = Tokens(world * batch * accum * steps)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED)).tolist()
+    g = world * batch
+    losses, norms = [], []
+    for k in range(accum * steps):
+        ids = data.data[order[k * g : (k + 1) * g]]
+        loss = lm_loss(model, ids)
+        (loss / accum).backward()
+        losses.append(loss.item())
+        if (k + 1) % accum == 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "norms": norms, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def train_engine(
+    name: str, engine_kw: dict[str, Any], *, batch: int, accum: int, steps: int, clip: float = 1.0
+) -> dict[str, Any]:
+    """The same loop written against shardwise (optimizer created before prepare)."""
+    import shardwise
+
+    engine = shardwise.Engine(grad_accum_steps=accum, seed=SEED, **engine_kw)
+    model = build(name)
+    opt = make_optimizer(model)
+    data = Tokens(engine.num_processes * batch * accum * steps)
+    loader = DataLoader(data, batch_size=batch, shuffle=True)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    losses, norms, memory = [], [], None
+    for i, ids in enumerate(loader):
+        with engine.accumulate(model):
+            loss = lm_loss(model, ids)
+            engine.backward(loss)
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+            if engine.sync_gradients:
+                norms.append(float(engine.clip_grad_norm_(model.parameters(), clip)))
+            opt.step()
+            if i == len(loader) - 1:
+                memory = engine.memory_report()  # after the last step, gradients still held
+            opt.zero_grad()
+    return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "memory": memory}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def close(xs: list[float], ys: list[float]) -> float:
+    assert len(xs) == len(ys), (len(xs), len(ys))
+    return max(abs(x - y) for x, y in zip(xs, ys)) if xs else 0.0
+
+
+def is_finite(xs: list[float]) -> bool:
+    return all(math.isfinite(x) for x in xs)
+
+
+def clone_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
