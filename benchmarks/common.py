@@ -60,9 +60,9 @@ def hardware() -> str:
     return f"cpu{os.cpu_count()}"
 
 
-def write_report(name: str, payload: dict[str, Any]) -> Path:
+def write_report(name: str, payload: dict[str, Any], out: Path = RESULTS) -> Path:
     """JSON named by benchmark, hardware and date."""
-    RESULTS.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     date = _dt.date.today().isoformat()
     payload = {
         "benchmark": name,
@@ -72,6 +72,6 @@ def write_report(name: str, payload: dict[str, Any]) -> Path:
         "torch": torch.__version__,
         **payload,
     }
-    path = RESULTS / f"{name}-{hardware()}-{date}.json"
+    path = out / f"{name}-{hardware()}-{date}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="alternating rounds per strategy")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round and loop")
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
 
     results = {}
@@ -101,7 +102,15 @@ def main() -> None:
     if dist.get_rank() == 0:
         path = write_report(
             "overhead",
-            {"world_size": dist.get_world_size(), "model": "GPT d256 L4 vocab4096 seq128", "batch_per_rank": args.batch_size, "results": results},
+            {
+                "command": "python -m torch.distributed.run --standalone --nproc-per-node "
+                f"{dist.get_world_size()} benchmarks/overhead.py " + " ".join(sys.argv[1:]),
+                "world_size": dist.get_world_size(),
+                "model": "GPT d256 L4 vocab4096 seq128 (tied embeddings)",
+                "batch_per_rank": args.batch_size,
+                "results": results,
+            },
+            *([args.out] if args.out else []),
         )
         print(f"wrote {path}")
     dist.barrier()

@@ -64,12 +64,24 @@ def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Mo
         blocks = [m for m in model.modules() if m is not model and type(m).__name__ in hinted]
         if blocks:
             return blocks
-    blocks = []
+    # A stack of layers: a container whose children are all one *composite* class (a block
+    # with submodules of its own, not a Linear), repeated; the outermost such stack wins, so
+    # an MLP's Sequential(Linear, GELU, Linear) inside a block is never split further.
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
     for container in model.modules():
-        if isinstance(container, (nn.ModuleList, nn.Sequential)) and container is not model:
-            kids = [k for k in container.children() if any(True for _ in k.parameters())]
-            if len(kids) >= 2 and len({type(k) for k in kids}) == 1:
+        if id(container) in inside or container is model:
+            continue
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            kids = list(container.children())
+            if (
+                len(kids) >= 2
+                and len({type(k) for k in kids}) == 1
+                and any(True for _ in kids[0].children())
+                and any(True for _ in kids[0].parameters())
+            ):
                 blocks.extend(kids)
+                inside.update(id(m) for k in kids for m in k.modules())
     return blocks
 
 

@@ -1,0 +1,39 @@
+"""The demo and the benchmark run end to end under the real launcher (torchrun, 2 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(*args: str) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_demo_trains_under_zero3_and_reports_memory() -> None:
+    out = _torchrun("examples/demo.py", "--steps", "20")
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.3, out
+    held = re.findall(r"rank (\d) holds: params ([\d.]+) MiB", out)
+    assert sorted(r for r, _ in held) == ["0", "1"]
+    full = float(re.search(r"would hold ([\d.]+) MiB", out).group(1))
+    assert all(abs(float(mib) - full / 2) / full < 0.05 for _, mib in held)
+    assert "tokens/s" in out
+
+
+def test_overhead_benchmark_writes_its_report(tmp_path: Path) -> None:
+    out = _torchrun("benchmarks/overhead.py", "--strategies", "zero3", "--rounds", "1", "--steps", "1", "--out", str(tmp_path))
+    assert "ratio" in out
+    (report,) = tmp_path.glob("overhead-*.json")
+    data = json.loads(report.read_text())
+    assert data["results"]["zero3"]["ratio"] > 0 and data["world_size"] == 2

@@ -1,0 +1,47 @@
+"""Which submodules become FSDP units (plain function, no process group needed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import workloads as W
+from shardwise import ConfigError
+from shardwise.strategies import find_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_repeated_blocks_are_detected_but_not_their_mlp() -> None:
+    from common import GPT, Block  # blocks whose MLP is Sequential(Linear, GELU, Linear)
+
+    model = GPT(layers=3)
+    blocks = find_blocks(model)
+    assert [type(b) for b in blocks] == [Block] * 3
+
+
+def test_transformers_hint_is_used() -> None:
+    blocks = find_blocks(W.build("gpt2"))
+    assert [type(b).__name__ for b in blocks] == ["GPT2Block", "GPT2Block"]
+
+
+def test_own_model_blocks() -> None:
+    assert [type(b) for b in find_blocks(W.build("tiny"))] == [W.Block] * 3
+
+
+def test_explicit_wrap_by_class_and_name() -> None:
+    model = W.build("tiny")
+    assert len(find_blocks(model, (nn.LayerNorm,))) == 4  # 3 block norms + the final norm
+    assert len(find_blocks(model, ("Linear",))) == 7
+
+
+def test_no_repeated_blocks_means_root_only() -> None:
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) == []
+
+
+def test_explicit_wrap_matching_nothing_names_the_classes() -> None:
+    with pytest.raises(ConfigError, match="its module classes are: .*TinyLM"):
+        find_blocks(W.build("tiny"), ("LlamaDecoderLayer",))
