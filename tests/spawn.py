@@ -46,8 +46,21 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
             dist.destroy_process_group()
 
 
+# A port picked free can be taken before rank 0 binds it; such a start is retried once.
+_RENDEZVOUS_FLAKES = ("EADDRINUSE", "address already in use", "DistNetworkError")
+
+
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) -> list[Any]:
     """Run `fn(*args)` on `world` processes; return each rank's result (rank order)."""
+    try:
+        return _spawn_once(fn, world, args, timeout)
+    except RuntimeError as err:
+        if not any(flake in str(err) for flake in _RENDEZVOUS_FLAKES):
+            raise
+        return _spawn_once(fn, world, args, timeout)
+
+
+def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
