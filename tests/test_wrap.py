@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 import workloads as W
@@ -45,3 +46,30 @@ def test_no_repeated_blocks_means_root_only() -> None:
 def test_explicit_wrap_matching_nothing_names_the_classes() -> None:
     with pytest.raises(ConfigError, match="its module classes are: .*TinyLM"):
         find_blocks(W.build("tiny"), ("LlamaDecoderLayer",))
+
+
+def _saved_bytes(model: nn.Module) -> int:
+    import torch
+
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        W.lm_loss(model, W.Tokens(16).data).backward()
+    return total
+
+
+def test_activation_checkpointing_keeps_fewer_activations_and_same_grads() -> None:
+    from shardwise.strategies import apply_activation_checkpointing
+
+    plain, ckpt = W.build("tiny"), W.build("tiny")
+    apply_activation_checkpointing(find_blocks(ckpt))
+    kept_plain, kept_ckpt = _saved_bytes(plain), _saved_bytes(ckpt)
+    assert kept_ckpt < 0.5 * kept_plain
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in ckpt.named_parameters()]

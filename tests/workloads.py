@@ -122,6 +122,12 @@ def train_engine(
     import shardwise
 
     engine = shardwise.Engine(grad_accum_steps=accum, seed=SEED, **engine_kw)
+    return run_loop(engine, name, batch=batch, steps=steps, clip=clip)
+
+
+def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: float = 1.0) -> dict[str, Any]:
+    """The training loop of `train_engine`, on an engine configured elsewhere (a config file)."""
+    accum = engine.config.grad_accum_steps
     model = build(name)
     opt = make_optimizer(model)
     data = Tokens(engine.num_processes * batch * accum * steps)

@@ -1,19 +1,28 @@
-"""The typed configuration tree: the single source of truth for how a run is sharded.
+"""The typed configuration tree: the single source of truth for how a run is sharded and launched.
 
-Every field carries a docstring right under it; later these become the CLI help. Values are
+Every field carries a docstring right under it; the CLI turns them into its help. Values are
 validated at construction, so a bad value is refused before any process group, model or
-optimizer is touched.
+optimizer is touched. Files (YAML, DeepSpeed JSON, Accelerate YAML) and command-line flags only
+fill this tree (see `config_io`); precedence is defaults < file < flags < `Engine(...)` keywords.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
+Backend = Literal["torch"]
+Rendezvous = Literal["c10d", "static"]
+OptimizerType = Literal["AdamW", "Adam", "SGD"]
+SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+Auto = Literal["auto"]
 
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -36,10 +45,19 @@ def _choice(field_name: str, value: object, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _positive(name: str, value: Any, *, allow_auto: bool = False, minimum: float = 1) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be a number >= {minimum}")
+
+
 @dataclass(kw_only=True, slots=True)
 class LossScaleConfig:
     """Dynamic loss scaling for fp16 (ignored by fp32 and bf16)."""
 
+    dynamic: bool = True
+    """Adapt the scale to overflows; False keeps `init_scale` fixed (overflowing steps are still skipped)."""
     init_scale: float = 2.0**16
     """Loss scale of the first step."""
     growth_factor: float = 2.0
@@ -48,29 +66,106 @@ class LossScaleConfig:
     """Factor the scale shrinks by when a step's gradients hold inf/nan (that step is skipped)."""
     growth_interval: int = 2000
     """Number of consecutive finite steps before the scale grows."""
+    hysteresis: int = 1
+    """Overflows tolerated (skipped without backing off) before the scale shrinks."""
     min_scale: float = 1.0
     """The scale never backs off below this value."""
 
     def __post_init__(self) -> None:
-        if self.init_scale <= 0 or self.min_scale <= 0:
-            raise ConfigError("loss_scale.init_scale and loss_scale.min_scale must be > 0")
+        _positive("loss_scale.init_scale", self.init_scale, minimum=1e-30)
+        _positive("loss_scale.min_scale", self.min_scale, minimum=1e-30)
         if not (0 < self.backoff_factor < 1):
             raise ConfigError(
                 f"loss_scale.backoff_factor={self.backoff_factor} must lie strictly between 0 and 1"
             )
         if self.growth_factor <= 1:
             raise ConfigError(f"loss_scale.growth_factor={self.growth_factor} must be > 1")
-        if self.growth_interval < 1:
-            raise ConfigError(f"loss_scale.growth_interval={self.growth_interval} must be >= 1")
+        _positive("loss_scale.growth_interval", self.growth_interval)
+        _positive("loss_scale.hysteresis", self.hysteresis)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """An optimizer the engine builds when the script passes none to `prepare`
+    ("auto": the script's value, else the Hugging Face Trainer default)."""
+
+    type: OptimizerType = "AdamW"
+    """AdamW, Adam (with adam_w_mode it is AdamW) or SGD."""
+    lr: float | Auto = "auto"
+    """Learning rate ("auto": 5e-5)."""
+    weight_decay: float | Auto = "auto"
+    """Weight decay, not applied to biases and norms ("auto": 0.0)."""
+    betas: tuple[float, float] | Auto = "auto"
+    """Adam betas ("auto": (0.9, 0.999))."""
+    eps: float | Auto = "auto"
+    """Adam epsilon ("auto": 1e-8)."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    adam_w_mode: bool = True
+    """For type Adam: decoupled weight decay (AdamW), as DeepSpeed's default."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """A DeepSpeed-style LR schedule the engine builds when the script passes none."""
+
+    type: SchedulerType = "WarmupDecayLR"
+    """WarmupLR (warm up, then hold), WarmupDecayLR (then linear decay to 0), WarmupCosineLR."""
+    warmup_min_lr: float | Auto = "auto"
+    """LR at step 0 ("auto": 0)."""
+    warmup_max_lr: float | Auto = "auto"
+    """LR reached after warm-up ("auto": the optimizer's lr)."""
+    warmup_num_steps: int | Auto = "auto"
+    """Warm-up length in optimizer steps ("auto": 0)."""
+    total_num_steps: int | Auto = "auto"
+    """Steps until the LR reaches 0 ("auto": one pass over the prepared DataLoader)."""
+    warmup_type: Literal["log", "linear"] = "log"
+    """Shape of the warm-up, as DeepSpeed's."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """How `shardwise launch` starts the workers (through torchrun)."""
+
+    num_processes: int = 1
+    """Worker processes per node (one per GPU; CPU processes on a machine without GPUs)."""
+    num_nodes: int = 1
+    """Machines taking part. More than one uses a c10d rendezvous at main_address:main_port."""
+    node_rank: int = 0
+    """This machine's index among the nodes (0 hosts the rendezvous)."""
+    main_address: str = "127.0.0.1"
+    """Address of node 0, reachable from every node."""
+    main_port: int = 29500
+    """Port of the rendezvous on node 0."""
+    rdzv_backend: Rendezvous = "c10d"
+    """Rendezvous backend for several nodes (one node uses torchrun's standalone rendezvous)."""
+    rdzv_id: str = "shardwise"
+    """Job id shared by every node of one run."""
+    max_restarts: int = 0
+    """How often torchrun restarts the workers after a failure."""
+
+    def __post_init__(self) -> None:
+        _positive("launch.num_processes", self.num_processes)
+        _positive("launch.num_nodes", self.num_nodes)
+        _positive("launch.main_port", self.main_port)
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ConfigError(
+                f"launch.node_rank={self.node_rank} must lie in 0..{self.num_nodes - 1} "
+                f"(launch.num_nodes={self.num_nodes})"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"launch.max_restarts={self.max_restarts} must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    """How an `Engine` shards, casts and accumulates. Keywords of `Engine(...)` fill this tree."""
+    """How an `Engine` shards, casts, accumulates and launches. The root of the config tree."""
 
     strategy: Strategy = "ddp"
     """ddp: full replicas, gradients all-reduced. zero1: + optimizer states sharded.
     zero2: + gradients sharded. zero3: + parameters sharded (gathered per block for compute)."""
+    backend: Backend = "torch"
+    """The engine under the strategies: torch (FSDP2 / DDP)."""
     precision: Precision = "fp32"
     """fp32; bf16 (bf16 compute, fp32 master weights, reduction and optimizer state);
     fp16 (as bf16, plus dynamic loss scaling)."""
@@ -79,6 +174,9 @@ class EngineConfig:
     params: parameter shards also live on the host between uses (zero3 only)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; gradients are communicated only on the last one."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm to this value at every optimizer step (None: only when
+    the script calls clip_grad_norm_)."""
     seed: int = 0
     """Seeds python, numpy and torch on every process, and the DataLoader shuffling."""
     cpu: bool = False
@@ -86,20 +184,41 @@ class EngineConfig:
     wrap: tuple[str | type, ...] = ()
     """Module classes (or class names) sharded as units (zero2/zero3). Empty: detect the
     repeated blocks (a transformer's layers) automatically."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them."""
+    micro_batch_size: int | Auto | None = None
+    """Per-process batch the config expects (None/"auto": the prepared DataLoader's)."""
+    train_batch_size: int | Auto | None = None
+    """Global batch (micro x grad_accum_steps x processes) the config expects; checked at prepare."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 dynamic loss scaling."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer to build when the script passes none to prepare (from a DeepSpeed JSON, say)."""
+    scheduler: SchedulerConfig | None = None
+    """LR schedule to build with that optimizer."""
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
     of about this many elements."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """How `shardwise launch` starts the workers."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
+        _choice("backend", self.backend, get_args(Backend))
         _choice("precision", self.precision, PRECISIONS)
         _choice("offload", self.offload, OFFLOADS)
-        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+        if isinstance(self.grad_accum_steps, bool) or not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if self.max_grad_norm is not None:
+            _positive("max_grad_norm", self.max_grad_norm, minimum=1e-12)
+        for name in ("micro_batch_size", "train_batch_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value, allow_auto=True)
         if self.offload == "params" and self.strategy != "zero3":
             raise ConfigError(
                 f"offload='params' needs strategy='zero3' (got strategy={self.strategy!r}): only "
@@ -110,16 +229,18 @@ class EngineConfig:
                 "offload='optimizer' needs a sharded strategy (zero1, zero2 or zero3), "
                 "got strategy='ddp'"
             )
-        if self.offload_bucket_numel < 1:
-            raise ConfigError(f"offload_bucket_numel={self.offload_bucket_numel} must be >= 1")
+        _positive("offload_bucket_numel", self.offload_bucket_numel)
         if isinstance(self.wrap, (str, type)):
             self.wrap = (self.wrap,)
         self.wrap = tuple(self.wrap)
         for item in self.wrap:
             if not isinstance(item, (str, type)):
                 raise ConfigError(f"wrap entries must be module classes or class names, got {item!r}")
-        if isinstance(self.loss_scale, dict):
-            self.loss_scale = LossScaleConfig(**self.loss_scale)
+        for name, cls in (("loss_scale", LossScaleConfig), ("launch", LaunchConfig)):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, cls(**getattr(self, name)))
+        if self.scheduler is not None and self.optimizer is None:
+            raise ConfigError("scheduler needs an optimizer section to build with it")
 
 
 def field_names(cls: type) -> list[str]:
@@ -127,12 +248,28 @@ def field_names(cls: type) -> list[str]:
     return [f.name for f in fields(cls)]
 
 
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (the CLI's help text)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def make_config(**overrides: Any) -> EngineConfig:
     """Build an `EngineConfig` from keywords, refusing unknown ones with the closest valid name."""
     valid = field_names(EngineConfig)
     for key in overrides:
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown setting {key!r}{hint}; valid settings: {', '.join(valid)}")
+            raise ConfigError(f"unknown setting {key!r}{suggest(key, valid)}; valid settings: {', '.join(valid)}")
     return EngineConfig(**overrides)

@@ -83,3 +83,20 @@ def init_distributed(*, force_cpu: bool) -> DistInfo:
 def device_mesh(device: torch.device) -> DeviceMesh:
     """A 1-D mesh over every process: the data-parallel (sharding) dimension."""
     return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def config_source(argv: list[str] | None = None) -> str | None:
+    """The resolved config a launcher handed to this worker: SHARDWISE_CONFIG, else a
+    `--config PATH` (or `--config=PATH`) among the script's own arguments."""
+    import sys
+
+    env = os.environ.get("SHARDWISE_CONFIG")
+    if env:
+        return env
+    args = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import MethodType
@@ -23,12 +24,19 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError, EngineConfig, make_config
+from .config_io import build, load_layers
 from .data import PreparedDataLoader, is_dataloader
-from .dist import init_distributed
+from .dist import config_source, init_distributed
 from .memory import MemoryReport, tensor_memory
-from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
+from .optim import (
+    PreparedOptimizer,
+    PreparedScheduler,
+    build_optimizer,
+    build_scheduler,
+    rebind_optimizer,
+)
 from .precision import DynamicLossScaler, Precision, check_device_supports
-from .strategies import make_strategy
+from .strategies import apply_activation_checkpointing, find_blocks, make_strategy
 
 log = logging.getLogger("shardwise")
 
@@ -53,6 +61,8 @@ class Engine:
 
     Keywords fill an `EngineConfig` (see its fields for the meaning of each); Accelerate's
     `mixed_precision` ("no", "fp16", "bf16") and `gradient_accumulation_steps` are accepted too.
+    Under `shardwise launch` (or with SHARDWISE_CONFIG / `--config FILE`) the resolved config file
+    comes first and keywords given in code override it, with one warning naming both values.
     """
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -65,9 +75,14 @@ class Engine:
             kwargs.setdefault("grad_accum_steps", kwargs.pop("gradient_accumulation_steps"))
         if config is not None and kwargs:
             raise ConfigError("pass either config= or keywords to Engine(), not both")
-        self.config = config if config is not None else make_config(**kwargs)
-        cfg = self.config
+        conflicts: list[str] = []
+        if config is None:
+            make_config(**{k: v for k, v in kwargs.items() if k not in ("launch", "loss_scale")})
+            config, conflicts = _config_with_code(kwargs)
+        self.config = cfg = config
         self._info = init_distributed(force_cpu=cfg.cpu)
+        if conflicts and self._info.is_main:
+            warnings.warn("code overrides the config file: " + "; ".join(conflicts), stacklevel=2)
         check_device_supports(cfg.precision, self._info.device)
         self._precision = Precision(cfg.precision, self._info.device)
         self._scaler = DynamicLossScaler(cfg.loss_scale, self.device) if cfg.precision == "fp16" else None
@@ -80,6 +95,9 @@ class Engine:
         self._sync = True
         self._loader: PreparedDataLoader | None = None  # the loader that yielded the last batch
         self._loader_at_end = False
+        self._clipped = False  # the script clipped this step itself (no config clipping then)
+        self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
+        self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
 
     # -- where this process sits ------------------------------------------------------------
     @property
@@ -153,6 +171,8 @@ class Engine:
                 names[id(p)] = (len(self._models) + models.index(m), name)
         prepared: dict[int, Any] = {}
         for obj in models:
+            if self.config.activation_checkpointing:
+                apply_activation_checkpointing(find_blocks(obj, self.config.wrap))
             prepared[id(obj)] = self._prepare_model(obj)
         new_params = [dict(self._strategy.unwrap(m).named_parameters()) for m in self._models]
 
@@ -172,6 +192,7 @@ class Engine:
             if kind == "scheduler":
                 prepared[id(obj)] = self._prepare_scheduler(obj)
             elif kind == "dataloader":
+                self._check_batch_sizes(obj)
                 prepared[id(obj)] = PreparedDataLoader(
                     obj,
                     world=self.num_processes,
@@ -180,8 +201,40 @@ class Engine:
                     device=self.device,
                     on_batch=self._on_batch,
                 )
+        if models and "optimizer" not in kinds and not self._optimizers and self.config.optimizer:
+            loaders = [prepared[id(o)] for o, k in zip(objects, kinds) if k == "dataloader"]
+            self._build_from_config(prepared[id(models[0])], loaders[0] if loaders else None)
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
+
+    def _build_from_config(self, model: nn.Module, loader: PreparedDataLoader | None) -> None:
+        """The optimizer (and schedule) the config describes, for a script that passes none;
+        they are `engine.optimizer` and `engine.scheduler`."""
+        assert self.config.optimizer is not None
+        raw = build_optimizer(self.config.optimizer, model)
+        self.optimizer = PreparedOptimizer(raw, self._strategy.make_runner(raw), self)
+        self._optimizers.append(self.optimizer)
+        log.info("built %s from the config", type(raw).__name__)
+        if self.config.scheduler is not None:
+            steps = len(loader) // self.config.grad_accum_steps if loader is not None else None
+            sched = build_scheduler(self.config.scheduler, raw, steps)
+            self.scheduler = PreparedScheduler(sched, [self.optimizer], self)
+
+    def _check_batch_sizes(self, loader: Any) -> None:
+        micro, total = self.config.micro_batch_size, self.config.train_batch_size
+        if isinstance(micro, int) and micro != loader.batch_size and self.is_main_process:
+            warnings.warn(
+                f"the DataLoader in code has batch_size={loader.batch_size}, the config says "
+                f"micro_batch_size={micro}; the code's value is used",
+                stacklevel=3,
+            )
+        if isinstance(total, int) and loader.batch_size is not None:
+            actual = loader.batch_size * self.config.grad_accum_steps * self.num_processes
+            if actual != total:
+                raise ConfigError(
+                    f"train_batch_size={total} but micro batch {loader.batch_size} x grad_accum_steps "
+                    f"{self.config.grad_accum_steps} x {self.num_processes} processes = {actual}"
+                )
 
     def _kind(self, obj: Any) -> str:
         if isinstance(obj, nn.Module):
@@ -251,6 +304,7 @@ class Engine:
         """One micro-step. Off the boundary nothing is communicated and the prepared
         optimizers and schedulers do nothing; `sync_gradients` says which this is."""
         self._micro_step += 1
+        self._clipped = False
         n = self.config.grad_accum_steps
         self._sync = self._micro_step % n == 0 or self._loader_at_end
         if self._loader_at_end:
@@ -281,6 +335,7 @@ class Engine:
         """
         if not self._sync:
             return None
+        self._clipped = True
         self.unscale_gradients()
         params = [p for p in parameters if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
@@ -365,6 +420,20 @@ class Engine:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _config_with_code(kwargs: dict[str, Any]) -> tuple[EngineConfig, list[str]]:
+    """The launcher's resolved config (if any) with the keywords given in code on top."""
+    path = config_source()
+    data, _ = load_layers(path) if path else ({}, [])
+    conflicts = [
+        f"{k}={v!r} in code, {data[k]!r} in {path}"
+        for k, v in kwargs.items()
+        if k in data and data[k] != v and not isinstance(v, dict)
+    ]
+    from .config_io import merge
+
+    return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts
 
 
 def _map_tensors(data: Any, fn: Any) -> Any:

@@ -7,11 +7,14 @@ parameters by DTensor shards (rebound here by name), zero1 and offload step inne
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from .config import ConfigError, OptimizerConfig, SchedulerConfig
 from .strategies.base import OptimizerRunner
 
 if TYPE_CHECKING:
@@ -90,7 +93,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
             raise ValueError("prepared optimizers take no closure; compute the loss in your loop")
         if not self._engine.sync_gradients:
             return  # a micro-step inside accumulate(): gradients keep accumulating
-        scaler = self._engine._scaler
+        engine = self._engine
+        if engine.config.max_grad_norm is not None and not engine._clipped:
+            engine.clip_grad_norm_(self.params(), engine.config.max_grad_norm)
+            engine._clipped = False  # each optimizer clips its own parameters
+        scaler = engine._scaler
         finite = True
         if scaler is not None:
             self.unscale_gradients()
@@ -104,6 +111,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._engine.sync_gradients:
             self.runner.zero_grad(set_to_none)
+            self._engine._clipped = False
 
     def state_dict(self) -> dict[str, Any]:
         return self.runner.state_dict()
@@ -148,3 +156,55 @@ class PreparedScheduler:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
+
+
+# "auto" values with no script object to take them from: the Hugging Face Trainer's defaults,
+# which is what the DeepSpeed JSONs written for it expect.
+_AUTO_OPTIMIZER = {"lr": 5e-5, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
+
+
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a config describes, over `model` (no weight decay on biases and norms)."""
+    v = {k: _AUTO_OPTIMIZER[k] if getattr(cfg, k) == "auto" else getattr(cfg, k) for k in _AUTO_OPTIMIZER}
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": v["weight_decay"]}, {"params": rest, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if cfg.type == "SGD":
+        return torch.optim.SGD(groups, lr=v["lr"], momentum=cfg.momentum)
+    adam = torch.optim.AdamW if cfg.type == "AdamW" or cfg.adam_w_mode else torch.optim.Adam
+    return adam(groups, lr=v["lr"], betas=tuple(v["betas"]), eps=v["eps"])
+
+
+def build_scheduler(
+    cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR as a LambdaLR over optimizer steps."""
+    base = optimizer.param_groups[0]["lr"]
+    top = base if cfg.warmup_max_lr == "auto" else float(cfg.warmup_max_lr)
+    low = 0.0 if cfg.warmup_min_lr == "auto" else float(cfg.warmup_min_lr)
+    warm = 0 if cfg.warmup_num_steps == "auto" else int(cfg.warmup_num_steps)
+    if cfg.total_num_steps != "auto":
+        total = int(cfg.total_num_steps)
+    elif steps_per_epoch is not None:
+        total = steps_per_epoch
+    else:
+        raise ConfigError(
+            "scheduler.total_num_steps is \"auto\" but no DataLoader was prepared with the model "
+            "to count the steps of an epoch; set scheduler.total_num_steps or prepare the DataLoader"
+        )
+    for group in optimizer.param_groups:
+        group["lr"] = top
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            frac = math.log(step + 1) / math.log(warm) if cfg.warmup_type == "log" and warm > 1 else step / max(1, warm)
+            return low + (top - low) * min(1.0, frac)
+        if cfg.type == "WarmupLR":
+            return top
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        if cfg.type == "WarmupDecayLR":
+            return top * (1.0 - progress)
+        return top * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / top if top else 0.0)

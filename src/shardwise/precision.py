@@ -81,6 +81,7 @@ class DynamicLossScaler:
         self.device = device
         self.scale = float(cfg.init_scale)
         self._good_steps = 0
+        self._hysteresis = cfg.hysteresis  # overflows still tolerated before backing off
         self.skipped_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -101,22 +102,35 @@ class DynamicLossScaler:
         return bool(found_inf.item() == 0)
 
     def update(self, finite: bool) -> None:
+        if not finite:
+            self.skipped_steps += 1
+        if not self.cfg.dynamic:
+            return
         if finite:
             self._good_steps += 1
             if self._good_steps >= self.cfg.growth_interval:
                 self.scale *= self.cfg.growth_factor
                 self._good_steps = 0
+                self._hysteresis = self.cfg.hysteresis
+            return
+        self._good_steps = 0
+        if self._hysteresis > 1:
+            self._hysteresis -= 1  # skip the step, keep the scale (DeepSpeed's "hysteresis")
         else:
-            self.skipped_steps += 1
             self.scale = max(self.scale * self.cfg.backoff_factor, self.cfg.min_scale)
-            self._good_steps = 0
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "good_steps": self._good_steps, "skipped": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "good_steps": self._good_steps,
+            "hysteresis": self._hysteresis,
+            "skipped": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
+        self._hysteresis = int(state.get("hysteresis", self.cfg.hysteresis))
         self.skipped_steps = int(state.get("skipped", 0))
 
 

@@ -10,7 +10,8 @@ from ..config import EngineConfig
 from ..dist import DistInfo
 from .base import OptimizerRunner, Strategy
 from .ddp import DDPStrategy
-from .fsdp import FSDPStrategy, apply_fsdp, find_blocks
+from .blocks import apply_activation_checkpointing, find_blocks
+from .fsdp import FSDPStrategy, apply_fsdp
 
 _Factory = Callable[[EngineConfig, DistInfo, torch.dtype], Strategy]
 
@@ -27,4 +28,12 @@ def make_strategy(cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -
     return STRATEGIES[cfg.strategy](cfg, info, param_dtype)
 
 
-__all__ = ["STRATEGIES", "OptimizerRunner", "Strategy", "apply_fsdp", "find_blocks", "make_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "OptimizerRunner",
+    "Strategy",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "find_blocks",
+    "make_strategy",
+]

@@ -1,0 +1,356 @@
+"""The `shardwise` command: launch, config, env.
+
+Flags for the config tree are generated from its fields (their docstrings are the help), so the
+command line, the YAML file and `Engine(...)` keywords always name the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, EngineConfig, LaunchConfig, field_docs
+from .config_io import build, load_layers, merge, read_file, to_yaml, write_yaml
+
+DEFAULT_CONFIG = "shardwise.yaml"
+_UNSET: Any = object()
+# Fields of EngineConfig that get a flag (nested sections and code-only fields do not).
+_ENGINE_FLAGS = [
+    "strategy", "backend", "precision", "offload", "grad_accum_steps", "max_grad_norm", "seed", "cpu",
+    "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "offload_bucket_numel",
+]
+# torchrun's own flags that fill the launch section instead of passing through.
+_TORCHRUN_FOLDED = {
+    "nproc_per_node": "num_processes", "nnodes": "num_nodes", "node_rank": "node_rank",
+    "max_restarts": "max_restarts", "rdzv_backend": "rdzv_backend", "rdzv_id": "rdzv_id",
+    "master_addr": "main_address", "master_port": "main_port",
+}
+
+
+def _flag_type(tp: Any) -> dict[str, Any]:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    literals = [x for a in [tp, *args] for x in typing.get_args(a) if typing.get_origin(a) is typing.Literal]
+    if literals and all(isinstance(x, str) for x in literals) and typing.get_origin(tp) is typing.Literal:
+        return {"choices": list(literals)}
+    if int in args or tp is int:
+        return {"type": lambda s: s if s == "auto" else int(s)}
+    if float in args or tp is float:
+        return {"type": float}
+    if typing.get_origin(tp) is tuple:
+        return {"nargs": "+"}
+    return {"type": str}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, *, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    group = parser.add_argument_group("config (override the file)")
+    group.add_argument("--config", default=None, help=f"shardwise YAML, or a DeepSpeed JSON (default: ./{DEFAULT_CONFIG} if present)")
+    group.add_argument("--deepspeed", dest="deepspeed_config", default=_UNSET, help="a DeepSpeed JSON to translate")
+    for cls, names, prefix in ((EngineConfig, _ENGINE_FLAGS, ""), (LaunchConfig, [f.name for f in dataclasses.fields(LaunchConfig)], "launch.")):
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for name in names:
+            flag = "--" + name.replace("_", "-")
+            if flag in skip:
+                continue
+            group.add_argument(flag, dest=prefix + name, default=_UNSET, help=docs.get(name, ""), **_flag_type(hints[name]))
+
+
+def _flag_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    """The config values given as flags, as a nested settings dict."""
+    out: dict[str, Any] = {}
+    for dest, value in vars(ns).items():
+        if value is _UNSET or dest in ("config", "command", "action") or dest.startswith("_"):
+            continue
+        if dest.startswith("launch."):
+            out.setdefault("launch", {})[dest.split(".", 1)[1]] = value
+        elif dest in _ENGINE_FLAGS or dest == "deepspeed_config":
+            out[dest] = value
+    return out
+
+
+def _config_path(ns: argparse.Namespace) -> str | None:
+    if ns.config:
+        return ns.config
+    return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
+
+
+def resolve(ns: argparse.Namespace, extra: dict[str, Any] | None = None) -> tuple[EngineConfig, list[str]]:
+    """Defaults < DeepSpeed JSON < config file < flags; validated."""
+    path = _config_path(ns)
+    flags = merge(_flag_settings(ns), extra or {})
+    data, dropped = load_layers(path, flags)
+    return build(data, path or "flags"), dropped
+
+
+# -- launch -----------------------------------------------------------------------------------
+def _launch_parser(sub: Any) -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser()
+    p = sub.add_parser(
+        "launch",
+        help="run a training script on every process (torchrun underneath)",
+        description="Run SCRIPT on every process through torchrun; every torchrun flag is accepted.",
+        parents=[torchrun],
+        conflict_handler="resolve",
+        add_help=False,
+    )
+    p.set_defaults(**{a.dest: _UNSET for a in torchrun._actions if a.option_strings and a.dest != "help"})
+    taken = {s for a in torchrun._actions for s in a.option_strings}
+    _add_config_flags(p, skip=taken)
+    return p
+
+
+def _torchrun_extra(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """torchrun flags the user gave that do not fill the launch section, passed on as given."""
+    extra: list[str] = []
+
+    def spelled(action: argparse.Action) -> str:
+        return next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+
+    for action in parser._actions:
+        if not action.option_strings or action.dest in _TORCHRUN_FOLDED or action.dest == "standalone":
+            continue
+        value = getattr(ns, action.dest, _UNSET)
+        if value is _UNSET or action.dest in ("config", "deepspeed_config") or action.dest in _ENGINE_FLAGS:
+            continue
+        if action.dest.startswith("launch."):
+            continue
+        if action.nargs == 0:
+            if value:
+                extra.append(spelled(action))
+        elif isinstance(value, list):
+            for v in value:
+                extra += [spelled(action), str(v)]
+        else:
+            extra += [spelled(action), str(value)]
+    return extra
+
+
+def _cmd_launch(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .launch import run_torchrun, torchrun_argv
+
+    folded: dict[str, Any] = {}
+    for dest, field in _TORCHRUN_FOLDED.items():
+        value = getattr(ns, dest, _UNSET)
+        if value is _UNSET:
+            continue
+        if field in ("num_processes", "num_nodes", "node_rank", "max_restarts", "main_port"):
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"--{dest.replace('_', '-')}={value!r}: shardwise launch needs a number") from None
+        folded[field] = value
+    if getattr(ns, "standalone", _UNSET) is True:
+        folded["num_nodes"] = 1
+    cfg, dropped = resolve(ns, {"launch": folded} if folded else None)
+    if dropped:
+        print(f"shardwise: the DeepSpeed config's {', '.join(dropped)} have no effect here", file=sys.stderr)
+    script = ns.training_script
+    module_mode = getattr(ns, "module", _UNSET) is True or getattr(ns, "no_python", _UNSET) is True
+    if script is _UNSET or script is None:
+        raise ConfigError("no training script given: shardwise launch [options] SCRIPT [args]")
+    if not module_mode and not Path(script).is_file():
+        raise ConfigError(f"training script {script!r} not found")
+    world = cfg.launch.num_processes * cfg.launch.num_nodes
+    if isinstance(cfg.micro_batch_size, int) and isinstance(cfg.train_batch_size, int):
+        total = cfg.micro_batch_size * cfg.grad_accum_steps * world
+        if total != cfg.train_batch_size:
+            raise ConfigError(
+                f"train_batch_size={cfg.train_batch_size} but micro_batch_size {cfg.micro_batch_size} x "
+                f"grad_accum_steps {cfg.grad_accum_steps} x {world} processes = {total}"
+            )
+    argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, parser))
+    fd, path = tempfile.mkstemp(prefix="shardwise-", suffix=".yaml")
+    os.close(fd)
+    try:
+        write_yaml(cfg, path, header="# resolved by shardwise launch\n")
+        return run_torchrun(argv, path)
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+# -- config -----------------------------------------------------------------------------------
+_QUESTIONS = [
+    ("strategy", "Sharding strategy (ddp, zero1, zero2, zero3)"),
+    ("precision", "Precision (fp32, bf16, fp16)"),
+    ("offload", "Offload to host memory (none, optimizer, params)"),
+    ("grad_accum_steps", "Gradient accumulation steps"),
+    ("max_grad_norm", "Clip gradients to this norm (empty: no clipping)"),
+    ("activation_checkpointing", "Activation checkpointing (yes/no)"),
+    ("launch.num_processes", "Processes per machine (one per GPU)"),
+    ("launch.num_nodes", "Number of machines"),
+]
+
+
+def _ask(defaults: EngineConfig) -> dict[str, Any]:
+    """The questionnaire: each answer is checked at once and asked again if refused."""
+    answers: dict[str, Any] = {}
+    questions = list(_QUESTIONS)
+    while questions:
+        key, text = questions.pop(0)
+        node: Any = defaults
+        for part in key.split("."):
+            node = getattr(node, part)
+        shown = "" if node is None else ("yes" if node is True else "no" if node is False else node)
+        try:
+            raw = input(f"{text} [{shown}]: ").strip()
+        except EOFError:
+            raise ConfigError("the questionnaire ended before every question was answered") from None
+        if raw == "":
+            continue
+        value: Any = raw
+        if raw.lower() in ("yes", "y", "true", "no", "n", "false"):
+            value = raw.lower() in ("yes", "y", "true")
+        elif raw.lstrip("-").isdigit():
+            value = int(raw)
+        else:
+            try:
+                value = float(raw)
+            except ValueError:
+                pass
+        trial = merge(answers, _nested(key, value))
+        try:
+            build(trial, "answer")
+        except ConfigError as err:
+            print(f"  {str(err).removeprefix('answer: ')}")
+            questions.insert(0, (key, text))
+            continue
+        answers = trial
+        if key == "launch.num_nodes" and value != 1:
+            questions += [("launch.node_rank", "This machine's rank (0 hosts the rendezvous)"),
+                          ("launch.main_address", "Address of machine 0"),
+                          ("launch.main_port", "Port on machine 0")]
+    return answers
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    head, _, rest = key.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+def _cmd_config(ns: argparse.Namespace) -> int:
+    if ns.action == "show":
+        cfg, dropped = resolve(ns)
+        print(to_yaml(cfg), end="")
+        if dropped:
+            print(f"# no effect here: {', '.join(dropped)}")
+        return 0
+    out = Path(ns.output)
+    if out.exists() and not ns.force:
+        raise ConfigError(f"{out} exists; pass --force to overwrite it, or --output another file")
+    header = ""
+    if ns.from_accelerate:
+        from .imports import from_accelerate
+
+        here = Path(ns.from_accelerate).parent
+        settings, dropped = from_accelerate(
+            read_file(ns.from_accelerate),
+            source=ns.from_accelerate,
+            read_json=lambda p: read_file(here / p if not Path(p).is_absolute() else p),
+        )
+        cfg = build(merge(settings, _flag_settings(ns)), ns.from_accelerate)
+        header = f"# translated from {ns.from_accelerate} by shardwise config --from-accelerate\n"
+        if dropped:
+            header += "".join(f"# dropped: {d}\n" for d in dropped)
+            print("dropped (no equivalent in shardwise):\n" + "".join(f"  {d}\n" for d in dropped), end="")
+    elif _flag_settings(ns) or ns.defaults or ns.config:
+        cfg, _ = resolve(ns)
+    else:
+        print("Answer each question, or press Enter for the value in brackets.")
+        cfg = build(_ask(EngineConfig()), "answers")
+    write_yaml(cfg, out, header=header)
+    print(f"wrote {out}")
+    return 0
+
+
+# -- env --------------------------------------------------------------------------------------
+def environment() -> dict[str, str]:
+    """What a bug report needs: versions, devices, backends, CPU and memory."""
+    import platform
+    from importlib import metadata
+
+    import torch
+    import torch.distributed as dist
+
+    from . import __version__
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    info = {
+        "shardwise": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "deepspeed": version("deepspeed"),
+        "transformers": version("transformers"),
+        "accelerate": version("accelerate"),
+        "cuda": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))" if torch.cuda.is_available() else "not available",
+    }
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        info[f"gpu {i}"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()), ("mpi", dist.is_mpi_available())) if ok]
+    info["backends"] = ", ".join(backends) or "none"
+    info["cpus"] = str(os.cpu_count())
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory"] = f"{pages * size / 2**30:.1f} GiB"
+    except (ValueError, OSError, AttributeError):
+        info["memory"] = "unknown"
+    return info
+
+
+def _cmd_env(_ns: argparse.Namespace) -> int:
+    print("```")
+    for key, value in environment().items():
+        print(f"{key + ':':14s} {value}")
+    print("```")
+    return 0
+
+
+# -- entry ------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description="Sharded PyTorch training: launch, configure, inspect.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _launch_parser(sub)
+    cfg = sub.add_parser("config", help="write shardwise.yaml (questionnaire, flags, or from Accelerate); `config show` prints the resolved config")
+    cfg.add_argument("action", nargs="?", choices=["show"], help="show: print the resolved config")
+    cfg.add_argument("--output", "-o", default=DEFAULT_CONFIG, help="file to write (default: shardwise.yaml)")
+    cfg.add_argument("--force", action="store_true", help="overwrite an existing file")
+    cfg.add_argument("--defaults", action="store_true", help="write the defaults without asking")
+    cfg.add_argument("--from-accelerate", metavar="YAML", help="translate an Accelerate config file")
+    _add_config_flags(cfg)
+    sub.add_parser("env", help="versions, devices and backends, for a bug report")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "launch":
+            launch = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("launch"))  # type: ignore[union-attr]
+            return _cmd_launch(ns, launch)
+        if ns.command == "config":
+            return _cmd_config(ns)
+        return _cmd_env(ns)
+    except ConfigError as err:
+        print(f"shardwise: error: {err}", file=sys.stderr)
+        return 2
+
+
+def entry() -> None:
+    sys.exit(main())

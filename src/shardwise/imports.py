@@ -1,0 +1,331 @@
+"""Foreign config formats as pure translators: a DeepSpeed JSON or an Accelerate YAML becomes
+shardwise settings plus the list of what had no equivalent. Nothing here imports deepspeed or
+accelerate; both are tested on fixture files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .config import ConfigError
+
+_ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+def _flag(value: Any, where: str) -> bool | None:
+    """DeepSpeed and Accelerate write booleans as true, "true", "auto"...; None means auto."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value == "auto" or value is None:
+        return None
+    raise ConfigError(f"{where}: expected true, false or \"auto\", found {value!r}")
+
+
+def _number(value: Any, where: str) -> Any:
+    if value == "auto" or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{where}: expected a number or \"auto\", found {value!r}")
+
+
+def _offload_device(block: Any, where: str) -> bool:
+    if not isinstance(block, Mapping):
+        return False
+    device = str(block.get("device", "none")).lower()
+    if device == "nvme":
+        raise ConfigError(f"{where}.device: 'nvme' offload is not supported; use \"cpu\" (host memory)")
+    if device not in ("cpu", "none"):
+        raise ConfigError(f"{where}.device: expected \"cpu\" or \"none\", found {device!r}")
+    return device == "cpu"
+
+
+# Keys that tune DeepSpeed's own implementation and mean nothing on FSDP2: reported, not errors.
+_DS_TUNING = {
+    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
+    "reduce_bucket_size", "contiguous_gradients", "sub_group_size", "round_robin_gradients",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "zero_quantized_weights",
+    "elastic_checkpoint", "load_from_fp32_weights", "ignore_unused_parameters", "cpu_offload",
+}
+
+
+def from_deepspeed(ds: Mapping[str, Any], source: str = "deepspeed JSON") -> tuple[dict[str, Any], list[str]]:
+    """DeepSpeed JSON -> (shardwise settings, dropped keys)."""
+    out: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in ds.items():
+        where = f"{source}: {key}"
+        if key == "zero_optimization":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: expected an object, found {value!r}")
+            stage = value.get("stage", 0)
+            if stage not in _ZERO_STAGES:
+                raise ConfigError(f"{where}.stage: expected 0, 1, 2 or 3, found {stage!r}")
+            out["strategy"] = _ZERO_STAGES[stage]
+            opt = _offload_device(value.get("offload_optimizer"), f"{where}.offload_optimizer")
+            par = _offload_device(value.get("offload_param"), f"{where}.offload_param")
+            if par:
+                out["offload"] = "params"
+            elif opt:
+                out["offload"] = "optimizer"
+            for sub in value:
+                if sub not in ("stage", "offload_optimizer", "offload_param"):
+                    dropped.append(f"zero_optimization.{sub}")
+        elif key in ("fp16", "bf16", "bfloat16"):
+            block = value if isinstance(value, Mapping) else {"enabled": value}
+            if _flag(block.get("enabled", False), f"{where}.enabled"):
+                out["precision"] = "fp16" if key == "fp16" else "bf16"
+            if key == "fp16":
+                scale = _fp16_loss_scale(block, where)
+                if scale:
+                    out["loss_scale"] = scale
+            for sub in block:
+                if sub not in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+                    dropped.append(f"{key}.{sub}")
+        elif key == "gradient_accumulation_steps":
+            n = _number(value, where)
+            if n != "auto":
+                out["grad_accum_steps"] = int(n)
+        elif key == "gradient_clipping":
+            clip = _number(value, where)
+            # "auto" is the Hugging Face Trainer's max_grad_norm default; 0 switches clipping off.
+            out["max_grad_norm"] = 1.0 if clip == "auto" else (float(clip) or None)
+        elif key == "train_micro_batch_size_per_gpu":
+            out["micro_batch_size"] = _number(value, where)
+        elif key == "train_batch_size":
+            out["train_batch_size"] = _number(value, where)
+        elif key == "optimizer":
+            out["optimizer"], more = _ds_optimizer(value, where)
+            dropped += more
+        elif key == "scheduler":
+            out["scheduler"], more = _ds_scheduler(value, where)
+            dropped += more
+        elif key in ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+                     "zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor"):
+            dropped.append(key)
+        else:
+            dropped.append(key)
+    return out, dropped
+
+
+def _fp16_loss_scale(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    scale: dict[str, Any] = {}
+    static = _number(block.get("loss_scale", 0), f"{where}.loss_scale")
+    if static not in (0, "auto"):
+        scale.update(dynamic=False, init_scale=float(static))
+    elif "initial_scale_power" in block:
+        scale["init_scale"] = 2.0 ** int(_number(block["initial_scale_power"], f"{where}.initial_scale_power"))
+    if "loss_scale_window" in block:
+        scale["growth_interval"] = int(_number(block["loss_scale_window"], f"{where}.loss_scale_window"))
+    if "hysteresis" in block:
+        scale["hysteresis"] = int(_number(block["hysteresis"], f"{where}.hysteresis"))
+    if "min_loss_scale" in block:
+        scale["min_scale"] = float(_number(block["min_loss_scale"], f"{where}.min_loss_scale"))
+    return scale
+
+
+_OPT_TYPES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+
+
+def _ds_optimizer(value: Any, where: str) -> tuple[dict[str, Any], list[str]]:
+    if not isinstance(value, Mapping) or "type" not in value:
+        raise ConfigError(f"{where}: expected an object with a \"type\", found {value!r}")
+    kind = _OPT_TYPES.get(str(value["type"]).lower())
+    if kind is None:
+        raise ConfigError(f"{where}.type: {value['type']!r} is not supported; choose one of: AdamW, Adam, SGD")
+    out: dict[str, Any] = {"type": kind}
+    dropped = []
+    for k, v in (value.get("params") or {}).items():
+        if k in ("lr", "weight_decay", "eps", "momentum"):
+            out[k] = _number(v, f"{where}.params.{k}")
+        elif k == "betas":
+            out[k] = v if v == "auto" else tuple(v)
+        elif k == "adam_w_mode":
+            out[k] = bool(_flag(v, f"{where}.params.{k}"))
+        elif k == "torch_adam":
+            pass  # we always run torch's implementation
+        else:
+            dropped.append(f"optimizer.params.{k}")
+    return out, dropped
+
+
+def _ds_scheduler(value: Any, where: str) -> tuple[dict[str, Any], list[str]]:
+    kinds = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+    if not isinstance(value, Mapping) or value.get("type") not in kinds:
+        found = value.get("type") if isinstance(value, Mapping) else value
+        raise ConfigError(f"{where}.type: {found!r} is not supported; choose one of: {', '.join(kinds)}")
+    out: dict[str, Any] = {"type": value["type"]}
+    dropped = []
+    for k, v in (value.get("params") or {}).items():
+        if k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"):
+            out[k] = _number(v, f"{where}.params.{k}")
+        elif k == "warmup_type":
+            out[k] = v
+        else:
+            dropped.append(f"scheduler.params.{k}")
+    return out, dropped
+
+
+# -- Accelerate -------------------------------------------------------------------------------
+_FSDP_SHARDING = {
+    "1": "zero3", "FULL_SHARD": "zero3",
+    "2": "zero2", "SHARD_GRAD_OP": "zero2",
+    "3": "ddp", "NO_SHARD": "ddp",
+    "4": "zero3", "HYBRID_SHARD": "zero3",
+    "5": "zero2", "HYBRID_SHARD_ZERO2": "zero2",
+}
+_ACC_PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+# Values that ask for nothing (Accelerate writes them into every file): not reported as dropped.
+_ACC_NEUTRAL = {
+    "compute_environment": "LOCAL_MACHINE", "main_training_function": "main", "downcast_bf16": "no",
+    "same_network": True, "gpu_ids": "all", "tpu_use_cluster": False, "tpu_use_sudo": False,
+    "enable_cpu_affinity": False, "debug": False,
+}
+
+
+def from_accelerate(
+    acc: Mapping[str, Any],
+    source: str = "accelerate YAML",
+    read_json: Callable[[str], Mapping[str, Any]] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """Accelerate config YAML -> (shardwise settings, dropped keys).
+
+    A `deepspeed_config_file` is read with `read_json` and translated in: as in Accelerate, that
+    JSON then decides stage, offload, precision, accumulation and clipping.
+    """
+    out: dict[str, Any] = {}
+    launch: dict[str, Any] = {}
+    dropped: list[str] = []
+    kind = str(acc.get("distributed_type", "NO")).upper()
+    if kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        out["strategy"] = "ddp"
+        if kind == "MULTI_CPU":
+            out["cpu"] = True
+    elif kind == "FSDP":
+        out.update(_acc_fsdp(acc.get("fsdp_config") or {}, dropped, source))
+    elif kind == "DEEPSPEED":
+        out.update(_acc_deepspeed(acc.get("deepspeed_config") or {}, dropped, source))
+        ds_file = out.pop("deepspeed_config", None)
+        if ds_file is not None:
+            if read_json is None:
+                raise ConfigError(f"{source}: deepspeed_config_file {ds_file!r} cannot be read here")
+            from_json, more = from_deepspeed(read_json(ds_file), source=ds_file)
+            out.update(from_json)
+            dropped += more
+    else:
+        raise ConfigError(
+            f"{source}: distributed_type: {kind!r} is not supported; "
+            "shardwise reads NO, MULTI_CPU, MULTI_GPU, FSDP and DEEPSPEED"
+        )
+    mp = str(acc.get("mixed_precision", "no"))
+    if mp not in _ACC_PRECISION:
+        raise ConfigError(f"{source}: mixed_precision: {mp!r} is not supported; choose one of: no, fp16, bf16")
+    if "precision" in out and kind == "DEEPSPEED":
+        if out["precision"] != _ACC_PRECISION[mp]:
+            dropped.append(f"mixed_precision ({mp}: the DeepSpeed config file decides)")
+    else:
+        out["precision"] = _ACC_PRECISION[mp]
+    if _flag(acc.get("use_cpu", False), f"{source}: use_cpu"):
+        out["cpu"] = True
+    nodes = int(acc.get("num_machines") or 1)
+    total = int(acc.get("num_processes") or 1)
+    if kind == "NO":
+        total = 1
+    if total % nodes:
+        raise ConfigError(f"{source}: num_processes={total} is not a multiple of num_machines={nodes}")
+    launch["num_processes"] = total // nodes  # Accelerate counts all machines' processes
+    launch["num_nodes"] = nodes
+    launch["node_rank"] = int(acc.get("machine_rank") or 0)
+    if acc.get("main_process_ip"):
+        launch["main_address"] = str(acc["main_process_ip"])
+    if acc.get("main_process_port"):
+        launch["main_port"] = int(acc["main_process_port"])
+    if acc.get("rdzv_backend") in ("static", "c10d"):
+        launch["rdzv_backend"] = acc["rdzv_backend"]
+    if acc.get("gradient_accumulation_steps"):
+        out["grad_accum_steps"] = int(acc["gradient_accumulation_steps"])
+    out["launch"] = launch
+    handled = {"distributed_type", "fsdp_config", "deepspeed_config", "mixed_precision", "use_cpu",
+               "num_machines", "num_processes", "machine_rank", "main_process_ip", "main_process_port",
+               "rdzv_backend", "gradient_accumulation_steps"}
+    for key, value in acc.items():
+        if key in handled:
+            continue
+        if not value or _ACC_NEUTRAL.get(key, object()) == value:
+            continue  # empty, off or the default: nothing was asked for
+        dropped.append(key)
+    return out, dropped
+
+
+# FSDP1 switches FSDP2 (and so shardwise) always behaves as if they were set.
+_FSDP_NEUTRAL = {"sync_module_states": True, "use_orig_params": True}
+
+
+def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[str, Any]:
+    plain = {k.removeprefix("fsdp_"): v for k, v in cfg.items()}
+    out: dict[str, Any] = {"strategy": "zero3"}
+    if "sharding_strategy" in plain:
+        key = str(plain["sharding_strategy"]).upper()
+        if key not in _FSDP_SHARDING:
+            raise ConfigError(
+                f"{source}: fsdp_config.sharding_strategy: {plain['sharding_strategy']!r} is not valid; "
+                "choose 1-5 or FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
+            )
+        out["strategy"] = _FSDP_SHARDING[key]
+        if key.startswith(("4", "5", "HYBRID")):
+            dropped.append("fsdp_config.sharding_strategy (hybrid: shards across all processes instead)")
+    if "reshard_after_forward" in plain:  # FSDP2 spelling; a bool, or an FSDP1 strategy name
+        value = plain["reshard_after_forward"]
+        flag = _flag(value, f"{source}: fsdp_config.reshard_after_forward") if not (
+            isinstance(value, str) and value.upper() in _FSDP_SHARDING) else None
+        out["strategy"] = ("zero3" if flag else "zero2") if flag is not None else _FSDP_SHARDING[str(value).upper()]
+    if _flag(plain.get("offload_params", False), f"{source}: fsdp_config.offload_params"):
+        out["offload"] = "params"
+    if _flag(plain.get("activation_checkpointing", False), f"{source}: fsdp_config.activation_checkpointing"):
+        out["activation_checkpointing"] = True
+    policy = str(plain.get("auto_wrap_policy", "")).upper()
+    layers = plain.get("transformer_layer_cls_to_wrap")
+    if layers and policy in ("", "TRANSFORMER_BASED_WRAP"):
+        names = layers if isinstance(layers, list) else str(layers).split(",")
+        out["wrap"] = [n.strip() for n in names if n.strip()]
+    handled = {"sharding_strategy", "reshard_after_forward", "offload_params", "activation_checkpointing",
+               "auto_wrap_policy", "transformer_layer_cls_to_wrap", "version"}
+    for key in plain:
+        if key == "min_num_params" or (key == "auto_wrap_policy" and policy == "SIZE_BASED_WRAP"):
+            dropped.append(f"fsdp_config.{key} (size-based wrapping: shardwise wraps the repeated blocks)")
+        elif key not in handled and plain[key] and _FSDP_NEUTRAL.get(key, object()) != plain[key]:
+            dropped.append(f"fsdp_config.{key}")
+    return out
+
+
+def _acc_deepspeed(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if cfg.get("deepspeed_config_file"):
+        out["deepspeed_config"] = str(cfg["deepspeed_config_file"])
+    stage = cfg.get("zero_stage")
+    if stage is not None:
+        if stage not in _ZERO_STAGES:
+            raise ConfigError(f"{source}: deepspeed_config.zero_stage: expected 0-3, found {stage!r}")
+        out["strategy"] = _ZERO_STAGES[stage]
+    if str(cfg.get("offload_param_device", "none")).lower() == "cpu":
+        out["offload"] = "params"
+    elif str(cfg.get("offload_optimizer_device", "none")).lower() == "cpu":
+        out["offload"] = "optimizer"
+    for dev in ("offload_param_device", "offload_optimizer_device"):
+        if str(cfg.get(dev, "none")).lower() == "nvme":
+            raise ConfigError(f"{source}: deepspeed_config.{dev}: 'nvme' is not supported; use cpu")
+    if cfg.get("gradient_accumulation_steps") not in (None, "auto"):
+        out["grad_accum_steps"] = int(cfg["gradient_accumulation_steps"])
+    if cfg.get("gradient_clipping") not in (None, "auto"):
+        out["max_grad_norm"] = float(cfg["gradient_clipping"]) or None
+    handled = {"deepspeed_config_file", "zero_stage", "offload_param_device", "offload_optimizer_device",
+               "gradient_accumulation_steps", "gradient_clipping"}
+    dropped += [f"deepspeed_config.{k}" for k in cfg if k not in handled]
+    return out

@@ -1,0 +1,227 @@
+"""The config tree, its files, the foreign formats and the CLI, in one process (no workers)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+import shardwise
+from shardwise import cli
+from shardwise.config_io import load_config
+
+HERE = Path(__file__).parent
+FIXTURES = HERE / "fixtures"
+GOLDEN = HERE / "golden"
+UPDATE = os.environ.get("SHARDWISE_UPDATE_GOLDEN") == "1"
+
+
+def _golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    expected = path.read_text()
+    diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "now"))
+    assert text == expected, f"{name} changed (SHARDWISE_UPDATE_GOLDEN=1 to accept):\n{diff}"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "accelerate").glob("*.yaml")))
+def test_accelerate_yaml_translates_to_golden(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(FIXTURES / "accelerate")
+    out = tmp_path / "shardwise.yaml"
+    assert cli.main(["config", "--from-accelerate", name, "--output", str(out)]) == 0
+    _golden(f"accelerate/{name}", out.read_text())
+    load_config(out)  # what it wrote loads back as a valid config
+
+
+def test_issue_example_becomes_zero3_on_two_processes_fp32() -> None:
+    cfg = load_config(GOLDEN / "accelerate" / "fsdp1_numeric.yaml")
+    assert (cfg.strategy, cfg.launch.num_processes, cfg.precision) == ("zero3", 2, "fp32")
+
+
+@pytest.mark.parametrize("name", ["tutorial_zero2.json", "tutorial_zero3_offload.json"])
+def test_deepspeed_json_translates_to_golden(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(FIXTURES / "deepspeed")
+    assert cli.main(["config", "show", "--config", name]) == 0
+    _golden(f"deepspeed/{name}.yaml", capsys.readouterr().out)
+
+
+def test_deepspeed_translation_details() -> None:
+    z2 = load_config(FIXTURES / "deepspeed" / "tutorial_zero2.json")
+    assert (z2.strategy, z2.offload, z2.precision, z2.max_grad_norm) == ("zero2", "none", "fp16", 1.0)
+    assert z2.loss_scale.init_scale == 2**15 and z2.loss_scale.hysteresis == 2 and z2.loss_scale.growth_interval == 1000
+    assert z2.optimizer is not None and z2.optimizer.lr == "auto" and z2.scheduler.type == "WarmupDecayLR"
+    z3 = load_config(FIXTURES / "deepspeed" / "tutorial_zero3_offload.json")
+    assert (z3.strategy, z3.offload) == ("zero3", "params")
+
+
+BAD = {
+    "unknown_key.yaml": "unknown key 'stratgy' (did you mean 'strategy'?)",
+    "unknown_nested_key.yaml": "unknown key 'launch.num_process' (did you mean 'num_processes'?)",
+    "bad_strategy.yaml": "strategy: expected 'ddp', 'zero1', 'zero2' or 'zero3', found 'zero4'",
+    "wrong_type_int.yaml": "grad_accum_steps: expected a valid integer",
+    "wrong_type_bool.yaml": "cpu: expected a valid boolean",
+    "yaml_syntax.yaml": "yaml_syntax.yaml:3: YAML syntax error",
+    "json_syntax.json": "json_syntax.json:3: JSON syntax error",
+    "top_level_list.yaml": "expected a mapping of settings at the top, found list",
+    "offload_params_below_zero3.yaml": "offload='params' needs strategy='zero3'",
+    "node_rank_out_of_range.yaml": "launch.node_rank=2 must lie in 0..1",
+    "ds_bad_stage.json": "zero_optimization.stage: expected 0, 1, 2 or 3, found 4",
+    "ds_nvme.json": "'nvme' offload is not supported",
+    "ds_batch_mismatch.json": "train_batch_size=10 but micro_batch_size 2 x grad_accum_steps 1 x 2 processes = 4",
+    "ds_unknown_optimizer.json": "'Lamb' is not supported; choose one of: AdamW, Adam, SGD",
+    "zero_accumulation.yaml": "grad_accum_steps=0 must be an integer >= 1",
+    "precision_not_a_name.yaml": "precision: expected 'fp32', 'bf16' or 'fp16', found 16",
+    "missing_deepspeed_file.yaml": "not_there.json: no such config file",
+    "scheduler_without_optimizer.yaml": "scheduler needs an optimizer section",
+    "port_not_a_number.yaml": "launch.main_port: expected a valid integer",
+    "negative_clipping.yaml": "max_grad_norm=-1.0 must be a number >= 1e-12",
+    "optimizer_lr_word.yaml": "optimizer.lr: expected a valid number",
+}
+
+
+@pytest.fixture()
+def no_torchrun(monkeypatch: pytest.MonkeyPatch) -> list:
+    started: list = []
+    monkeypatch.setattr("shardwise.launch.run_torchrun", lambda argv, path: started.append(argv) or 0)
+    return started
+
+
+def test_every_bad_fixture_is_covered() -> None:
+    assert sorted(BAD) == sorted(p.name for p in (FIXTURES / "bad").iterdir())
+    assert len(BAD) >= 15
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_malformed_config_is_refused_before_start(
+    name: str, no_torchrun: list, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = HERE / "scripts" / "train_from_config.py"
+    code = cli.main(["launch", "--config", str(FIXTURES / "bad" / name), "--nproc-per-node", "2", str(script)])
+    err = capsys.readouterr().err
+    assert code == 2 and not no_torchrun
+    assert err.count("\n") == 1 and err.startswith("shardwise: error: "), err
+    assert BAD[name] in err, err
+
+
+def test_missing_script_is_named(no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["launch", "--nproc-per-node", "2", "nope.py"]) == 2
+    assert "training script 'nope.py' not found" in capsys.readouterr().err and not no_torchrun
+
+
+def test_launch_builds_torchrun_argv_from_file_and_flags(no_torchrun: list, tmp_path: Path) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("strategy: zero3\nlaunch:\n  num_processes: 4\n  max_restarts: 2\n")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert cli.main(["launch", "--config", str(cfg), "--nproc-per-node", "2", "--log-dir", "logs", "-t", "3", str(script), "--lr", "1"]) == 0
+    (argv,) = no_torchrun
+    assert argv == ["--nproc-per-node", "2", "--standalone", "--max-restarts", "2", "--log-dir", "logs", "--tee", "3", str(script), "--lr", "1"]
+
+
+def test_torchrun_argv_multi_node() -> None:
+    from shardwise.config import LaunchConfig
+    from shardwise.launch import torchrun_argv
+
+    launch = LaunchConfig(num_processes=8, num_nodes=2, node_rank=1, main_address="10.0.0.1", main_port=29555)
+    assert torchrun_argv(launch, "train.py", ["--x"]) == [
+        "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "10.0.0.1:29555", "--rdzv-id", "shardwise", "--rdzv-conf", "is_host=false",
+        "--max-restarts", "0", "train.py", "--x",
+    ]
+    static = LaunchConfig(num_processes=1, num_nodes=2, node_rank=0, rdzv_backend="static")
+    assert "--master-addr" in torchrun_argv(static, "t.py")
+
+
+def test_flags_override_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("shardwise.yaml").write_text("strategy: zero3\nprecision: bf16\n")  # picked up by default
+    assert cli.main(["config", "show", "--strategy", "zero1"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy: zero1" in out and "precision: bf16" in out
+
+
+def test_code_overrides_file_with_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("strategy: zero3\nprecision: bf16\ncpu: true\n")
+    monkeypatch.setenv("SHARDWISE_CONFIG", str(cfg))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = shardwise.Engine(strategy="zero2", precision="bf16")
+    assert engine.config.strategy == "zero2" and engine.config.precision == "bf16"
+    msgs = [str(w.message) for w in caught if "code overrides" in str(w.message)]
+    assert msgs == [f"code overrides the config file: strategy='zero2' in code, 'zero3' in {cfg}"]
+
+
+def test_plain_script_reads_config_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("strategy: zero1\ncpu: true\n")
+    monkeypatch.delenv("SHARDWISE_CONFIG", raising=False)
+    monkeypatch.setattr("sys.argv", ["train.py", "--config", str(cfg)])
+    assert shardwise.Engine().config.strategy == "zero1"
+
+
+def test_questionnaire_validates_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    answers = iter(["zero4", "zero3", "bf16", "", "2", "", "yes", "2", "1"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
+    out = tmp_path / "shardwise.yaml"
+    assert cli.main(["config", "--output", str(out)]) == 0
+    assert "strategy: expected 'ddp', 'zero1', 'zero2' or 'zero3', found 'zero4'" in capsys.readouterr().out
+    cfg = load_config(out)
+    assert (cfg.strategy, cfg.precision, cfg.grad_accum_steps, cfg.activation_checkpointing) == ("zero3", "bf16", 2, True)
+    assert (cfg.launch.num_processes, cfg.launch.num_nodes) == (2, 1)
+
+
+def test_config_with_flags_is_non_interactive_and_refuses_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s.yaml"
+    assert cli.main(["config", "-o", str(out), "--strategy", "zero2", "--num-processes", "4"]) == 0
+    assert load_config(out).launch.num_processes == 4
+    assert cli.main(["config", "-o", str(out), "--strategy", "zero3"]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+
+
+def test_env_report(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for needle in (f"torch:         {torch.__version__}", "shardwise:", "deepspeed:", "transformers:", "backends:      gloo", "cpus:", "memory:"):
+        assert needle in out
+
+
+def _torchrun_options() -> set[str]:
+    from torch.distributed.run import get_args_parser
+
+    return {s for a in get_args_parser()._actions for s in a.option_strings} - {"-h", "--help"}
+
+
+def _describe(parser, prefix: str = "shardwise") -> list[str]:
+    """Our subcommands and flags (torchrun's own, which depend on the torch version, left out)."""
+    lines = []
+    torchrun = _torchrun_options()
+    for action in parser._actions:
+        if action.choices and isinstance(action.choices, dict):
+            for name, sub in sorted(action.choices.items()):
+                lines += _describe(sub, f"{prefix} {name}")
+        elif set(action.option_strings) & torchrun or action.dest in ("training_script", "training_script_args"):
+            continue
+        elif action.option_strings:
+            lines.append(f"{prefix} {' '.join(action.option_strings)}")
+        else:
+            lines.append(f"{prefix} <{action.dest}>")
+    return lines
+
+
+def test_cli_surface_is_frozen() -> None:
+    _golden("cli.txt", "\n".join(_describe(cli.build_parser())) + "\n")
+
+
+def test_launch_accepts_every_torchrun_flag() -> None:
+    parser = cli.build_parser()
+    launch = parser._subparsers._group_actions[0].choices["launch"]
+    ours = {s for a in launch._actions for s in a.option_strings}
+    assert _torchrun_options() <= ours

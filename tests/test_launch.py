@@ -1,0 +1,154 @@
+"""`shardwise launch` for real: 2 CPU processes from a YAML per strategy, two "nodes" meeting
+through a c10d rendezvous, the tutorial DeepSpeed JSONs, exit codes and Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import workloads as W
+from spawn import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAIN = SCRIPTS / "train_from_config.py"
+RUN = dict(batch=2, accum=2, steps=4)
+STRATEGIES = [
+    {"strategy": "ddp"},
+    {"strategy": "zero1"},
+    {"strategy": "zero2"},
+    {"strategy": "zero3"},
+    {"strategy": "zero2", "offload": "optimizer"},
+    {"strategy": "zero3", "offload": "optimizer"},
+    {"strategy": "zero3", "offload": "params"},
+]
+
+
+def shardwise_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shardwise", *args]
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("SHARDWISE_CONFIG", None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _result(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return W.reference("tiny", world=2, **RUN)
+
+
+@pytest.mark.parametrize("settings", STRATEGIES, ids=lambda s: "+".join(s.values()))
+def test_each_strategy_from_yaml_matches_the_reference(settings: dict, reference: dict, tmp_path: Path) -> None:
+    cfg = tmp_path / "shardwise.yaml"
+    cfg.write_text(yaml.safe_dump({**settings, "grad_accum_steps": 2, "cpu": True, "launch": {"num_processes": 2}}))
+    out = tmp_path / "result.pt"
+    proc = _run(shardwise_cmd("launch", "--config", str(cfg), str(TRAIN), "--out", str(out)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = _result(out)
+    assert res["world"] == 2 and res["config"]["strategy"] == settings["strategy"]
+    assert res["config"]["offload"] == settings.get("offload", "none")
+    assert W.close(res["losses"], reference["losses"]) < 1e-5
+    assert W.max_diff(res["state"], reference["state"]) < 2e-5
+
+
+def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_path: Path) -> None:
+    port = str(free_port())
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("SHARDWISE_CONFIG", None)
+    procs = [
+        subprocess.Popen(
+            shardwise_cmd(
+                "launch", "--num-nodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                "--main-address", "127.0.0.1", "--main-port", port, "--strategy", "zero3",
+                "--grad-accum-steps", "2", "--cpu", str(TRAIN), "--out", str(tmp_path / f"node{rank}.pt"),
+            ),
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    (written,) = list(tmp_path.glob("node*.pt"))  # only global rank 0 writes
+    res = _result(written)
+    assert res["world"] == 2
+    assert W.close(res["losses"], reference["losses"]) < 1e-5
+    assert W.max_diff(res["state"], reference["state"]) < 2e-5
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "precision"),
+    [("tutorial_zero2.json", [], "fp16"), ("tutorial_zero3_offload.json", ["--precision", "bf16"], "bf16")],
+)
+def test_tutorial_deepspeed_json_runs_with_autos_filled(name: str, extra: list[str], precision: str, tmp_path: Path) -> None:
+    out = tmp_path / "result.pt"
+    ds = Path(__file__).parent / "fixtures" / "deepspeed" / name
+    proc = _run(shardwise_cmd("launch", "--deepspeed", str(ds), "--nproc-per-node", "2", "--cpu", *extra,
+                              str(TRAIN), "--config-optimizer", "--out", str(out)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "have no effect here" in proc.stderr  # unsupported keys, listed once
+    res = _result(out)
+    cfg = res["config"]
+    assert cfg["precision"] == precision and cfg["max_grad_norm"] == 1.0
+    assert res["optimizer"] == "AdamW" and W.is_finite(res["losses"]) and len(res["losses"]) == 4
+    # WarmupDecayLR with every value "auto": lr 5e-5, no warm-up, linear decay over one epoch
+    assert res["lrs"] == pytest.approx([5e-5 * (1 - k / 4) for k in range(1, 5)])
+
+
+def test_plain_torchrun_picks_up_config_argument(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("strategy: zero2\ncpu: true\ngrad_accum_steps: 2\n")
+    out = tmp_path / "result.pt"
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 str(TRAIN), "--out", str(out), "--config", str(cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _result(out)["config"]["strategy"] == "zero2"
+
+
+def test_script_exit_code_comes_back() -> None:
+    proc = _run(shardwise_cmd("launch", "--nproc-per-node", "2", "--cpu", str(SCRIPTS / "exit_with.py"), "3"))
+    assert proc.returncode == 3
+
+
+def test_bad_config_refused_with_nothing_started(tmp_path: Path) -> None:
+    proc = _run(shardwise_cmd("launch", "--config", str(Path(__file__).parent / "fixtures" / "bad" / "unknown_key.yaml"),
+                              str(SCRIPTS / "exit_with.py"), "0"), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        proc.stderr.strip(),
+    ] and "unknown key 'stratgy'" in proc.stderr
+    assert "torch.distributed" not in proc.stderr  # torchrun never ran
+
+
+def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("SHARDWISE_CONFIG", None)
+    launcher = subprocess.Popen(
+        shardwise_cmd("launch", "--nproc-per-node", "2", "--cpu", str(SCRIPTS / "sleep_forever.py"), str(tmp_path)),
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("*.pid"))) < 2:
+        assert time.monotonic() < deadline and launcher.poll() is None, "workers never started"
+        time.sleep(0.2)
+    pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=60) == 130
+    time.sleep(1)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
