@@ -1,4 +1,4 @@
-"""The `shardwise` command: launch, config, env.
+"""The `shardwise` command: launch, config, export, env.
 
 Flags for the config tree are generated from its fields (their docstrings are the help), so the
 command line, the YAML file and `Engine(...)` keywords always name the same settings.
@@ -272,6 +272,33 @@ def _cmd_config(ns: argparse.Namespace) -> int:
     return 0
 
 
+# -- export -----------------------------------------------------------------------------------
+def _cmd_export(ns: argparse.Namespace) -> int:
+    """A training checkpoint -> the safetensors layout `Engine.save_model` writes (offline)."""
+    from .checkpoint import full_model_state, resolve
+    from .consolidate import atomic_dir, drop_aliases, parse_size, write_safetensors
+
+    out = Path(ns.output)
+    if out.exists():
+        raise ConfigError(f"{out} exists; export never overwrites: choose another folder or remove it")
+    try:
+        limit = parse_size(ns.max_shard_size)
+    except ValueError as err:
+        raise ConfigError(f"--max-shard-size: {err}") from None
+    folder = resolve(Path(ns.checkpoint))
+    state, meta = full_model_state(folder, ns.model_index)
+    config = folder / f"model{ns.model_index}.config.json"
+    with atomic_dir(out) as tmp:
+        write_safetensors(
+            drop_aliases(state, meta["models"][ns.model_index]["aliases"]),
+            tmp,
+            max_shard_size=limit,
+            config_json=config.read_text() if config.is_file() else None,
+        )
+    print(f"wrote {out} ({sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters from {folder})")
+    return 0
+
+
 # -- env --------------------------------------------------------------------------------------
 def environment() -> dict[str, str]:
     """What a bug report needs: versions, devices, backends, CPU and memory."""
@@ -333,6 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--defaults", action="store_true", help="write the defaults without asking")
     cfg.add_argument("--from-accelerate", metavar="YAML", help="translate an Accelerate config file")
     _add_config_flags(cfg)
+    exp = sub.add_parser("export", help="a training checkpoint -> safetensors (+ config.json), offline, one process")
+    exp.add_argument("checkpoint", help="a checkpoint folder, or a folder holding `latest`")
+    exp.add_argument("output", help="the folder to create (never overwritten)")
+    exp.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
+    exp.add_argument("--max-shard-size", default="5GB", help="split into several files above this size")
     sub.add_parser("env", help="versions, devices and backends, for a bug report")
     return parser
 
@@ -346,10 +378,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_launch(ns, launch)
         if ns.command == "config":
             return _cmd_config(ns)
+        if ns.command == "export":
+            return _cmd_export(ns)
         return _cmd_env(ns)
-    except ConfigError as err:
+    except (ConfigError, _checkpoint_error()) as err:
         print(f"shardwise: error: {err}", file=sys.stderr)
         return 2
+
+
+def _checkpoint_error() -> type[Exception]:
+    from .checkpoint import CheckpointError
+
+    return CheckpointError
 
 
 def entry() -> None:

@@ -49,12 +49,13 @@ class _RankBatchSampler(Sampler[list[int]]):
         self.order, self.batch_size, self.world, self.rank = order, batch_size, world, rank
         self.drop_last = drop_last
         self.epoch = 0
+        self.start = 0  # samples of this epoch already consumed (a resumed run skips them)
         self.num_samples = len(order.indices(0))
 
     def __iter__(self) -> Iterator[list[int]]:
         idx = self.order.indices(self.epoch)
         g = self.batch_size * self.world
-        for k in range(0, len(idx), g):
+        for k in range(self.start, len(idx), g):
             chunk = idx[k : k + g]
             per = self.batch_size
             if len(chunk) < g:
@@ -81,6 +82,7 @@ class _IterableShard(IterableDataset):
         self.dataset, self.batch_size, self.world, self.rank = dataset, batch_size, world, rank
         self.drop_last = drop_last
         self.last_real = 0  # real samples in the last global batch of the latest pass
+        self.start = 0  # items of this pass already consumed (a resumed run skips them)
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):
@@ -91,9 +93,11 @@ class _IterableShard(IterableDataset):
         first: list[Any] = []
         chunk: list[Any] = []
         self.last_real = 0
-        for item in self.dataset:
+        for i, item in enumerate(self.dataset):
             if len(first) < g:
                 first.append(item)
+            if i < self.start:
+                continue
             chunk.append(item)
             if len(chunk) == g:
                 yield from chunk[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
@@ -149,6 +153,8 @@ class PreparedDataLoader(DataLoader):
         self._on_batch = on_batch
         self._epoch: int | None = None
         self._iteration = 0
+        self._served = 0  # samples of the current epoch yielded so far (all processes)
+        self._resume_at = 0
         kwargs: dict[str, Any] = dict(
             num_workers=base.num_workers,
             collate_fn=base.collate_fn,
@@ -192,13 +198,28 @@ class PreparedDataLoader(DataLoader):
         assert self._shard is not None
         return self._shard.last_real
 
+    def state_dict(self) -> dict[str, int | None]:
+        """Where the loader stands: its epoch, and the samples of that epoch already served."""
+        return {"iteration": self._iteration, "epoch": self._epoch, "samples": self._served}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at that position: the next pass continues the epoch with the next batch.
+        The position is in samples, so it holds at another number of processes too."""
+        self._iteration = int(state["iteration"])
+        self._epoch = None if state["epoch"] is None else int(state["epoch"])
+        self._resume_at = int(state["samples"])
+
     def __iter__(self) -> Iterator[Any]:
         epoch = self._iteration if self._epoch is None else self._epoch
+        start, self._resume_at = self._resume_at, 0
+        self._served = start
         if self._batches is not None:
             self._batches.epoch = epoch
+            self._batches.start = start
         else:
             assert self._shard is not None
             self._shard.set_epoch(epoch)
+            self._shard.start = start
         it = super().__iter__()
         try:
             current = next(it)
@@ -209,12 +230,15 @@ class PreparedDataLoader(DataLoader):
                 upcoming = next(it)
             except StopIteration:
                 self._on_batch(self, True)
+                self._served += self.total_batch_size
                 yield move_to_device(current, self.device)
                 break
             self._on_batch(self, False)
+            self._served += self.total_batch_size
             yield move_to_device(current, self.device)
             current = upcoming
         self._iteration += 1
+        self._served = 0
         if self._epoch is not None:
             self._epoch += 1
 

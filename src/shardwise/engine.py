@@ -10,8 +10,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ from torch import nn
 
 from .config import ConfigError, EngineConfig, make_config
 from .config_io import build, load_layers
+from .consolidate import save_model_files
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
 from .memory import MemoryReport, tensor_memory
@@ -96,6 +95,10 @@ class Engine:
         self._loader: PreparedDataLoader | None = None  # the loader that yielded the last batch
         self._loader_at_end = False
         self._clipped = False  # the script clipped this step itself (no config clipping then)
+        self._schedulers: list[PreparedScheduler] = []
+        self._loaders: list[PreparedDataLoader] = []
+        self._registered: list[Any] = []
+        self._step_count = 0  # optimizer steps taken (accumulation boundaries)
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
 
@@ -201,6 +204,7 @@ class Engine:
                     device=self.device,
                     on_batch=self._on_batch,
                 )
+                self._loaders.append(prepared[id(obj)])
         if models and "optimizer" not in kinds and not self._optimizers and self.config.optimizer:
             loaders = [prepared[id(o)] for o, k in zip(objects, kinds) if k == "dataloader"]
             self._build_from_config(prepared[id(models[0])], loaders[0] if loaders else None)
@@ -219,6 +223,7 @@ class Engine:
             steps = len(loader) // self.config.grad_accum_steps if loader is not None else None
             sched = build_scheduler(self.config.scheduler, raw, steps)
             self.scheduler = PreparedScheduler(sched, [self.optimizer], self)
+            self._schedulers.append(self.scheduler)
 
     def _check_batch_sizes(self, loader: Any) -> None:
         micro, total = self.config.micro_batch_size, self.config.train_batch_size
@@ -293,7 +298,9 @@ class Engine:
                 f"{type(scheduler).__name__}'s optimizer was not prepared; pass the optimizer to "
                 "prepare() in the same call as the scheduler, or before it"
             )
-        return PreparedScheduler(scheduler, owners, self)
+        prepared = PreparedScheduler(scheduler, owners, self)
+        self._schedulers.append(prepared)
+        return prepared
 
     # -- the step ---------------------------------------------------------------------------
     def _on_batch(self, loader: PreparedDataLoader, last: bool) -> None:
@@ -399,16 +406,97 @@ class Engine:
         A collective: call it on every process."""
         return self._strategy.full_state_dict(model)
 
-    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str]) -> None:
-        """Consolidated weights as safetensors (plus config.json for a `transformers` model).
+    def save_model(
+        self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "5GB"
+    ) -> None:
+        """Consolidated weights as safetensors (split above `max_shard_size`, with an index),
+        plus config.json for a `transformers` model: `from_pretrained(dir)` loads it.
 
         Written to a temporary folder beside the target and renamed into place, so an
         interrupted save never leaves a half-written model. A collective.
         """
         state = self.get_state_dict(model)
         if self.is_main_process:
-            _write_model(self.unwrap_model(model), state, Path(save_directory))
+            save_model_files(self.unwrap_model(model), state, Path(save_directory), max_shard_size=max_shard_size)
         self.wait_for_everyone()
+
+    # -- checkpoints ------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by `load_state`)."""
+        return self._step_count
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore these objects (anything with state_dict/load_state_dict) too."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict(); it cannot be checkpointed")
+            self._registered.append(obj)
+
+    def save_state(
+        self, output_dir: str | os.PathLike[str] | None = None, *, keep_last: int | None = None
+    ) -> Path:
+        """Checkpoint everything needed to resume exactly (a collective; sharded, atomic).
+
+        With no folder: `checkpoints/step_<N>`, then `checkpoints/latest` points at it and only
+        the newest `keep_last` step folders are kept.
+        """
+        from . import checkpoint
+
+        target = Path(output_dir) if output_dir is not None else Path("checkpoints") / f"step_{self.step}"
+        path = checkpoint.save(self._checkpoint_parts(), target)
+        if output_dir is None and self.is_main_process:
+            checkpoint.mark_latest(target.parent, target, keep_last)
+        self.wait_for_everyone()
+        return path
+
+    def load_state(self, input_dir: str | os.PathLike[str] = "latest") -> Path:
+        """Resume from a checkpoint saved at any world size, strategy or offload setting.
+
+        "latest" means the newest complete checkpoint under `checkpoints/`. Prepare the same
+        models, optimizers, schedulers and DataLoaders first; the next batch is the one that
+        would have come after the save.
+        """
+        from . import checkpoint
+
+        path = Path(input_dir)
+        if str(input_dir) == "latest":
+            path = Path("checkpoints") / "latest"
+        path = checkpoint.resolve(path)
+        state = checkpoint.load(self._checkpoint_parts(), path)
+        counts = {"schedulers": self._schedulers, "loaders": self._loaders, "registered": self._registered}
+        for key, objs in counts.items():
+            if len(state[key]) != len(objs):
+                raise checkpoint.CheckpointError(f"{path}: holds {len(state[key])} {key}, {len(objs)} prepared now")
+            for obj, sd in zip(objs, state[key]):
+                obj.load_state_dict(sd)
+        self._micro_step, self._step_count = state["micro_step"], state["step"]
+        if self._scaler is not None and state["scaler"] is not None:
+            self._scaler.load_state_dict(state["scaler"])
+        return path
+
+    def _checkpoint_parts(self) -> Any:
+        from .checkpoint import Parts
+
+        owner = {id(p): i for i, m in enumerate(self._models) for p in m.parameters()}
+        return Parts(
+            models=self._models,
+            unwrapped=[self._strategy.unwrap(m) for m in self._models],
+            runners=[o.runner for o in self._optimizers],
+            optimizer_models=[owner[id(o.params()[0])] for o in self._optimizers],
+            engine_state={
+                "micro_step": self._micro_step,
+                "step": self._step_count,
+                "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+                "schedulers": [s.state_dict() for s in self._schedulers],
+                "loaders": [d.state_dict() for d in self._loaders],
+                "registered": [o.state_dict() for o in self._registered],
+            },
+            info={"engine": "torch", "strategy": self.config.strategy, "offload": self.config.offload,
+                  "precision": self.config.precision},
+            rank=self.process_index,
+            world=self.num_processes,
+        )
 
     def memory_report(self) -> MemoryReport:
         """Tensor bytes this process holds for the prepared models and optimizers."""
@@ -444,35 +532,6 @@ def _map_tensors(data: Any, fn: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_map_tensors(v, fn) for v in data)
     raise TypeError(f"expected tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
-
-
-def _write_model(module: nn.Module, state: dict[str, torch.Tensor], target: Path) -> None:
-    from safetensors.torch import save_file
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        if hasattr(module, "save_pretrained") and hasattr(module, "config"):
-            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        else:
-            unique: dict[str, torch.Tensor] = {}
-            seen: set[int] = set()
-            for k, v in state.items():  # safetensors refuses aliases: keep the first name
-                if v.data_ptr() not in seen:
-                    seen.add(v.data_ptr())
-                    unique[k] = v.contiguous()
-            save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-        tmp.rename(target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 Accelerator = Engine

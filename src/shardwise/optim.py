@@ -94,6 +94,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if not self._engine.sync_gradients:
             return  # a micro-step inside accumulate(): gradients keep accumulating
         engine = self._engine
+        if engine._optimizers and engine._optimizers[0] is self:
+            engine._step_count += 1
         if engine.config.max_grad_norm is not None and not engine._clipped:
             engine.clip_grad_norm_(self.params(), engine.config.max_grad_norm)
             engine._clipped = False  # each optimizer clips its own parameters

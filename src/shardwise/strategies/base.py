@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..config import EngineConfig
 from ..dist import DistInfo
@@ -42,6 +43,15 @@ class OptimizerRunner(ABC):
         """Every tensor this runner keeps besides the model's parameters and gradients."""
         return [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
 
+    @abstractmethod
+    def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, each tensor whole or a DTensor of its
+        parameter's layout, so any strategy and world size can load it (torch DCP's format)."""
+
+    @abstractmethod
+    def load_checkpoint_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Take back what `checkpoint_state` gave (filled in place by the checkpoint reader)."""
+
 
 class InPlaceRunner(OptimizerRunner):
     """The user's optimizer steps the (possibly sharded) model parameters directly."""
@@ -51,6 +61,13 @@ class InPlaceRunner(OptimizerRunner):
 
     def step(self) -> None:
         self.optimizer.step()
+
+    def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
+        # initialises a fresh optimizer's state, so it can serve as a template to load into
+        return get_optimizer_state_dict(model, self.optimizer)
+
+    def load_checkpoint_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(model, self.optimizer, state)
 
 
 class Strategy(ABC):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from .base import OptimizerRunner
 
@@ -230,6 +231,99 @@ class ShardedOptimizer(OptimizerRunner):
             for p, off in space.params:
                 local_flat(p).copy_(full[off : off + p.numel()])
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def _init_state(self) -> None:
+        """Create the inner optimizers' state (one zero-gradient step at lr 0) if it is missing."""
+        for inner in self._inner:
+            if inner.state:
+                continue
+            lrs = [g.get("lr") for g in inner.param_groups]
+            for g in inner.param_groups:
+                g["lr"] = 0.0
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            inner.step()
+            for g, lr in zip(inner.param_groups, lrs):
+                g["lr"] = lr
+                for p in g["params"]:
+                    p.grad = None
+            for seg in self._segments:
+                seg.master.grad = None
+
+    def _keys(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """Per-element state keys, and scalar state (the same for every parameter)."""
+        self._init_state()
+        for inner in self._inner:
+            for master, st in inner.state.items():
+                elem = [k for k, v in st.items() if torch.is_tensor(v) and v.numel() == master.numel() and v.dim() > 0]
+                scalars = {k: v for k, v in st.items() if k not in elem}
+                return elem, scalars
+        return [], {}
+
+    def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
+        names = _names(model)
+        elem, scalars = self._keys()
+        state: dict[str, dict[str, Any]] = {}
+        if self.partition == "local":
+            # zero-copy: each host state shard, seen as a DTensor laid out like its parameter
+            for seg in self._segments:
+                st = self._state_of(seg)
+                local = seg.param._local_tensor  # type: ignore[attr-defined]
+                state[names[id(seg.param)]] = {
+                    **{k: _clone(v) for k, v in scalars.items()},
+                    **{k: DTensor.from_local(st[k].view(local.shape), seg.param.device_mesh, seg.param.placements,
+                                             run_check=False, shape=seg.param.shape, stride=seg.param.stride())
+                       for k in elem},
+                }
+        else:
+            # zero1: whole tensors; each rank contributes its ranges, one all-reduce per key
+            for space in self._spaces:
+                for key in elem:
+                    full = self._gather_space(space, key)
+                    for p, off in space.params:
+                        entry = state.setdefault(names[id(p)], {k: _clone(v) for k, v in scalars.items()})
+                        entry[key] = full[off : off + p.numel()].view(p.shape)
+        groups = [
+            {**_hyper(g), "params": [names[id(p)] for p in g["params"]]} for g in self.optimizer.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def _state_of(self, seg: _Segment) -> dict[str, Any]:
+        for inner in self._inner:
+            if seg.master in inner.state:
+                return inner.state[seg.master]
+        raise KeyError("segment without optimizer state")
+
+    def _gather_space(self, space: _FlatSpace, key: str) -> torch.Tensor:
+        full = torch.zeros(space.chunk * self.world, dtype=torch.float32, device=self.device)
+        offsets = {id(p): off for p, off in space.params}
+        for seg in self._segments:
+            if id(seg.param) in offsets:
+                a = offsets[id(seg.param)] + seg.start
+                full[a : a + seg.end - seg.start].copy_(self._state_of(seg)[key])
+        dist.all_reduce(full)  # ranges are disjoint: the sum is the concatenation
+        return full
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        names = _names(model)
+        for seg in self._segments:
+            saved = state["state"][names[id(seg.param)]]
+            st = self._state_of(seg)
+            for k, v in saved.items():
+                if self.partition == "local" and isinstance(v, DTensor):
+                    if v._local_tensor.data_ptr() != st[k].data_ptr():
+                        st[k].copy_(v._local_tensor.reshape(-1))
+                elif torch.is_tensor(v) and v.dim() > 0:
+                    st[k].copy_(local_flat(v)[seg.start : seg.end])
+                else:
+                    st[k] = _clone(v)
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if self.host:  # the host masters follow the parameters the checkpoint just restored
+            for seg in self._segments:
+                seg.master.data.copy_(local_flat(seg.param)[seg.start : seg.end])
+
     # -- bookkeeping ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"partition": self.partition, "inner": [o.state_dict() for o in self._inner]}
@@ -247,6 +341,17 @@ class ShardedOptimizer(OptimizerRunner):
 
 # torch 2.13 renamed all_gather_into_tensor; older releases (down to 2.6) only have the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """Parameter -> its name in the user's module (without DDP's `module.` prefix)."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _clone(v: Any) -> Any:
+    return v.detach().clone() if torch.is_tensor(v) else v
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

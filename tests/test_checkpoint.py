@@ -1,0 +1,334 @@
+"""Checkpoints: exact resume in new processes, resharding across strategies and world sizes,
+atomic saves that survive SIGKILL, exports that `transformers` loads, and bad checkpoints.
+
+Exact resume (same world size and strategy) is asserted bit-exact. Across strategies and world
+sizes the continued run is compared with one uninterrupted plain process within the tolerance
+of the equivalence tests (losses 1e-5, weights 2e-5): the sums of sharded gradients are
+rounded differently, exactly as in those tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import workloads as W
+from spawn import spawn
+
+N = 24  # samples: 6 global batches of 4 per epoch, so step 4 is mid-epoch and step 8 in epoch 1
+G = 4
+
+
+def _train(engine: Any, steps: int, *, load: str | None = None, save: str | None = None,
+           noise: bool = False, name: str = "tiny", save_every: int = 0) -> dict[str, Any]:
+    model = W.build(name)
+    opt = W.make_optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    loader = DataLoader(W.Tokens(N), batch_size=G // engine.num_processes, shuffle=True)
+    model, opt, sched, loader = engine.prepare(model, opt, sched, loader)
+    if load:
+        engine.load_state(load)
+    losses: list[float] = []
+    while len(losses) < steps:
+        for ids in loader:
+            if noise:  # uses every RNG the checkpoint restores
+                import random
+
+                import numpy as np
+
+                keep = torch.rand(ids.shape) > 0.1 * random.random() * float(np.random.rand())
+                ids = torch.where(keep, ids, 0)
+            loss = W.lm_loss(model, ids)
+            engine.backward(loss)
+            engine.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+            if save_every and len(losses) % save_every == 0:
+                engine.save_state()
+            if len(losses) == steps:
+                break
+    if save:
+        engine.save_state(save) if save != "auto" else engine.save_state(keep_last=1)
+    return {"losses": losses, "state": engine.get_state_dict(model), "step": engine.step, "lr": sched.get_last_lr()}
+
+
+def _reference(steps: int = 8) -> dict[str, Any]:
+    model = W.build("tiny")
+    opt = W.make_optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    data = W.Tokens(N).data
+    losses = []
+    for epoch in range(2):
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(W.SEED + epoch)).tolist()
+        for k in range(N // G):
+            loss = W.lm_loss(model, data[order[k * G : (k + 1) * G]])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if len(losses) == steps:
+                return {"losses": losses, "state": model.state_dict()}
+    raise AssertionError
+
+
+def _engine(strategy: str) -> Any:
+    import shardwise
+
+    kind, _, offload = strategy.partition("+")
+    return shardwise.Engine(strategy=kind, offload=offload or "none", cpu=True, seed=W.SEED)
+
+
+# -- exact resume in new processes ------------------------------------------------------------
+def _straight(folder: str) -> dict[str, Any]:
+    os.chdir(folder)
+    return _train(_engine("zero3"), 8, noise=True)
+
+
+def _first_half(folder: str) -> dict[str, Any]:
+    os.chdir(folder)
+    engine = _engine("zero3")
+    out = _train(engine, 2, save="auto")  # checkpoints/step_2 ...
+    return out
+
+
+def _second_half(folder: str) -> dict[str, Any]:
+    os.chdir(folder)
+    return _train(_engine("zero3"), 4, load="latest", noise=True)
+
+
+def _first_half_then_more(folder: str) -> dict[str, Any]:
+    os.chdir(folder)
+    engine = _engine("zero3")
+    model_out = _train(engine, 4, noise=True, save="auto")
+    return model_out
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    a, b = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
+    straight = spawn(_straight, 2, str(a))[0]
+    first = spawn(_first_half_then_more, 2, str(b))[0]
+    listing = sorted(p.name for p in (b / "checkpoints").iterdir())
+    second = spawn(_second_half, 2, str(b))[0]
+    return {"straight": straight, "first": first, "second": second, "listing": listing, "root": b / "checkpoints"}
+
+
+def test_exact_resume_in_new_processes_is_bit_identical(exact: dict) -> None:
+    straight, first, second = exact["straight"], exact["first"], exact["second"]
+    assert first["losses"] + second["losses"] == straight["losses"]
+    assert W.max_diff(second["state"], straight["state"]) == 0.0
+    assert second["step"] == 8 and second["lr"] == straight["lr"]
+
+
+def test_default_folders_latest_and_keep_last(exact: dict) -> None:
+    assert exact["listing"] == ["latest", "step_4"]
+    assert (exact["root"] / "latest").read_text().strip() == "step_4"
+
+
+# -- the reshard matrix -------------------------------------------------------------------------
+SOURCES = ["zero3", "zero2", "zero1", "ddp"]
+TARGETS = ["zero3", "zero2", "zero1", "ddp", "zero3+optimizer", "zero3+params", "zero1+optimizer"]
+
+
+def _save_sources(folder: str) -> dict[str, Any]:
+    return {s: _train(_engine(s), 4, save=f"{folder}/{s}") for s in SOURCES}
+
+
+def _resume_all(folder: str, targets: list[str]) -> dict[tuple[str, str], Any]:
+    return {(s, t): _train(_engine(t), 4, load=f"{folder}/{s}") for s in SOURCES for t in targets if t != s}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = str(tmp_path_factory.mktemp("matrix"))
+    saved = spawn(_save_sources, 2, folder)[0]
+    at2 = spawn(_resume_all, 2, folder, TARGETS)[0]
+    at1 = spawn(_resume_all, 1, folder, ["zero3", "ddp"])[0]
+    at4 = spawn(_resume_all, 4, folder, ["zero3", "zero1"])[0]
+    return {"saved": saved, 2: at2, 1: at1, 4: at4, "folder": Path(folder)}
+
+
+@pytest.mark.parametrize("world", [2, 1, 4])
+def test_resume_at_any_strategy_and_world_size(matrix: dict, world: int) -> None:
+    ref = _reference(8)
+    runs = matrix[world]
+    assert len(runs) == {2: 4 * 7 - 4, 1: 8 - 2, 4: 8 - 2}[world]
+    for (src, dst), run in runs.items():
+        losses = matrix["saved"][src]["losses"] + run["losses"]
+        assert W.close(losses, ref["losses"]) < 1e-5, (src, dst, world)
+        assert W.max_diff(run["state"], ref["state"]) < 2e-5, (src, dst, world)
+        assert run["step"] == 8
+
+
+# -- atomic saves -------------------------------------------------------------------------------
+def _killed_while_saving(folder: str) -> None:
+    import shardwise.checkpoint as ck
+
+    os.chdir(folder)
+    engine = _engine("zero2")
+    real_save = ck.dcp.save
+
+    def save_then_die(*args: Any, **kwargs: Any) -> Any:
+        out = real_save(*args, **kwargs)  # the shards are written, meta.json and the rename are not
+        if engine.step == 6 and engine.process_index == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    ck.dcp.save = save_then_die
+    _train(engine, 6, save_every=3)
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    from shardwise.checkpoint import full_model_state, read_meta, resolve
+
+    with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
+        spawn(_killed_while_saving, 2, str(tmp_path), timeout=120)
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_3"
+    assert (root / ".step_6.incomplete").is_dir() and not (root / "step_6").exists()
+    assert read_meta(resolve(root))["world_size"] == 2
+    state, _ = full_model_state(resolve(root / "latest"))
+    assert set(state) >= set(W.build("tiny").state_dict())
+
+
+# -- export and save_model -----------------------------------------------------------------------
+def _export_pair(folder: str) -> dict[str, Any]:
+    engine = _engine("zero3")
+    model = W.build("gpt2")
+    opt = W.make_optimizer(model)
+    model, opt = engine.prepare(model, opt)
+    ids = W.Tokens(4).data[engine.process_index * 2 : engine.process_index * 2 + 2]
+    engine.backward(W.lm_loss(model, ids))
+    opt.step()
+    engine.save_state(f"{folder}/ckpt")
+    engine.save_model(model, f"{folder}/model", max_shard_size="40KB")
+    engine.save_model(model, f"{folder}/model-one-file")
+    with torch.no_grad():
+        logits = model(W.Tokens(2, seed=3).data).logits
+    return {"logits": logits}
+
+
+def test_save_model_and_export_give_what_transformers_loads(tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    from shardwise import cli
+
+    live = spawn(_export_pair, 2, str(tmp_path))[0]
+    assert (tmp_path / "model" / "model.safetensors.index.json").is_file()  # split at 40KB
+    for folder in ("model", "model-one-file"):
+        back = GPT2LMHeadModel.from_pretrained(tmp_path / folder)
+        with torch.no_grad():
+            assert torch.equal(back(W.Tokens(2, seed=3).data).logits, live["logits"])
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--max-shard-size", "40KB"]) == 0
+    made = sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert made == sorted(p.name for p in (tmp_path / "exported").iterdir())
+    for name in made:
+        assert (tmp_path / "model" / name).read_bytes() == (tmp_path / "exported" / name).read_bytes(), name
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 2  # never overwrites
+
+
+# -- bad checkpoints ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("good") / "ckpt"
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True)
+    model = engine.prepare(W.build("tiny"))
+    opt = engine.prepare(W.make_optimizer(model))
+    del opt
+    engine.save_state(folder)
+    return folder
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/shardwise-pwned",))
+
+
+def _tamper(folder: Path, case: str) -> Any:
+    """Break a copy of a good checkpoint; return the model to load it into."""
+    meta_path = folder / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    shard = next(folder.glob("*.distcp"))
+
+    def rewrite_meta() -> None:
+        meta["files"] = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != "meta.json"}
+        meta_path.write_text(json.dumps(meta))
+
+    if case == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif case == "missing shard":
+        shard.unlink()
+    elif case == "flipped bytes in the index":
+        data = bytearray((folder / ".metadata").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (folder / ".metadata").write_bytes(bytes(data))
+    elif case == "pickled code in the index":
+        import hashlib
+        import pickle
+
+        (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
+        meta["dcp_metadata_sha256"] = hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
+        rewrite_meta()
+    elif case == "pickled code in engine state":
+        torch.save({"x": Evil()}, folder / "engine.pt")
+        rewrite_meta()
+    elif case == "world size metadata":
+        meta["world_size"] = 3
+        meta_path.write_text(json.dumps(meta))
+    elif case == "no meta.json (unfinished save)":
+        meta_path.unlink()
+    elif case == "corrupted meta.json":
+        meta_path.write_text("{not json")
+    elif case == "not a shardwise checkpoint":
+        meta["format"] = "something-else"
+        meta_path.write_text(json.dumps(meta))
+    elif case in ("wrong model (shapes)", "wrong model (names)"):
+        pass
+    return {"wrong model (shapes)": lambda: W.TinyLM(d=16), "wrong model (names)": lambda: W.build("gpt2")}.get(case, lambda: W.build("tiny"))()
+
+
+BAD = {
+    "wrong model (shapes)": "model 0 does not match the checkpoint: mis-shaped blocks.0.down.bias [32] vs [16]",
+    "wrong model (names)": "model 0 does not match the checkpoint: missing lm_head.weight",
+    "truncated shard": "truncated or changed",
+    "missing shard": "missing from the checkpoint",
+    "flipped bytes in the index": "does not match its recorded SHA-256",
+    "pickled code in the index": "posix.system is not allowed in a checkpoint index",
+    "pickled code in engine state": "unreadable with weights-only loading",
+    "world size metadata": "says world size 3 but holds the states of 1 process(es)",
+    "no meta.json (unfinished save)": "no meta.json: not a shardwise checkpoint, or a save that never finished",
+    "corrupted meta.json": "meta.json: corrupted",
+    "not a shardwise checkpoint": "not a shardwise checkpoint",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_is_refused_with_one_line(case: str, good: Path, tmp_path: Path) -> None:
+    import shardwise
+    from shardwise.checkpoint import CheckpointError
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(good, folder)
+    model = _tamper(folder, case)
+    engine = shardwise.Engine(strategy="zero3", cpu=True)
+    model = engine.prepare(model)
+    engine.prepare(W.make_optimizer(model))
+    with pytest.raises(CheckpointError) as err:
+        engine.load_state(folder)
+    msg = str(err.value)
+    assert "\n" not in msg and BAD[case] in msg, msg
+    assert not Path("/tmp/shardwise-pwned").exists()
