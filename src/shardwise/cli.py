@@ -288,9 +288,10 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     folder = resolve(Path(ns.checkpoint))
     state, meta = full_model_state(folder, ns.model_index)
     config = folder / f"model{ns.model_index}.config.json"
+    state = drop_aliases(state, meta["models"][ns.model_index]["aliases"])
     with atomic_dir(out) as tmp:
         write_safetensors(
-            drop_aliases(state, meta["models"][ns.model_index]["aliases"]),
+            state,
             tmp,
             max_shard_size=limit,
             config_json=config.read_text() if config.is_file() else None,
