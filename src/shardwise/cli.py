@@ -24,7 +24,8 @@ _UNSET: Any = object()
 # Fields of EngineConfig that get a flag (nested sections and code-only fields do not).
 _ENGINE_FLAGS = [
     "strategy", "backend", "precision", "offload", "grad_accum_steps", "max_grad_norm", "seed", "cpu",
-    "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "offload_bucket_numel",
+    "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "checkpoint_dir",
+    "offload_bucket_numel",
 ]
 # torchrun's own flags that fill the launch section instead of passing through.
 _TORCHRUN_FOLDED = {

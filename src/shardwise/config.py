@@ -196,6 +196,8 @@ class EngineConfig:
     """Optimizer to build when the script passes none to prepare (from a DeepSpeed JSON, say)."""
     scheduler: SchedulerConfig | None = None
     """LR schedule to build with that optimizer."""
+    checkpoint_dir: str = "checkpoints"
+    """Where `save_state()` writes step_<N> folders and the `latest` pointer."""
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
     of about this many elements."""

@@ -438,12 +438,14 @@ class Engine:
     ) -> Path:
         """Checkpoint everything needed to resume exactly (a collective; sharded, atomic).
 
-        With no folder: `checkpoints/step_<N>`, then `checkpoints/latest` points at it and only
-        the newest `keep_last` step folders are kept.
+        With no folder: `<checkpoint_dir>/step_<N>` (checkpoint_dir is "checkpoints" unless the
+        config says otherwise), then `<checkpoint_dir>/latest` points at it and only the newest
+        `keep_last` step folders are kept.
         """
         from . import checkpoint
 
-        target = Path(output_dir) if output_dir is not None else Path("checkpoints") / f"step_{self.step}"
+        root = Path(self.config.checkpoint_dir)
+        target = Path(output_dir) if output_dir is not None else root / f"step_{self.step}"
         path = checkpoint.save(self._checkpoint_parts(), target)
         if output_dir is None and self.is_main_process:
             checkpoint.mark_latest(target.parent, target, keep_last)
@@ -453,7 +455,7 @@ class Engine:
     def load_state(self, input_dir: str | os.PathLike[str] = "latest") -> Path:
         """Resume from a checkpoint saved at any world size, strategy or offload setting.
 
-        "latest" means the newest complete checkpoint under `checkpoints/`. Prepare the same
+        "latest" means the newest complete checkpoint under `checkpoint_dir`. Prepare the same
         models, optimizers, schedulers and DataLoaders first; the next batch is the one that
         would have come after the save.
         """
@@ -461,7 +463,7 @@ class Engine:
 
         path = Path(input_dir)
         if str(input_dir) == "latest":
-            path = Path("checkpoints") / "latest"
+            path = Path(self.config.checkpoint_dir) / "latest"
         path = checkpoint.resolve(path)
         state = checkpoint.load(self._checkpoint_parts(), path)
         counts = {"schedulers": self._schedulers, "loaders": self._loaders, "registered": self._registered}
