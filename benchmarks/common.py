@@ -39,6 +39,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight
+        for m in self.modules():  # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))

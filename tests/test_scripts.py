@@ -37,3 +37,15 @@ def test_overhead_benchmark_writes_its_report(tmp_path: Path) -> None:
     (report,) = tmp_path.glob("overhead-*.json")
     data = json.loads(report.read_text())
     assert data["results"]["zero3"]["ratio"] > 0 and data["world_size"] == 2
+
+
+def test_compare_benchmark_runs_and_reports_what_ran(tmp_path: Path) -> None:
+    out = _torchrun("benchmarks/compare.py", "--strategies", "zero3", "--peers", "shardwise", "raw",
+                    "--steps", "3", "--warmup", "1", "--out", str(tmp_path))
+    (report,) = tmp_path.glob("compare-*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["peer"] for r in rows] == ["shardwise", "raw"]
+    assert all(r["weights_agree_across_ranks"] and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["final_loss"] == rows[1]["final_loss"]  # the same training, to the bit
+    assert rows[0]["state_mib"] == rows[1]["state_mib"]  # same parameters, gradients, optimizer state
+    assert "| zero3 | shardwise |" in out and any(tmp_path.glob("compare-*.md"))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError, EngineConfig, make_config
-from .config_io import build, load_layers
+from .config_io import build, load_layers, merge
 from .consolidate import save_model_files
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
@@ -76,6 +76,7 @@ class Engine:
             raise ConfigError("pass either config= or keywords to Engine(), not both")
         conflicts: list[str] = []
         if config is None:
+            # the keywords alone first: a bad value is named as the code wrote it
             make_config(**{k: v for k, v in kwargs.items() if k not in ("launch", "loss_scale")})
             config, conflicts = _config_with_code(kwargs)
         self.config = cfg = config
@@ -521,8 +522,6 @@ def _config_with_code(kwargs: dict[str, Any]) -> tuple[EngineConfig, list[str]]:
         for k, v in kwargs.items()
         if k in data and data[k] != v and not isinstance(v, dict)
     ]
-    from .config_io import merge
-
     return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts
 
 
