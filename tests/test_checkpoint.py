@@ -160,6 +160,22 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"saved": saved, 2: at2, 1: at1, 4: at4, "folder": Path(folder)}
 
 
+def _save_alone(folder: str) -> dict[str, Any]:
+    return _train(_engine("ddp"), 4, save=f"{folder}/alone")
+
+
+def _resume_alone(folder: str) -> dict[str, Any]:
+    return {t: _train(_engine(t), 4, load=f"{folder}/alone") for t in ("zero3", "zero2+optimizer")}
+
+
+def test_resume_one_process_checkpoint_on_two(tmp_path: Path) -> None:
+    first = spawn(_save_alone, 1, str(tmp_path))[0]
+    ref = _reference(8)
+    for target, run in spawn(_resume_alone, 2, str(tmp_path))[0].items():
+        assert W.close(first["losses"] + run["losses"], ref["losses"]) < 1e-5, target
+        assert W.max_diff(run["state"], ref["state"]) < 2e-5, target
+
+
 @pytest.mark.parametrize("world", [2, 1, 4])
 def test_resume_at_any_strategy_and_world_size(matrix: dict, world: int) -> None:
     ref = _reference(8)

@@ -15,14 +15,8 @@ import pytest
 import workloads as W
 from spawn import spawn
 
-CONFIGS: list[dict[str, str]] = [
-    {"strategy": "ddp"},
-    {"strategy": "zero1"},
-    {"strategy": "zero2"},
-    {"strategy": "zero3"},
-    {"strategy": "zero2", "offload": "optimizer"},
-    {"strategy": "zero3", "offload": "optimizer"},
-    {"strategy": "zero3", "offload": "params"},
+CONFIGS: list[dict[str, Any]] = [
+    *W.STRATEGIES,
     {"strategy": "zero1", "offload": "optimizer"},
     {"strategy": "zero3", "activation_checkpointing": True},
     {"strategy": "ddp", "activation_checkpointing": True},

@@ -22,15 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = SCRIPTS / "train_from_config.py"
 RUN = dict(batch=2, accum=2, steps=4)
-STRATEGIES = [
-    {"strategy": "ddp"},
-    {"strategy": "zero1"},
-    {"strategy": "zero2"},
-    {"strategy": "zero3"},
-    {"strategy": "zero2", "offload": "optimizer"},
-    {"strategy": "zero3", "offload": "optimizer"},
-    {"strategy": "zero3", "offload": "params"},
-]
+STRATEGIES = W.STRATEGIES
 
 
 def shardwise_cmd(*args: str) -> list[str]:

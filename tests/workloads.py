@@ -17,6 +17,16 @@ from torch.utils.data import DataLoader, Dataset
 
 VOCAB, SEQ = 64, 8
 SEED = 0
+# The strategies every equivalence check covers (the core issue's list).
+STRATEGIES: list[dict[str, str]] = [
+    {"strategy": "ddp"},
+    {"strategy": "zero1"},
+    {"strategy": "zero2"},
+    {"strategy": "zero3"},
+    {"strategy": "zero2", "offload": "optimizer"},
+    {"strategy": "zero3", "offload": "optimizer"},
+    {"strategy": "zero3", "offload": "params"},
+]
 
 
 class Block(nn.Module):

@@ -38,6 +38,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from .consolidate import find_aliases, hf_config_json, swap_into_place
+
 FORMAT = "shardwise-checkpoint"
 VERSION = 1
 META = "meta.json"
@@ -112,8 +114,6 @@ def _versions() -> dict[str, str]:
 
 
 def _model_meta(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    from .consolidate import find_aliases
-
     return {
         "params": {k: list(v.shape) for k, v in state.items() if torch.is_tensor(v)},
         "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in state.items() if torch.is_tensor(v)},
@@ -191,7 +191,6 @@ def save(parts: Parts, target: Path) -> Path:
     dist.barrier()
     if parts.rank == 0:
         torch.save(parts.engine_state, tmp / "engine.pt")
-        from .consolidate import hf_config_json
 
         models = []
         for i, module in enumerate(parts.unwrapped):
@@ -213,15 +212,8 @@ def save(parts: Parts, target: Path) -> Path:
         }
         _atomic_write(tmp / META, json.dumps(meta, indent=1))
         _fsync_dir(tmp)
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-        tmp.rename(target)
+        swap_into_place(tmp, target)
         _fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return target
 

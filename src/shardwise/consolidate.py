@@ -46,6 +46,19 @@ def find_aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
+def swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename the finished folder `tmp` to `target`; an existing `target` is set aside first and
+    removed only after the rename, so at every moment one complete version exists."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    tmp.rename(target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextmanager
 def atomic_dir(target: Path) -> Iterator[Path]:
     """A temporary folder beside `target` that replaces it only once everything is written."""
@@ -53,14 +66,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".incomplete", dir=target.parent))
     try:
         yield tmp
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-        tmp.rename(target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

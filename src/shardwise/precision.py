@@ -42,7 +42,7 @@ def check_device_supports(precision: str, device: torch.device) -> None:
     except RuntimeError as err:
         raise ConfigError(
             f"precision={precision!r} cannot run on device {device}: {err}. "
-            "Use precision='fp32' (or 'bf16' where supported)"
+            "Use precision='fp32' (or 'bf16' where supported); from the command line: --precision fp32"
         ) from None
 
 
