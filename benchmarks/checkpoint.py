@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardwise  # noqa: E402
-from common import GPT, lm_loss, write_report  # noqa: E402
+from common import GPT, finish_distributed, lm_loss  # noqa: E402
 from shardwise import cli  # noqa: E402
 
 
@@ -82,21 +82,11 @@ def main() -> None:
             print(f"{strategy:6s} " + "  ".join(f"{k} {v}" for k, v in results[strategy].items()), flush=True)
             shutil.rmtree(root, ignore_errors=True)
         dist.barrier()
-    if dist.get_rank() == 0:
-        total = sum(p.numel() for p in GPT(vocab=32000, d=768, layers=12, heads=12, block=128).parameters())
-        path = write_report(
-            "checkpoint",
-            {
-                "command": "python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/checkpoint.py " + " ".join(sys.argv[1:]),
-                "world_size": dist.get_world_size(),
-                "model": f"GPT d768 L12 vocab32000 ({total / 1e6:.0f}M parameters, tied embeddings), AdamW",
-                "results": results,
-            },
-            *([args.out] if args.out else []),
-        )
-        print(f"wrote {path}")
-    dist.barrier()
-    dist.destroy_process_group()
+    total = sum(p.numel() for p in GPT(vocab=32000, d=768, layers=12, heads=12, block=128).parameters())
+    finish_distributed("checkpoint", {
+        "model": f"GPT d768 L12 vocab32000 ({total / 1e6:.0f}M parameters, tied embeddings), AdamW",
+        "results": results,
+    }, args.out)
 
 
 if __name__ == "__main__":

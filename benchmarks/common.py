@@ -80,3 +80,19 @@ def write_report(name: str, payload: dict[str, Any], out: Path = RESULTS) -> Pat
     path = out / f"{name}-{hardware()}-{date}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def finish_distributed(name: str, payload: dict[str, Any], out: Path | None) -> None:
+    """Rank 0 writes the report (with the torchrun command that reproduces it); all ranks leave."""
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        command = (f"python -m torch.distributed.run --standalone --nproc-per-node {dist.get_world_size()} "
+                   f"benchmarks/{name}.py " + " ".join(sys.argv[1:])).strip()
+        path = write_report(name, {"command": command, "world_size": dist.get_world_size(), **payload},
+                            out if out is not None else RESULTS)
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()

@@ -87,48 +87,54 @@ def largest_batch(fits: Callable[[int], bool], limit: int) -> int:
     return good
 
 
-def run(models: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_one(name: str, family: str, sizes: dict[str, int], strategy: str, offload: str,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """Largest batch and its throughput for one model under one strategy. Everything it builds
+    is local, so it is freed before the next model is built."""
     tiny = args.dry_run
+    engine = shardwise.Engine(strategy=strategy, offload=offload, precision=args.precision,
+                              cpu=tiny, activation_checkpointing=args.activation_checkpointing)
+    model = build(family, sizes, args.seq_len, tiny)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model, opt = engine.prepare(model, opt)
+    step = make_step(family, engine, model, opt, args.seq_len, 512 if tiny else 1000)
+
+    def fits(batch: int) -> bool:
+        try:
+            step(batch)
+            if tiny and engine.memory_report().total + batch * args.dry_run_bytes_per_sample > args.budget_bytes:
+                raise OutOfBudget
+            return True
+        except (torch.cuda.OutOfMemoryError, OutOfBudget):
+            opt.zero_grad()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return False
+
+    best = largest_batch(fits, args.max_batch)
+    rate = None
+    if best:
+        step(best)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.timed_steps):
+            step(best)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        rate = best * args.seq_len * args.timed_steps / (time.perf_counter() - t0)
+    return {"model": name, "strategy": strategy, "offload": offload, "max_batch": best,
+            "tokens_per_s": round(rate, 1) if rate else None}
+
+
+def run(models: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for name, (family, sizes) in models.items():
         for strategy, offload in STRATEGIES:
-            engine = shardwise.Engine(strategy=strategy, offload=offload, precision=args.precision,
-                                      cpu=tiny, activation_checkpointing=args.activation_checkpointing)
-            model = build(family, sizes, args.seq_len, tiny)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            model, opt = engine.prepare(model, opt)
-            step = make_step(family, engine, model, opt, args.seq_len, 512 if tiny else 1000)
-
-            def fits(batch: int) -> bool:
-                try:
-                    step(batch)
-                    if tiny and engine.memory_report().total + batch * args.dry_run_bytes_per_sample > args.budget_bytes:
-                        raise OutOfBudget
-                    return True
-                except (torch.cuda.OutOfMemoryError, OutOfBudget):
-                    opt.zero_grad()
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-                    return False
-
-            best = largest_batch(fits, args.max_batch)
-            rate = None
-            if best:
-                step(best)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.timed_steps):
-                    step(best)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                rate = best * args.seq_len * args.timed_steps / (time.perf_counter() - t0)
-            row = {"model": name, "strategy": strategy, "offload": offload, "max_batch": best,
-                   "tokens_per_s": round(rate, 1) if rate else None}
+            row = measure_one(name, family, sizes, strategy, offload, args)
             print(row, flush=True)
             rows.append(row)
-            del model, opt, engine
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

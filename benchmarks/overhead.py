@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardwise  # noqa: E402
-from common import GPT, lm_loss, write_report  # noqa: E402
+from common import GPT, finish_distributed, lm_loss  # noqa: E402
 
 
 def raw_model(strategy: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -99,22 +98,11 @@ def main() -> None:
             "steps_each": len(raw_t),
         }
         engine.print(f"{strategy:6s} raw {raw_med * 1e3:8.1f} ms/step  shardwise {sw_med * 1e3:8.1f} ms/step  ratio {sw_med / raw_med:.3f}")
-    if dist.get_rank() == 0:
-        path = write_report(
-            "overhead",
-            {
-                "command": "python -m torch.distributed.run --standalone --nproc-per-node "
-                f"{dist.get_world_size()} benchmarks/overhead.py " + " ".join(sys.argv[1:]),
-                "world_size": dist.get_world_size(),
-                "model": "GPT d256 L4 vocab4096 seq128 (tied embeddings)",
-                "batch_per_rank": args.batch_size,
-                "results": results,
-            },
-            *([args.out] if args.out else []),
-        )
-        print(f"wrote {path}")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed("overhead", {
+        "model": "GPT d256 L4 vocab4096 seq128 (tied embeddings)",
+        "batch_per_rank": args.batch_size,
+        "results": results,
+    }, args.out)
 
 
 if __name__ == "__main__":
