@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from spawn import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -25,7 +26,7 @@ def _launch(config: str, script: str, *args: str, cwd: Path) -> str:
     env.pop("SHARDWISE_CONFIG", None)
     cmd = [sys.executable, "-m", "shardwise", "launch", "--config", str(EXAMPLES / "configs" / config),
            "--cpu", str(EXAMPLES / script), *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_command(cmd, cwd=cwd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 

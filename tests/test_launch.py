@@ -16,7 +16,7 @@ import torch
 import yaml
 
 import workloads as W
-from spawn import free_port
+from spawn import GLOO_ABORT, free_port, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -32,7 +32,7 @@ def shardwise_cmd(*args: str) -> list[str]:
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("SHARDWISE_CONFIG", None)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_command(cmd, cwd=ROOT, env=env, timeout=timeout)
 
 
 def _result(path: Path) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def test_each_strategy_from_yaml_matches_the_reference(settings: dict, reference
     assert W.max_diff(res["state"], reference["state"]) < 2e-5
 
 
-def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_path: Path) -> None:
+def _two_nodes(out: Path) -> tuple[list[int | None], list[str]]:
     port = str(free_port())
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("SHARDWISE_CONFIG", None)
@@ -67,14 +67,21 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_p
             shardwise_cmd(
                 "launch", "--num-nodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
                 "--main-address", "127.0.0.1", "--main-port", port, "--strategy", "zero3",
-                "--grad-accum-steps", "2", "--cpu", str(TRAIN), "--out", str(tmp_path / f"node{rank}.pt"),
+                "--grad-accum-steps", "2", "--cpu", str(TRAIN), "--out", str(out / f"node{rank}.pt"),
             ),
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in (0, 1)
     ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    return [p.returncode for p in procs], outs
+
+
+def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_path: Path) -> None:
+    codes, outs = _two_nodes(tmp_path)
+    if codes != [0, 0] and any(GLOO_ABORT in o for o in outs):  # see spawn.GLOO_ABORT
+        codes, outs = _two_nodes(tmp_path)
+    assert codes == [0, 0], "\n".join(o[-2000:] for o in outs)
     (written,) = list(tmp_path.glob("node*.pt"))  # only global rank 0 writes
     res = _result(written)
     assert res["world"] == 2
