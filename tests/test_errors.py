@@ -83,3 +83,11 @@ def test_custom_batch_sampler_is_refused(engine: shardwise.Engine) -> None:
     sampler = torch.utils.data.BatchSampler(range(8), batch_size=2, drop_last=False)
     with pytest.raises(TypeError, match="needs a DataLoader built with batch_size"):
         engine.prepare(DataLoader(W.Tokens(8), batch_sampler=sampler))
+
+
+def test_contradicting_train_batch_size_is_refused_before_sharding() -> None:
+    engine = shardwise.Engine(strategy="zero3", cpu=True, train_batch_size=5)
+    model = W.build("tiny")
+    with pytest.raises(ConfigError, match=r"train_batch_size=5 but micro_batch_size 2 x grad_accum_steps 1 x 1 processes = 2"):
+        engine.prepare(model, DataLoader(W.Tokens(8), batch_size=2))
+    assert type(model) is W.TinyLM  # nothing was sharded

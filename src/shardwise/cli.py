@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, EngineConfig, LaunchConfig, field_docs
+from .config import ConfigError, EngineConfig, LaunchConfig, check_train_batch, field_docs
 from .config_io import build, load_layers, merge, read_file, to_yaml, write_yaml
 
 DEFAULT_CONFIG = "shardwise.yaml"
@@ -161,14 +161,8 @@ def _cmd_launch(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise ConfigError("no training script given: shardwise launch [options] SCRIPT [args]")
     if not module_mode and not Path(script).is_file():
         raise ConfigError(f"training script {script!r} not found")
-    world = cfg.launch.num_processes * cfg.launch.num_nodes
-    if isinstance(cfg.micro_batch_size, int) and isinstance(cfg.train_batch_size, int):
-        total = cfg.micro_batch_size * cfg.grad_accum_steps * world
-        if total != cfg.train_batch_size:
-            raise ConfigError(
-                f"train_batch_size={cfg.train_batch_size} but micro_batch_size {cfg.micro_batch_size} x "
-                f"grad_accum_steps {cfg.grad_accum_steps} x {world} processes = {total}"
-            )
+    if isinstance(cfg.micro_batch_size, int):
+        check_train_batch(cfg, cfg.micro_batch_size, cfg.launch.num_processes * cfg.launch.num_nodes)
     argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, parser))
     fd, path = tempfile.mkstemp(prefix="shardwise-", suffix=".yaml")
     os.close(fd)

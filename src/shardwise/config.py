@@ -245,6 +245,18 @@ class EngineConfig:
             raise ConfigError("scheduler needs an optimizer section to build with it")
 
 
+def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:
+    """A `train_batch_size` the config states must equal micro x grad_accum_steps x processes."""
+    total = cfg.train_batch_size
+    if isinstance(total, int) and not isinstance(total, bool):
+        actual = micro_batch * cfg.grad_accum_steps * world
+        if actual != total:
+            raise ConfigError(
+                f"train_batch_size={total} but micro_batch_size {micro_batch} x "
+                f"grad_accum_steps {cfg.grad_accum_steps} x {world} processes = {actual}"
+            )
+
+
 def field_names(cls: type) -> list[str]:
     """Names of a config dataclass's fields (used to suggest the closest valid key)."""
     return [f.name for f in fields(cls)]

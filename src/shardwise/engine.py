@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import ConfigError, EngineConfig, make_config
+from .config import ConfigError, EngineConfig, check_train_batch, make_config
 from .config_io import build, load_layers, merge
 from .consolidate import save_model_files
 from .data import PreparedDataLoader, is_dataloader
@@ -169,6 +169,8 @@ class Engine:
         for o, k in zip(objects, kinds):
             if k == "optimizer":
                 self._check_owned(o, pending)
+            elif k == "dataloader":
+                self._check_batch_sizes(o)
         names: dict[int, tuple[int, str]] = {}
         for m in models:  # parameter -> (model, name), to rebind optimizers made before prepare
             for name, p in m.named_parameters():
@@ -196,7 +198,6 @@ class Engine:
             if kind == "scheduler":
                 prepared[id(obj)] = self._prepare_scheduler(obj)
             elif kind == "dataloader":
-                self._check_batch_sizes(obj)
                 prepared[id(obj)] = PreparedDataLoader(
                     obj,
                     world=self.num_processes,
@@ -227,20 +228,15 @@ class Engine:
             self._schedulers.append(self.scheduler)
 
     def _check_batch_sizes(self, loader: Any) -> None:
-        micro, total = self.config.micro_batch_size, self.config.train_batch_size
+        micro = self.config.micro_batch_size
         if isinstance(micro, int) and micro != loader.batch_size and self.is_main_process:
             warnings.warn(
                 f"the DataLoader in code has batch_size={loader.batch_size}, the config says "
                 f"micro_batch_size={micro}; the code's value is used",
                 stacklevel=3,
             )
-        if isinstance(total, int) and loader.batch_size is not None:
-            actual = loader.batch_size * self.config.grad_accum_steps * self.num_processes
-            if actual != total:
-                raise ConfigError(
-                    f"train_batch_size={total} but micro batch {loader.batch_size} x grad_accum_steps "
-                    f"{self.config.grad_accum_steps} x {self.num_processes} processes = {actual}"
-                )
+        if loader.batch_size is not None:
+            check_train_batch(self.config, loader.batch_size, self.num_processes)
 
     def _kind(self, obj: Any) -> str:
         if isinstance(obj, nn.Module):
