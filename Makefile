@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP  := $(VENV)/.installed
 NPROC  ?= 2
+# DeepSpeed compiles its CPU ops (shm_comm) on first use: cache them once per machine, outside
+# any clone, so only the first `make test` on a machine pays the ~2 minutes.
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
 .PHONY: test demo bench install clean
 

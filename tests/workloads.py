@@ -126,7 +126,7 @@ def reference(
 
 
 def train_engine(
-    name: str, engine_kw: dict[str, Any], *, batch: int, accum: int, steps: int, clip: float = 1.0
+    name: str, engine_kw: dict[str, Any], *, batch: int, accum: int, steps: int, clip: float | None = 1.0
 ) -> dict[str, Any]:
     """The same loop written against shardwise (optimizer created before prepare)."""
     import shardwise
@@ -135,7 +135,7 @@ def train_engine(
     return run_loop(engine, name, batch=batch, steps=steps, clip=clip)
 
 
-def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: float = 1.0) -> dict[str, Any]:
+def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: float | None = 1.0) -> dict[str, Any]:
     """The training loop of `train_engine`, on an engine configured elsewhere (a config file)."""
     accum = engine.config.grad_accum_steps
     model = build(name)
@@ -149,7 +149,7 @@ def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: float = 1.
             loss = lm_loss(model, ids)
             engine.backward(loss)
             losses.append(engine.reduce(loss.detach(), "mean").item())
-            if engine.sync_gradients:
+            if engine.sync_gradients and clip is not None:  # None: the script never clips
                 norms.append(float(engine.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
             if i == len(loader) - 1:

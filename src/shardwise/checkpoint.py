@@ -36,7 +36,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from .consolidate import find_aliases, hf_config_json, swap_into_place
 
@@ -58,6 +57,7 @@ class Parts:
     runners: list[Any]  # OptimizerRunner per prepared optimizer
     optimizer_models: list[int]  # index of the model each optimizer updates
     engine_state: dict[str, Any]  # counters, scaler, schedulers, loaders, registered objects
+    strategy: Any  # model_state / load_model_state: the weights in the strategy's layout
     info: dict[str, Any]  # strategy, offload, precision, engine name
     rank: int
     world: int
@@ -170,7 +170,7 @@ def _atomic_write(path: Path, text: str) -> None:
 def _dcp_state(parts: Parts) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for i, model in enumerate(parts.models):
-        state[f"model{i}"] = get_model_state_dict(model)
+        state[f"model{i}"] = parts.strategy.model_state(model)
     for j, runner in enumerate(parts.runners):
         state[f"optim{j}"] = runner.checkpoint_state(parts.models[parts.optimizer_models[j]])
     return state
@@ -290,7 +290,7 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     except Exception as err:  # DCP raises many kinds; the user needs the file and the cause
         raise CheckpointError(_one_line(f"{folder}: could not read the sharded tensors: {type(err).__name__}: {err}")) from None
     for i, model in enumerate(parts.models):
-        set_model_state_dict(model, state[f"model{i}"])
+        parts.strategy.load_model_state(model, state[f"model{i}"])
     for j, runner in enumerate(parts.runners):
         runner.load_checkpoint_state(parts.models[parts.optimizer_models[j]], state[f"optim{j}"])
     rank_file = folder / "rng" / f"rank{parts.rank}.pt"

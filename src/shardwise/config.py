@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 Strategy = Literal["ddp", "zero1", "zero2", "zero3"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
-Backend = Literal["torch"]
+Backend = Literal["torch", "deepspeed"]
 Rendezvous = Literal["c10d", "static"]
 OptimizerType = Literal["AdamW", "Adam", "SGD"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
@@ -165,7 +165,8 @@ class EngineConfig:
     """ddp: full replicas, gradients all-reduced. zero1: + optimizer states sharded.
     zero2: + gradients sharded. zero3: + parameters sharded (gathered per block for compute)."""
     backend: Backend = "torch"
-    """The engine under the strategies: torch (FSDP2 / DDP)."""
+    """The engine under the strategies: torch (FSDP2 / DDP) or deepspeed (DeepSpeed ZeRO stages
+    1-3 and its offload; zero1/zero2/zero3 only; `pip install 'shardwise[deepspeed]'`)."""
     precision: Precision = "fp32"
     """fp32; bf16 (bf16 compute, fp32 master weights, reduction and optimizer state);
     fp16 (as bf16, plus dynamic loss scaling)."""
@@ -200,7 +201,7 @@ class EngineConfig:
     """Where `save_state()` writes step_<N> folders and the `latest` pointer."""
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
-    of about this many elements."""
+    of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """How `shardwise launch` starts the workers."""
     deepspeed_config: str | None = None
@@ -230,6 +231,11 @@ class EngineConfig:
             raise ConfigError(
                 "offload='optimizer' needs a sharded strategy (zero1, zero2 or zero3), "
                 "got strategy='ddp'"
+            )
+        if self.backend == "deepspeed" and self.strategy == "ddp":
+            raise ConfigError(
+                "strategy='ddp' is not run by backend='deepspeed'; choose zero1, zero2 or zero3 "
+                "there, or backend='torch' for ddp"
             )
         _positive("offload_bucket_numel", self.offload_bucket_numel)
         if isinstance(self.wrap, (str, type)):

@@ -85,8 +85,9 @@ class Engine:
             warnings.warn("code overrides the config file: " + "; ".join(conflicts), stacklevel=2)
         check_device_supports(cfg.precision, self._info.device)
         self._precision = Precision(cfg.precision, self._info.device)
-        self._scaler = DynamicLossScaler(cfg.loss_scale, self.device) if cfg.precision == "fp16" else None
         self._strategy = make_strategy(cfg, self._info, self._precision.dtype)
+        ours = cfg.precision == "fp16" and not self._strategy.owns_precision
+        self._scaler = DynamicLossScaler(cfg.loss_scale, self.device) if ours else None
         set_seed(cfg.seed)
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
@@ -274,7 +275,7 @@ class Engine:
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         wrapped = self._strategy.setup_model(model)
         inner = self._strategy.unwrap(wrapped)
-        if self._precision.is_mixed:  # compute in the low dtype; weights stay fp32
+        if self._precision.is_mixed and not self._strategy.owns_precision:  # low-dtype compute, fp32 weights
             forward = inner.forward
             precision = self._precision
 
@@ -324,7 +325,7 @@ class Engine:
         loss = loss / self.config.grad_accum_steps
         if self._scaler is not None:
             loss = self._scaler.scale_loss(loss)
-        loss.backward(**kwargs)
+        self._strategy.backward(loss, **kwargs)
 
     def unscale_gradients(self) -> None:
         """fp16: unscale every prepared optimizer's gradients now (done once per step)."""
@@ -341,10 +342,7 @@ class Engine:
             return None
         self._clipped = True
         self.unscale_gradients()
-        params = [p for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        full = getattr(norm, "full_tensor", None)
-        return full() if full is not None else norm
+        return self._strategy.clip_grad_norm(parameters, max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The compute-dtype context of this run (prepared models already run inside it)."""
@@ -478,11 +476,12 @@ class Engine:
         from .checkpoint import Parts
 
         owner = {id(p): i for i, m in enumerate(self._models) for p in m.parameters()}
+        optimizer_models = [owner[id(o.runner.owner_params()[0])] for o in self._optimizers]
         return Parts(
             models=self._models,
             unwrapped=[self._strategy.unwrap(m) for m in self._models],
             runners=[o.runner for o in self._optimizers],
-            optimizer_models=[owner[id(o.params()[0])] for o in self._optimizers],
+            optimizer_models=optimizer_models,
             engine_state={
                 "micro_step": self._micro_step,
                 "step": self._step_count,
@@ -491,7 +490,8 @@ class Engine:
                 "loaders": [d.state_dict() for d in self._loaders],
                 "registered": [o.state_dict() for o in self._registered],
             },
-            info={"engine": "torch", "strategy": self.config.strategy, "offload": self.config.offload,
+            strategy=self._strategy,
+            info={"engine": self.config.backend, "strategy": self.config.strategy, "offload": self.config.offload,
                   "precision": self.config.precision},
             rank=self.process_index,
             world=self.num_processes,

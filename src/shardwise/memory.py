@@ -66,7 +66,8 @@ def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch
     models = list(models)
     c = _Counter()
     params = [p for m in models for p in m.parameters()]
-    n_params = c.add(params)
+    # DeepSpeed ZeRO-3 empties each parameter and keeps this rank's partition in `ds_tensor`
+    n_params = c.add(getattr(p, "ds_tensor", p) for p in params)
     n_grads = c.add(p.grad for p in params)
     n_opt = c.add(optimizer_tensors)
     return MemoryReport(params=n_params, grads=n_grads, optimizer=n_opt, host=c.host)

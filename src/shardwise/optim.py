@@ -96,7 +96,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         engine = self._engine
         if engine._optimizers and engine._optimizers[0] is self:
             engine._step_count += 1
-        if engine.config.max_grad_norm is not None and not engine._clipped:
+        if engine.config.max_grad_norm is not None and not engine._clipped and not engine._strategy.clips_in_step:
             engine.clip_grad_norm_(self.params(), engine.config.max_grad_norm)
             engine._clipped = False  # each optimizer clips its own parameters
         scaler = engine._scaler
@@ -109,6 +109,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = not finite
         if finite:
             self.runner.step()
+            self.step_was_skipped = getattr(self.runner, "skipped", False)  # an engine's own fp16 scaler
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._engine.sync_gradients:

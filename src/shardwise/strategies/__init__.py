@@ -24,7 +24,11 @@ STRATEGIES: dict[str, _Factory] = {
 
 
 def make_strategy(cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -> Strategy:
-    """The strategy `cfg.strategy` names (the config has already validated the name)."""
+    """The strategy `cfg.strategy` names on the engine `cfg.backend` names (both validated)."""
+    if cfg.backend == "deepspeed":
+        from .deepspeed import DeepSpeedStrategy  # imports deepspeed itself only when built
+
+        return DeepSpeedStrategy(cfg, info, param_dtype)
     return STRATEGIES[cfg.strategy](cfg, info, param_dtype)
 
 

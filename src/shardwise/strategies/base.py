@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..config import EngineConfig
 from ..dist import DistInfo
@@ -38,6 +43,10 @@ class OptimizerRunner(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+    def owner_params(self) -> list[torch.Tensor]:
+        """Parameters of the model this optimizer updates (to find the model it belongs to)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this runner keeps besides the model's parameters and gradients."""
@@ -73,6 +82,10 @@ class InPlaceRunner(OptimizerRunner):
 class Strategy(ABC):
     """Turns a model into its distributed form and says how optimizers step on it."""
 
+    #: the optimizer step clips (to max_grad_norm) itself; the engine must not clip before it
+    clips_in_step: bool = False
+    #: the strategy applies the compute dtype and any loss scaling itself (no engine autocast)
+    owns_precision: bool = False
     #: convert a full optimizer-state tensor to the form the rebound parameter needs
     shard_state: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -100,3 +113,22 @@ class Strategy(ABC):
     @abstractmethod
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Unsharded weights as CPU tensors on the main process, `{}` elsewhere (collective)."""
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backpropagate an already scaled loss."""
+        loss.backward(**kwargs)
+
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the gradients of `parameters` in place; return their global (unsharded) norm."""
+        params = [p for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        full = getattr(norm, "full_tensor", None)  # FSDP2: the norm of DTensor shards
+        return full() if full is not None else norm
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model's weights keyed by parameter name, whole or as DTensor shards (for DCP)."""
+        return get_model_state_dict(model)
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Take back what `model_state` gave (filled in place by the checkpoint reader)."""
+        set_model_state_dict(model, state)

@@ -1,0 +1,432 @@
+"""zero1, zero2 and zero3 on DeepSpeed (`backend="deepspeed"`): the one file that imports it.
+
+The engine's verbs keep their meaning; what DeepSpeed owns, and how it is kept in step:
+  model      `prepare(model)` returns a `DeepSpeedModel`, the user's module behind a DeepSpeed
+             engine that is built (`deepspeed.initialize`) when the module's optimizer is
+             prepared, so an optimizer made before or after `prepare(model)` both work. A model
+             with no optimizer gets an optimizer-less engine at its first forward.
+  optimizer  the user's own optimizer object, class and parameter groups: DeepSpeed's ZeRO
+             optimizer wraps it and repoints its groups at the flat fp32 partitions this rank
+             owns (1/W of every group). It is never swapped for DeepSpeedCPUAdam, offload or not.
+  backward   plain `loss.backward()`: DeepSpeed's engine hooks the forward outputs and runs its
+             reduce epilogue after autograd (torch-style backward), so one loss may span several
+             models. The loss is divided by grad_accum_steps by the engine, as on torch; DeepSpeed's
+             own accumulation count is 1 so it never divides again.
+  accumulate off the boundary the engine's `set_gradient_accumulation_boundary(False)`: stage 1
+             keeps local gradients, stages 2-3 reduce-scatter into their partitions every
+             micro-step (DeepSpeed has no no_sync for partitioned gradients); on the boundary
+             it finalises the reduction and the optimizer step runs.
+  clipping   the global L2 norm is computed from DeepSpeed's reduced gradient partitions when the
+             script asks (so it is returned before the step), and DeepSpeed's step applies the
+             clip with that bound; `max_grad_norm` becomes DeepSpeed's `gradient_clipping`.
+  precision  bf16 is DeepSpeed's `torch_autocast` with fp32 weights, fp32 reduction and fp32
+             optimizer state, the torch engine's policy; fp16 is DeepSpeed's fp16 with its loss
+             scaler (CUDA only: DeepSpeed's CPU accelerator has no fp16).
+  weights    `full_state_dict` gathers ZeRO-3 partitions one parameter at a time, no flag needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, EngineConfig
+from ..dist import DistInfo
+from .base import OptimizerRunner, Strategy
+
+log = logging.getLogger("shardwise")
+
+_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+# Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
+# through untouched; the stage and the offload targets always come from our config.
+_OURS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"}
+
+
+def import_deepspeed(device: torch.device) -> Any:
+    """`import deepspeed`, or one clear error naming the install command."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the CPU accelerator, even beside GPUs
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise ConfigError(
+            f"backend='deepspeed' needs DeepSpeed, which is not importable here ({err}); install it "
+            "with: pip install 'shardwise[deepspeed]'  (or choose backend='torch')"
+        ) from None
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls collectives torch 2.13 renamed; one warning per call is noise to users
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`", FutureWarning)
+    return deepspeed
+
+
+def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> dict[str, Any]:
+    """The DeepSpeed config dict for our config (pure: no deepspeed import).
+
+    `numel` (the model's parameter count) caps the bucket sizes: DeepSpeed's defaults (5e8
+    elements) allocate ~2 GB of fp32 buffers per rank whatever the model.
+    """
+    if cfg.strategy not in _STAGES:
+        raise ConfigError(
+            f"strategy={cfg.strategy!r} is not run by backend='deepspeed'; choose zero1, zero2 or "
+            "zero3 there, or backend='torch' for ddp"
+        )
+    if cfg.precision == "fp16" and device.type != "cuda":
+        raise ConfigError(
+            "precision='fp16' with backend='deepspeed' needs CUDA: DeepSpeed's CPU accelerator has "
+            "no fp16; use precision='bf16' (or backend='torch', whose fp16 runs on CPU)"
+        )
+    bucket = int(max(1, min(cfg.offload_bucket_numel, numel)))
+    pin = device.type == "cuda"
+    zero: dict[str, Any] = {
+        "stage": _STAGES[cfg.strategy],
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+    }
+    if cfg.strategy == "zero3":
+        # shard every parameter, as FSDP2 does (DeepSpeed keeps ones under 1e5 elements whole)
+        zero |= {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": bucket}
+    if cfg.offload in ("optimizer", "params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if cfg.offload == "params":  # parameters on the host too (and the step there, as on torch)
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    if cfg.deepspeed_config:
+        zero = _user_zero_keys(cfg.deepspeed_config) | zero
+    out: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: the DataLoader sets the batch
+        "gradient_accumulation_steps": 1,  # the engine divides the loss by grad_accum_steps
+        "gradient_clipping": float(cfg.max_grad_norm or 0.0),
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # the user's torch optimizer, under ZeRO
+        "zero_force_ds_cpu_optimizer": False,  # ... also under offload: never swapped
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision == "bf16":
+        # fp32 weights and autocast compute; no module reduces in bf16 (an empty safe list)
+        out["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    elif cfg.precision == "fp16":
+        ls = cfg.loss_scale
+        out["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0 if ls.dynamic else ls.init_scale,
+            "initial_scale_power": int(round(math.log2(ls.init_scale))),
+            "loss_scale_window": ls.growth_interval,
+            "hysteresis": ls.hysteresis,
+            "min_loss_scale": ls.min_scale,
+        }
+    return out
+
+
+def _user_zero_keys(path: str) -> dict[str, Any]:
+    """Tuning keys of a DeepSpeed JSON's zero_optimization section ("auto" ones left out)."""
+    with open(path) as f:
+        zero = json.load(f).get("zero_optimization") or {}
+    return {k: v for k, v in zero.items() if k not in _OURS and v != "auto"}
+
+
+class DeepSpeedModel(nn.Module):
+    """The user's module behind a DeepSpeed engine (built when its optimizer is prepared).
+
+    Parameters, `train()`/`eval()` and state are the user's module's (`.module`); calling it
+    runs DeepSpeed's forward, which gathers ZeRO-3 partitions and hooks the backward.
+    """
+
+    def __init__(self, module: nn.Module, strategy: DeepSpeedStrategy) -> None:
+        super().__init__()
+        self.module = module
+        # not submodules: the engine holds `module` again, the strategy is no module at all
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "ds_engine", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.ds_engine
+        if engine is None:  # evaluation-only model: an engine without optimizer
+            engine = self._strategy.initialize(self, None)
+        return engine(*args, **kwargs)
+
+
+class DeepSpeedRunner(OptimizerRunner):
+    """One prepared optimizer = one DeepSpeed engine's optimizer step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DeepSpeedModel, names: list[list[str]]) -> None:
+        self.optimizer = optimizer  # the user's; its groups now hold this rank's fp32 partitions
+        self.model = model
+        self.engine = model.ds_engine
+        self.group_names = names  # parameter names per group, as the user made them
+        self.clip = float(self.engine.optimizer.clip_grad)
+        self.skipped = False
+
+    def step(self) -> None:
+        self.engine.step()  # on the boundary: reduce (stage 1), clip, step, zero the grads
+        self.skipped = not self.engine.was_step_applied()  # fp16 overflow        self.engine.optimizer.clip_grad = self.clip  # a script's clip bound lasts one step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def owner_params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """fp32 partitions, their gradients and the optimizer state this rank keeps."""
+        out = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        for f, _ in self._flat_partitions():
+            out += [f] + ([f.grad] if f.grad is not None else [])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.optimizer.load_state_dict([state])
+
+    def _flat_partitions(self) -> list[tuple[torch.Tensor, int]]:
+        """This rank's fp32 partitions and the user's group each belongs to. Stage 3 lends them
+        to the optimizer's groups only while it steps, so its groups are empty at rest."""
+        opt = self.engine.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # stage 3: one per sub-group
+            flats = opt.fp32_partitioned_groups_flat
+            return [(f, opt.sub_group_to_group_id[i]) for i, f in enumerate(flats)]
+        return [(f, i) for i, f in enumerate(opt.single_partition_of_fp32_groups)]
+
+    def _ensure_state(self) -> None:
+        """Give a fresh optimizer its state (a zero-gradient step at lr 0, as torch DCP does) and
+        point DeepSpeed's per-parameter views at it (stages 1-2 link them after the first step)."""
+        flats = self._flat_partitions()
+        groups = self.optimizer.param_groups
+        if not any(f in self.optimizer.state for f, _ in flats):
+            kept = [(g["params"], g["lr"]) for g in groups]
+            grads = [f.grad for f, _ in flats]
+            for g in groups:
+                g["params"], g["lr"] = [], 0.0
+            for f, gi in flats:
+                groups[gi]["params"].append(f)
+                f.grad = torch.zeros_like(f)
+            self.optimizer.step()
+            for g, (params, lr) in zip(groups, kept):
+                g["params"], g["lr"] = params, lr
+            for (f, _), grad in zip(flats, grads):  # offload keeps its host gradient buffers attached
+                f.grad = grad
+        opt = self.engine.optimizer
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):  # stages 1 and 2
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+    def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
+        """torch's `get_optimizer_state_dict` layout with whole tensors, so a checkpoint moves
+        between engines, stages and world sizes (each is gathered: a collective)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        self._ensure_state()
+        params = dict(self.model.module.named_parameters())
+        step = self._step()
+        state: dict[str, Any] = {}
+        groups = []
+        for names, group in zip(self.group_names, self.optimizer.param_groups):
+            for name in names:
+                entry = {k: safe_get_full_optimizer_state(params[name], k) for k in _state_keys(self.optimizer)}
+                if step is not None and all(torch.is_tensor(v) for v in entry.values()):
+                    state[name] = {"step": step.clone(), **{k: v.detach().cpu() for k, v in entry.items()}}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(names)})
+        return {"state": state, "param_groups": groups}
+
+    def load_checkpoint_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        self._ensure_state()
+        params = dict(self.model.module.named_parameters())
+        for name, entry in state["state"].items():
+            for key, value in entry.items():
+                if key != "step":
+                    safe_set_full_optimizer_state(params[name], value.to(torch.float32), key)
+        steps = [e["step"] for e in state["state"].values() if "step" in e]
+        for st in self.optimizer.state.values():
+            if "step" in st and steps:
+                st["step"].copy_(steps[0]) if torch.is_tensor(st["step"]) else st.__setitem__("step", steps[0])
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _step(self) -> torch.Tensor | None:
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                s = st["step"]
+                return s.detach().cpu().float() if torch.is_tensor(s) else torch.tensor(float(s))
+        return None
+
+
+def _state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
+    for st in optimizer.state.values():
+        return [k for k, v in st.items() if k != "step" and torch.is_tensor(v) and v.dim() > 0]
+    return []
+
+
+class DeepSpeedStrategy(Strategy):
+    """ZeRO stage 1, 2 or 3 (`cfg.strategy`) with DeepSpeed's offload, one engine per model."""
+
+    clips_in_step = True
+    owns_precision = True
+
+    def __init__(self, cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -> None:
+        super().__init__(cfg, info, param_dtype)
+        deepspeed_config(cfg, device=info.device, numel=1)  # refuse a bad combination up front
+        self.ds = import_deepspeed(info.device)
+        self._owner: dict[int, DeepSpeedModel] = {}  # parameter id -> model
+
+    # -- models -----------------------------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(f"{type(model).__name__} has no trainable parameters; DeepSpeed cannot train it")
+        model.to(self.info.device)
+        wrapped = DeepSpeedModel(model, self)
+        self._owner.update((id(p), wrapped) for p in model.parameters())
+        return wrapped
+
+    def initialize(self, model: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> Any:
+        """Build the DeepSpeed engine of `model` (ZeRO-3 partitions its parameters here)."""
+        if model.ds_engine is not None:
+            raise ValueError(
+                "this model already ran under DeepSpeed without an optimizer; with "
+                "backend='deepspeed', prepare the model's optimizer before its first forward"
+            )
+        numel = sum(p.numel() for p in model.module.parameters())
+        config = deepspeed_config(self.cfg, device=self.info.device, numel=numel)
+        engine, *_ = self.ds.initialize(
+            model=model.module, optimizer=optimizer, config=config, dist_init_required=False
+        )
+        if optimizer is not None and not engine._support_torch_style_backward:
+            raise RuntimeError(
+                f"DeepSpeed {self.ds.__version__} cannot run loss.backward() directly with this "
+                "torch; shardwise needs deepspeed>=0.18"
+            )
+        object.__setattr__(model, "ds_engine", engine)
+        return engine
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DeepSpeedModel) else model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return _off_boundary(getattr(model, "ds_engine", None))
+
+    # -- optimizers -------------------------------------------------------------------------
+    def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
+        owners = {id(self._owner[id(p)]): self._owner[id(p)] for g in optimizer.param_groups for p in g["params"]
+                  if id(p) in self._owner}
+        if len(owners) != 1:
+            raise ValueError(
+                f"under backend='deepspeed' each optimizer updates exactly one prepared model; "
+                f"{type(optimizer).__name__} holds parameters of {len(owners)}: make one optimizer per model"
+            )
+        (model,) = owners.values()
+        if model.ds_engine is not None and model.ds_engine.optimizer is not None:
+            raise ValueError("this model already has an optimizer under DeepSpeed; prepare one optimizer per model")
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        self.initialize(model, optimizer)
+        if self.cfg.offload != "none":
+            log.info("deepspeed: %s steps on the host (DeepSpeedCPUAdam not substituted)", type(optimizer).__name__)
+        return DeepSpeedRunner(optimizer, model, group_names)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.cfg.precision != "fp16":
+            loss.backward(**kwargs)  # DeepSpeed's output hooks run its prologue and epilogue
+            return
+        trained = [m.ds_engine for m in set(self._owner.values()) if m.ds_engine is not None and m.ds_engine.optimizer is not None]
+        if len(trained) != 1:
+            raise ValueError(
+                f"precision='fp16' on backend='deepspeed' scales the loss with one model's loss "
+                f"scaler, and {len(trained)} models are being trained; use bf16, or backend='torch'"
+            )
+        trained[0].scale(loss).backward(**kwargs)
+
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        """The global L2 norm of the gradients of the models these parameters belong to, from
+        DeepSpeed's reduced partitions; DeepSpeed's next step clips to `max_norm` with it."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type={norm_type} is not supported by backend='deepspeed'; it clips the L2 norm (2.0)")
+        engines = {}
+        for p in parameters:
+            model = self._owner.get(id(p))
+            if model is not None and model.ds_engine is not None and model.ds_engine.optimizer is not None:
+                engines[id(model)] = model.ds_engine
+        if not engines:
+            raise ValueError("clip_grad_norm_ got no parameter of a model prepared with an optimizer")
+        total = torch.zeros((), dtype=torch.float32)
+        for engine in engines.values():
+            opt = engine.optimizer
+            norm = _scaled_global_norm(opt) / float(opt.loss_scale)
+            total += norm.detach().float().cpu() ** 2
+            opt.clip_grad = float(max_norm)
+        return total.sqrt().to(self.info.device)
+
+    # -- weights ----------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        module = self.unwrap(model)
+        gathered: dict[int, torch.Tensor] = {}
+        for p in module.parameters():  # one parameter at a time: no rank holds the whole model twice
+            with self.ds.zero.GatheredParameters([p], modifier_rank=None):
+                if self.info.is_main:
+                    gathered[id(p)] = p.detach().to("cpu", copy=True)
+        if not self.info.is_main:
+            return {}
+        out = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            out[name] = gathered[id(t)] if id(t) in gathered else t.detach().to("cpu", copy=True)
+        return out
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Whole fp32 weights (from DeepSpeed's masters) and buffers, keyed by name (collective)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.unwrap(model)
+        out = {}
+        for name, p in module.named_parameters():
+            full = safe_get_full_fp32_param(p) if getattr(model, "ds_engine", None) is not None else None
+            out[name] = (full if full is not None else p.detach()).clone()
+        out.update({n: b.detach().clone() for n, b in module.named_buffers()})
+        return out
+
+    def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        module = self.unwrap(model)
+        trained = getattr(model, "ds_engine", None) is not None
+        for name, p in module.named_parameters():
+            value = state[name].to(self.info.device, torch.float32)
+            if trained:
+                safe_set_full_fp32_param(p, value)  # the optimizer's fp32 master ...
+            # ... and the copy forward computes with (ZeRO-3: re-partitioned when the block exits)
+            with self.ds.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                p.data.copy_(value.to(p.dtype))
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(state[name])
+
+
+def _scaled_global_norm(opt: Any) -> torch.Tensor:
+    """The loss-scaled global gradient norm DeepSpeed's own step computes (all ranks agree)."""
+    if hasattr(opt, "scaled_global_norm"):  # stages 1 and 2
+        return opt.scaled_global_norm()
+    from deepspeed.runtime.utils import combine_grad_norm_groups  # stage 3
+
+    return combine_grad_norm_groups(opt._get_norm_groups())
+
+
+@contextlib.contextmanager
+def _off_boundary(engine: Any) -> Iterator[None]:
+    if engine is None or engine.optimizer is None:
+        yield
+        return
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(True)
+

@@ -1,0 +1,273 @@
+"""backend="deepspeed": the same loop trains the same model as one plain process and as the
+torch engine; multi-model, optimizer after prepare, full weights under ZeRO-3, checkpoints that
+move between engines; and the errors (no deepspeed, ddp, fp16 on CPU).
+
+Tolerances are the equivalence tests' (losses 1e-5, clip norms 1e-5 relative, weights 2e-5;
+a correct run lands near 6e-6 on weights with torch AdamW). bf16 on both engines is compared
+with 2e-2 on losses: both autocast with fp32 weights, but the engines reduce in different
+orders, so bf16 rounding differs a little from the first step on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import test_checkpoint as CK
+import workloads as W
+from spawn import spawn
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed not installed (pip install 'shardwise[deepspeed]'); CI installs it",
+)
+
+CONFIGS: list[dict[str, str]] = [c for c in W.STRATEGIES if c["strategy"] != "ddp"]
+MODELS = ["tiny", "gpt2"]
+CLIP = 0.5  # below every reference norm (asserted), so clipping changes every step
+RUN = dict(batch=2, accum=2, steps=4, clip=CLIP)
+
+
+def _key(cfg: dict[str, Any]) -> str:
+    return "+".join(str(v) for v in cfg.values())
+
+
+def _two_models(backend: str, strategy: str) -> dict[str, Any]:
+    """Two models, each its own optimizer; the second optimizer is made after prepare."""
+    import shardwise
+
+    engine = shardwise.Engine(backend=backend, strategy=strategy, cpu=True, seed=W.SEED)
+    a, b = W.build("tiny"), W.build("tiny")
+    torch.manual_seed(5)
+    for p in b.parameters():  # a different model, not a copy of the first
+        p.data.normal_(0, 0.05)
+    opt_a = W.make_optimizer(a)
+    a, opt_a = engine.prepare(a, opt_a)
+    b = engine.prepare(b)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9)
+    opt_b = engine.prepare(opt_b)
+    data = W.Tokens(8 * engine.num_processes).data
+    mine = data.view(4, engine.num_processes, 2, -1)[:, engine.process_index]
+    for ids in mine:
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            loss = W.lm_loss(model, ids)
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    return {"a": engine.get_state_dict(a), "b": engine.get_state_dict(b), "types": [type(opt_a.optimizer).__name__, type(opt_b.optimizer).__name__]}
+
+
+def _two_models_reference(world: int) -> dict[str, Any]:
+    a, b = W.build("tiny"), W.build("tiny")
+    torch.manual_seed(5)
+    for p in b.parameters():
+        p.data.normal_(0, 0.05)
+    opt_a, opt_b = W.make_optimizer(a), torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9)
+    data = W.Tokens(8 * world).data.view(4, world * 2, -1)
+    for ids in data:
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            W.lm_loss(model, ids).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"a": a.state_dict(), "b": b.state_dict()}
+
+
+def _save_model_zero3(folder: str) -> dict[str, Any]:
+    import shardwise
+
+    engine = shardwise.Engine(backend="deepspeed", strategy="zero3", cpu=True, seed=W.SEED)
+    model = W.build("gpt2")
+    opt = W.make_optimizer(model)
+    model, opt = engine.prepare(model, opt)
+    ids = W.Tokens(4).data[engine.process_index * 2 : engine.process_index * 2 + 2]
+    engine.backward(W.lm_loss(model, ids))
+    opt.step()
+    engine.save_model(model, folder)
+    local = [tuple(p.shape) for p in engine.unwrap_model(model).parameters()]
+    return {"state": engine.get_state_dict(model), "local_shapes": local}
+
+
+def _engine(spec: str) -> Any:
+    """'deepspeed:zero2+optimizer' or 'torch:zero3' -> an Engine."""
+    import shardwise
+
+    backend, _, strategy = spec.partition(":")
+    kind, _, offload = strategy.partition("+")
+    return shardwise.Engine(backend=backend, strategy=kind, offload=offload or "none", cpu=True, seed=W.SEED)
+
+
+CROSS = [
+    ("torch:zero3", "deepspeed:zero2"),
+    ("torch:zero2", "deepspeed:zero3+optimizer"),
+    ("deepspeed:zero3", "torch:zero3"),
+    ("deepspeed:zero1", "torch:zero2+optimizer"),
+    ("deepspeed:zero2+optimizer", "deepspeed:zero3+params"),
+]
+
+
+def _everything(folder: str) -> dict[str, Any]:
+    """All DeepSpeed runs of this file in one pair of processes (DeepSpeed starts slowly)."""
+    out: dict[str, Any] = {}
+    for name in MODELS:
+        for cfg in CONFIGS:
+            out[("eq", name, _key(cfg))] = W.train_engine(name, {"cpu": True, "backend": "deepspeed", **cfg}, **RUN)
+    for backend in ("torch", "deepspeed"):
+        for precision in ("fp32", "bf16"):
+            kw = {"cpu": True, "backend": backend, "strategy": "zero3", "precision": precision}
+            out[("engines", backend, precision)] = W.train_engine("tiny", kw, batch=2, accum=2, steps=2, clip=CLIP)
+    out["config_clip"] = W.train_engine(
+        "tiny", {"cpu": True, "backend": "deepspeed", "strategy": "zero2", "max_grad_norm": CLIP},
+        batch=2, accum=2, steps=4, clip=None,  # the script never clips; the config's bound applies
+    )
+    out["two_models"] = _two_models("deepspeed", "zero3")
+    out["save_model"] = _save_model_zero3(f"{folder}/export")
+    saved = {src: CK._train(_engine(src), 4, save=f"{folder}/{src}") for src, _ in CROSS}
+    out["cross"] = {(s, d): (saved[s]["losses"], CK._train(_engine(d), 4, load=f"{folder}/{s}")) for s, d in CROSS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("ds")
+    out = spawn(_everything, 2, str(folder))[0]
+    out["folder"] = folder
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict[str, dict[str, Any]]:
+    return {name: W.reference(name, world=2, **RUN) for name in MODELS}
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_key)
+@pytest.mark.parametrize("name", MODELS)
+def test_deepspeed_matches_single_process(runs: dict, refs: dict, name: str, cfg: dict[str, str]) -> None:
+    run, ref = runs[("eq", name, _key(cfg))], refs[name]
+    assert min(ref["norms"]) > CLIP  # so the clip really acts on every step
+    assert len(run["losses"]) == 8 and len(run["norms"]) == 4
+    assert W.close(run["losses"], ref["losses"]) < 1e-5
+    assert W.close(run["norms"], ref["norms"]) < 1e-5 * max(ref["norms"])
+    assert W.max_diff(run["state"], ref["state"]) < 2e-5
+    assert W.max_diff(run["state"], W.build(name).state_dict()) > 1e-3  # training moved the weights
+
+
+def test_clipping_really_clips(runs: dict, refs: dict) -> None:
+    """Without the clip the weights land far from the clipped reference: the clip is applied."""
+    unclipped = W.reference("tiny", world=2, batch=2, accum=2, steps=4, clip=1e9)
+    assert W.max_diff(unclipped["state"], refs["tiny"]["state"]) > 1e-4
+    # the config's max_grad_norm is applied by DeepSpeed's step, with no clip call in the loop
+    assert W.max_diff(runs["config_clip"]["state"], refs["tiny"]["state"]) < 2e-5
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torch_and_deepspeed_engines_agree(runs: dict, precision: str) -> None:
+    torch_run, ds_run = runs[("engines", "torch", precision)], runs[("engines", "deepspeed", precision)]
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    assert W.is_finite(ds_run["losses"]) and len(ds_run["losses"]) == 4
+    assert W.close(torch_run["losses"], ds_run["losses"]) < tol
+    assert W.close(torch_run["norms"], ds_run["norms"]) < tol * max(torch_run["norms"])
+    if precision == "bf16":  # bf16 really computed in bf16: it differs from fp32
+        assert W.close(runs[("engines", "deepspeed", "fp32")]["losses"], ds_run["losses"]) > 1e-6
+
+
+def test_two_models_each_with_its_optimizer(runs: dict) -> None:
+    ref = _two_models_reference(2)
+    run = runs["two_models"]
+    assert run["types"] == ["AdamW", "SGD"]  # the user's classes, never swapped
+    assert W.max_diff(run["a"], ref["a"]) < 2e-5
+    assert W.max_diff(run["b"], ref["b"]) < 2e-5
+
+
+def test_zero3_full_weights_and_save_model(runs: dict) -> None:
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    out, folder = runs["save_model"], runs["folder"] / "export"
+    full = W.build("gpt2").state_dict()
+    assert set(out["state"]) == set(full)
+    assert all(out["state"][k].shape == full[k].shape for k in full)
+    assert all(s == (0,) for s in out["local_shapes"])  # ZeRO-3 really partitioned them
+    saved = load_file(folder / "model.safetensors")
+    for k, v in saved.items():
+        assert torch.equal(v, out["state"][k]), k
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    assert W.max_diff(model.state_dict(), out["state"]) == 0.0
+
+
+@pytest.mark.parametrize("pair", CROSS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_checkpoint_moves_between_engines(runs: dict, pair: tuple[str, str]) -> None:
+    ref = CK._reference(8)
+    first, run = runs["cross"][pair]
+    assert W.close(first + run["losses"], ref["losses"]) < 1e-5
+    assert W.max_diff(run["state"], ref["state"]) < 2e-5
+    assert run["step"] == 8 and run["lr"] == pytest.approx([1e-3 * 0.9**8] * 2)  # both groups
+
+
+# -- refused before any work ----------------------------------------------------------------------
+def test_deepspeed_config_translation() -> None:
+    from shardwise import EngineConfig
+    from shardwise.strategies.deepspeed import deepspeed_config
+
+    cpu = torch.device("cpu")
+    ds = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero3", offload="params", precision="bf16",
+                                       max_grad_norm=1.0), device=cpu, numel=1000)
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["reduce_bucket_size"] == 1000 and zero["stage3_param_persistence_threshold"] == 0
+    assert ds["gradient_clipping"] == 1.0 and ds["gradient_accumulation_steps"] == 1
+    assert ds["torch_autocast"]["dtype"] == "bfloat16" and "bf16" not in ds
+    assert ds["zero_force_ds_cpu_optimizer"] is False
+    z1 = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero1"), device=cpu, numel=10**9)
+    assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 2**24, "allgather_bucket_size": 2**24}
+
+
+def test_deepspeed_json_tuning_keys_pass_through(tmp_path: Path) -> None:
+    import json
+
+    from shardwise import EngineConfig
+    from shardwise.strategies.deepspeed import deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True, "sub_group_size": "auto",
+                                                      "stage3_max_live_parameters": 1e8}}))
+    cfg = EngineConfig(backend="deepspeed", strategy="zero2", deepspeed_config=str(path))
+    zero = deepspeed_config(cfg, device=torch.device("cpu"), numel=10)["zero_optimization"]
+    assert zero["stage"] == 2  # our strategy wins
+    assert zero["overlap_comm"] is True and zero["stage3_max_live_parameters"] == 1e8
+    assert "sub_group_size" not in zero  # "auto" is left to DeepSpeed
+
+
+def test_bad_deepspeed_combinations_are_refused() -> None:
+    import shardwise
+    from shardwise import ConfigError
+
+    with pytest.raises(ConfigError, match="strategy='ddp' is not run by backend='deepspeed'.*zero1, zero2 or zero3"):
+        shardwise.Engine(backend="deepspeed", strategy="ddp", cpu=True)
+    with pytest.raises(ConfigError, match="fp16.*needs CUDA.*bf16"):
+        shardwise.Engine(backend="deepspeed", strategy="zero2", precision="fp16", cpu=True)
+
+
+def test_without_deepspeed_one_clear_error(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "import shardwise\n"
+        "try:\n"
+        "    shardwise.Engine(backend='deepspeed', strategy='zero2', cpu=True)\n"
+        "except shardwise.ConfigError as e:\n"
+        "    print('ERR', e)\n"
+        "import torch.nn as nn; e = shardwise.Engine(strategy='zero2', cpu=True)\n"  # torch still works
+        "print('OK', e.prepare(nn.Linear(2, 2)).__class__.__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERR backend='deepspeed' needs DeepSpeed" in proc.stdout
+    assert "pip install 'shardwise[deepspeed]'" in proc.stdout
+    assert "OK FSDPLinear" in proc.stdout  # zero2 on the torch engine
