@@ -3,6 +3,7 @@ through a c10d rendezvous, the tutorial DeepSpeed JSONs, exit codes and Ctrl-C."
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -91,7 +92,13 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_p
 
 @pytest.mark.parametrize(
     ("name", "extra", "precision"),
-    [("tutorial_zero2.json", [], "fp16"), ("tutorial_zero3_offload.json", ["--precision", "bf16"], "bf16")],
+    [
+        ("tutorial_zero2.json", [], "fp16"),
+        ("tutorial_zero3_offload.json", ["--precision", "bf16"], "bf16"),
+        pytest.param("tutorial_zero3_offload.json", ["--precision", "bf16", "--backend", "deepspeed"], "bf16",
+                     marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="no deepspeed"),
+                     id="deepspeed-engine"),
+    ],
 )
 def test_tutorial_deepspeed_json_runs_with_autos_filled(name: str, extra: list[str], precision: str, tmp_path: Path) -> None:
     out = tmp_path / "result.pt"
@@ -103,6 +110,7 @@ def test_tutorial_deepspeed_json_runs_with_autos_filled(name: str, extra: list[s
     res = _result(out)
     cfg = res["config"]
     assert cfg["precision"] == precision and cfg["max_grad_norm"] == 1.0
+    assert cfg["backend"] == ("deepspeed" if "--backend" in extra else "torch")
     assert res["optimizer"] == "AdamW" and W.is_finite(res["losses"]) and len(res["losses"]) == 4
     # WarmupDecayLR with every value "auto": lr 5e-5, no warm-up, linear decay over one epoch
     assert res["lrs"] == pytest.approx([5e-5 * (1 - k / 4) for k in range(1, 5)])

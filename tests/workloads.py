@@ -104,17 +104,17 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def reference(
-    name: str, *, world: int, batch: int, accum: int, steps: int, clip: float = 1.0
+    name: str, *, world: int, batch: int, accum: int, steps: int, clip: float = 1.0, device: str = "cpu"
 ) -> dict[str, Any]:
     """One plain process on the same global batches: micro-batch losses, norms, final weights."""
-    model = build(name)
+    model = build(name).to(device)
     opt = make_optimizer(model)
     data = Tokens(world * batch * accum * steps)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED)).tolist()
     g = world * batch
     losses, norms = [], []
     for k in range(accum * steps):
-        ids = data.data[order[k * g : (k + 1) * g]]
+        ids = data.data[order[k * g : (k + 1) * g]].to(device)
         loss = lm_loss(model, ids)
         (loss / accum).backward()
         losses.append(loss.item())
@@ -122,7 +122,7 @@ def reference(
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
             opt.step()
             opt.zero_grad()
-    return {"losses": losses, "norms": norms, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
 def train_engine(
