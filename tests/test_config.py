@@ -62,7 +62,7 @@ def test_deepspeed_translation_details() -> None:
 BAD = {
     "unknown_key.yaml": "unknown key 'stratgy' (did you mean 'strategy'?)",
     "unknown_nested_key.yaml": "unknown key 'launch.num_process' (did you mean 'num_processes'?)",
-    "bad_strategy.yaml": "strategy: expected 'ddp', 'zero1', 'zero2' or 'zero3', found 'zero4'",
+    "bad_strategy.yaml": "strategy: expected 'ddp', 'zero1', 'zero2', 'zero3' or 'auto', found 'zero4'",
     "wrong_type_int.yaml": "grad_accum_steps: expected a valid integer",
     "wrong_type_bool.yaml": "cpu: expected a valid boolean",
     "yaml_syntax.yaml": "yaml_syntax.yaml:3: YAML syntax error",
@@ -170,7 +170,7 @@ def test_questionnaire_validates_answers(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
     out = tmp_path / "shardwise.yaml"
     assert cli.main(["config", "--output", str(out)]) == 0
-    assert "strategy: expected 'ddp', 'zero1', 'zero2' or 'zero3', found 'zero4'" in capsys.readouterr().out
+    assert "strategy: expected 'ddp', 'zero1', 'zero2', 'zero3' or 'auto', found 'zero4'" in capsys.readouterr().out
     cfg = load_config(out)
     assert (cfg.strategy, cfg.precision, cfg.grad_accum_steps, cfg.activation_checkpointing) == ("zero3", "bf16", 2, True)
     assert (cfg.launch.num_processes, cfg.launch.num_nodes) == (2, 1)

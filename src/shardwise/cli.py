@@ -1,4 +1,4 @@
-"""The `shardwise` command: launch, config, export, env.
+"""The `shardwise` command: launch, config, plan, export, env.
 
 Flags for the config tree are generated from its fields (their docstrings are the help), so the
 command line, the YAML file and `Engine(...)` keywords always name the same settings.
@@ -175,7 +175,7 @@ def _cmd_launch(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # -- config -----------------------------------------------------------------------------------
 _QUESTIONS = [
-    ("strategy", "Sharding strategy (ddp, zero1, zero2, zero3)"),
+    ("strategy", "Sharding strategy (ddp, zero1, zero2, zero3, auto)"),
     ("precision", "Precision (fp32, bf16, fp16)"),
     ("offload", "Offload to host memory (none, optimizer, params)"),
     ("grad_accum_steps", "Gradient accumulation steps"),
@@ -295,6 +295,70 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+# -- plan -------------------------------------------------------------------------------------
+def _plan_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="which strategy and per-device batch fit, predicted from a trace on fake tensors",
+        description="Trace the model through every strategy on fake tensors (nothing is allocated, no "
+                    "GPU needed) and report, per strategy with and without activation checkpointing, the "
+                    "per-device peak memory and its parts, the largest batch that fits and the relative "
+                    "step time; the fastest plan that fits is marked. Memory sizes are binary: 24GB = 24 GiB.",
+    )
+    p.add_argument("--model", required=True, help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
+                   "deberta-v2-xlarge, blenderbot-400m, llama-1b, llama-7b), a config.json, or module:factory")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--batch", type=int, default=1, help="per-device batch to evaluate (default 1)")
+    p.add_argument("--gpus", type=int, default=1, help="devices (processes) to plan for (default 1)")
+    p.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
+    p.add_argument("--cpu-memory", default=None, help="host memory of the machine; offload plans must fit in it")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="only plans with (or, --no-..., without) activation checkpointing (default: both)")
+    p.add_argument("--global-batch", type=int, default=None, help="suggest per-device batch x accumulation steps for this global batch")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="plan for GPUs (default) or CPU processes")
+    p.add_argument("--cuda-context", default=None, help="device memory outside tensors: CUDA context and workspaces (default 0.6GB)")
+    p.add_argument("--nccl-buffers", default=None, help="NCCL buffers per process with 2+ devices (default 0.4GB)")
+    p.add_argument("--fragmentation", type=float, default=None, help="allocator fragmentation, fraction of the tensor peak (default 0.08)")
+    p.add_argument("--write", metavar="YAML", default=None, help="save the chosen plan as a config for shardwise launch")
+    p.add_argument("--plot", metavar="PNG", default=None, help="draw the breakdown as stacked bars per plan (needs matplotlib)")
+    p.add_argument("--workers", type=int, default=2, help="processes tracing in parallel (default 2)")
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    from .plan import Overheads, parse_memory, plan_named
+    from .plan.report import describe, plot, write_config
+
+    memory = ns.gpu_memory
+    if memory is None:
+        import torch
+
+        if ns.device == "cpu" or not torch.cuda.is_available():
+            raise ConfigError("--gpu-memory is needed (no GPU here to read it from), e.g. --gpu-memory 24GB")
+        memory = torch.cuda.get_device_properties(0).total_memory
+    base = Overheads()
+    overheads = Overheads(
+        cuda_context=parse_memory(ns.cuda_context, "--cuda-context") if ns.cuda_context else base.cuda_context,
+        nccl_buffers=parse_memory(ns.nccl_buffers, "--nccl-buffers") if ns.nccl_buffers else base.nccl_buffers,
+        fragmentation=base.fragmentation if ns.fragmentation is None else ns.fragmentation,
+    )
+    if not 0 <= overheads.fragmentation < 1:
+        raise ConfigError(f"--fragmentation {ns.fragmentation}: must lie in [0, 1)")
+    result = plan_named(
+        ns.model, seq_len=ns.seq_len, world_size=ns.gpus, device_memory=memory, batch=ns.batch,
+        workers=max(1, ns.workers), device=ns.device, precision=ns.precision, host_memory=ns.cpu_memory,
+        activation_checkpointing=ns.activation_checkpointing, global_batch=ns.global_batch, overheads=overheads,
+    )
+    print(describe(result))
+    if ns.plot:
+        plot(result, ns.plot)
+        print(f"wrote {ns.plot}")
+    if ns.write:
+        write_config(result, ns.write)
+        print(f"wrote {ns.write}")
+    return 0
+
+
 # -- env --------------------------------------------------------------------------------------
 def environment() -> dict[str, str]:
     """What a bug report needs: versions, devices, backends, CPU and memory."""
@@ -361,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("output", help="the folder to create (never overwritten)")
     exp.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
     exp.add_argument("--max-shard-size", default="5GB", help="split into several files above this size")
+    _plan_parser(sub)
     sub.add_parser("env", help="versions, devices and backends, for a bug report")
     return parser
 
@@ -376,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_config(ns)
         if ns.command == "export":
             return _cmd_export(ns)
+        if ns.command == "plan":
+            return _cmd_plan(ns)
         return _cmd_env(ns)
     except (ConfigError, _checkpoint_error()) as err:
         print(f"shardwise: error: {err}", file=sys.stderr)

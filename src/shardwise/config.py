@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-Strategy = Literal["ddp", "zero1", "zero2", "zero3"]
+Strategy = Literal["ddp", "zero1", "zero2", "zero3", "auto"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
 Backend = Literal["torch", "deepspeed"]
@@ -24,7 +24,7 @@ OptimizerType = Literal["AdamW", "Adam", "SGD"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 Auto = Literal["auto"]
 
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+STRATEGIES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3")  # what "auto" chooses from
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 
@@ -163,7 +163,9 @@ class EngineConfig:
 
     strategy: Strategy = "ddp"
     """ddp: full replicas, gradients all-reduced. zero1: + optimizer states sharded.
-    zero2: + gradients sharded. zero3: + parameters sharded (gathered per block for compute)."""
+    zero2: + gradients sharded. zero3: + parameters sharded (gathered per block for compute).
+    auto: at prepare, plan for this device's memory, the world size and the DataLoader's batch
+    and take the fastest strategy (and offload) that fits (`shardwise plan` explains the choice)."""
     backend: Backend = "torch"
     """The engine under the strategies: torch (FSDP2 / DDP) or deepspeed (DeepSpeed ZeRO stages
     1-3 and its offload; zero1/zero2/zero3 only; `pip install 'shardwise[deepspeed]'`)."""
@@ -208,7 +210,7 @@ class EngineConfig:
     """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
 
     def __post_init__(self) -> None:
-        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("strategy", self.strategy, (*STRATEGIES, "auto"))
         _choice("backend", self.backend, get_args(Backend))
         _choice("precision", self.precision, PRECISIONS)
         _choice("offload", self.offload, OFFLOADS)
@@ -222,12 +224,17 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value, allow_auto=True)
-        if self.offload == "params" and self.strategy != "zero3":
+        if self.strategy == "auto" and self.backend != "torch":
+            raise ConfigError(
+                f"strategy='auto' plans for the torch engine; with backend={self.backend!r} name the "
+                "strategy (zero1, zero2 or zero3), e.g. the one `shardwise plan` suggests"
+            )
+        if self.offload == "params" and self.strategy not in ("zero3", "auto"):
             raise ConfigError(
                 f"offload='params' needs strategy='zero3' (got strategy={self.strategy!r}): only "
                 "stage 3 shards parameters. Use offload='optimizer' with zero1/zero2, or zero3."
             )
-        if self.offload == "optimizer" and self.strategy == "ddp":
+        if self.offload == "optimizer" and self.strategy == "ddp":  # (auto: only plans with this offload)
             raise ConfigError(
                 "offload='optimizer' needs a sharded strategy (zero1, zero2 or zero3), "
                 "got strategy='ddp'"

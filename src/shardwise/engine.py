@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import MethodType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from .optim import (
     rebind_optimizer,
 )
 from .precision import DynamicLossScaler, Precision, check_device_supports
-from .strategies import apply_activation_checkpointing, find_blocks, make_strategy
+from .strategies import Strategy, apply_activation_checkpointing, find_blocks, make_strategy
 
 log = logging.getLogger("shardwise")
 
@@ -85,8 +85,11 @@ class Engine:
             warnings.warn("code overrides the config file: " + "; ".join(conflicts), stacklevel=2)
         check_device_supports(cfg.precision, self._info.device)
         self._precision = Precision(cfg.precision, self._info.device)
-        self._strategy = make_strategy(cfg, self._info, self._precision.dtype)
-        ours = cfg.precision == "fp16" and not self._strategy.owns_precision
+        # strategy="auto" is chosen at the first prepare, from the model and its batch
+        auto = cfg.strategy == "auto"
+        self._strategy: Strategy = cast(Strategy, None) if auto else make_strategy(cfg, self._info, self._precision.dtype)
+        self.plan: Any = None  # strategy="auto": the plan the choice came from
+        ours = cfg.precision == "fp16" and not (self._strategy and self._strategy.owns_precision)
         self._scaler = DynamicLossScaler(cfg.loss_scale, self.device) if ours else None
         set_seed(cfg.seed)
         self._models: list[nn.Module] = []
@@ -172,6 +175,12 @@ class Engine:
                 self._check_owned(o, pending)
             elif k == "dataloader":
                 self._check_batch_sizes(o)
+        if self._strategy is None:
+            from .auto import choose
+
+            loaders = [o for o, k in zip(objects, kinds) if k == "dataloader"]
+            self.config, self.plan = choose(self.config, self._info, models, loaders)
+            self._strategy = make_strategy(self.config, self._info, self._precision.dtype)
         names: dict[int, tuple[int, str]] = {}
         for m in models:  # parameter -> (model, name), to rebind optimizers made before prepare
             for name, p in m.named_parameters():

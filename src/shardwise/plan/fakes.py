@@ -1,0 +1,141 @@
+"""Making our real training code run in one process on fake ranks and fake tensors.
+
+Torch's "fake" process-group backend answers every collective without communicating; FakeTensor
+gives every tensor a shape and dtype but no data. DDP needs two small concessions (see
+`fake_ddp`); everything else (FSDP2, our sharded optimizer, offload) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+# -- a private world of fake ranks -------------------------------------------------------------
+def _register_fake_backend() -> None:
+    if "fake" in getattr(dist.Backend, "_plugins", {}):
+        return
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    def create(common: Any, backend_opts: Any) -> Any:
+        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, backend_opts)  # type: ignore[call-arg]
+
+    dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda"])
+
+
+_C10D_MAPS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """Rank 0 of a fake process group of `world_size` ranks is the default group inside.
+
+    A process that already has a real default group (a training script planning at `prepare`)
+    gets it back afterwards untouched: its c10d registry entries are set aside and restored; no
+    collective is issued on it.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    _register_fake_backend()
+    hidden = dist.is_initialized()
+    if hidden:
+        saved_maps = {name: dict(getattr(c10d, name)) for name in _C10D_MAPS}
+        saved = (c10d._world.default_pg, c10d._world.group_count, dict(c10d._world.pg_coalesce_state),
+                 list(c10d._world.comms))
+        for name in _C10D_MAPS:
+            getattr(c10d, name).clear()
+        c10d._world.pg_coalesce_state.clear()
+        c10d._world.comms.clear()
+        c10d._unregister_all_process_groups()
+        c10d._update_default_pg(None)
+        c10d._world.group_count = 0
+    try:
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if hidden:
+            for name, value in saved_maps.items():
+                getattr(c10d, name).update(value)
+            default_pg, count, coalesce, comms = saved
+            c10d._world.pg_coalesce_state.update(coalesce)
+            c10d._world.comms.extend(comms)
+            c10d._world.group_count = count
+            c10d._update_default_pg(default_pg)
+            for pg, name in saved_maps["_pg_names"].items():
+                c10d._register_process_group(name, pg)
+
+
+@contextlib.contextmanager
+def kept_rng() -> Iterator[None]:
+    """Engine() seeds every generator; a plan made inside a training script must not."""
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+
+
+@contextlib.contextmanager
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+# -- making DDP run on fake tensors -------------------------------------------------------------
+class _NoRebuildReducer:
+    """DDP's reducer, except that it never rebuilds its buckets (that step reads tensor data,
+    which fake tensors have none of). The rebuild only reorders buckets; their total is the same."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def fake_ddp(model: nn.Module, on_bucket: Callable[[torch.Tensor], None]) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+
+    def allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks these annotations
+        # The fake group's all-reduce returns no tensor; an in-place all-reduce of the bucket
+        # allocates nothing, so completing with the bucket itself is the same for memory.
+        buf = bucket.buffer()
+        on_bucket(buf)
+        fut = torch.futures.Future()  # type: ignore[var-annotated]
+        fut.set_result(buf)
+        return fut
+
+    model.register_comm_hook(None, allreduce)
+    model.reducer = _NoRebuildReducer(model.reducer)  # type: ignore[assignment]
+
+
+def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
+    """A structural copy of `model` whose parameters and buffers are fake (nothing allocated)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = fake_mode.from_tensor(b)
+    return copy.deepcopy(model, memo)

@@ -1,0 +1,123 @@
+"""A plan as text (the `shardwise plan` table), as a stacked-bar chart, and as a config file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+from .fit import GiB
+from .planner import Plan, StrategyPlan
+
+PARTS = ("params", "grads", "optimizer", "activations", "comm", "temporaries", "overhead")
+_HEAD = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "comm": "comm",
+         "temporaries": "temp", "overhead": "overhd"}
+
+
+_UNIT = {"GiB": GiB, "MiB": 2**20}
+
+
+def _unit(plan: Plan) -> str:
+    return "GiB" if plan.device_memory >= 4 * GiB else "MiB"
+
+
+def _g(x: float, unit: str = "GiB") -> str:
+    return f"{x / _UNIT[unit]:.1f}"
+
+
+def _size(x: float) -> str:
+    if x >= 1e9:
+        return f"{x / 1e9:.2f}B"
+    return f"{x / 1e6:.1f}M"
+
+
+def describe(plan: Plan) -> str:
+    """The table `shardwise plan` prints: one row per candidate, the choice and why."""
+    u = _unit(plan)
+    mem = f"{plan.world_size} x {_g(plan.device_memory, u)} {u} ({plan.device})"
+    seq = f", seq {plan.seq_len}" if plan.seq_len else ""
+    lines = [f"{plan.model} ({_size(plan.parameters)} parameters){seq}, batch {plan.batch} per device, "
+             f"{mem}, {plan.precision}"]
+    if plan.traced_depths:
+        lines.append(f"traced on fake tensors at {plan.traced_depths[0]} and {plan.traced_depths[1]} blocks and "
+                     f"batches {plan.batch}, {2 * plan.batch}; extrapolated ({plan.seconds:.1f} s)")
+    else:
+        lines.append(f"traced on fake tensors at batches {plan.batch}, {2 * plan.batch} ({plan.seconds:.1f} s)")
+    lines.append("")
+    head = (f"{'plan':31s} {'fits':>4s} {'peak':>6s} " + " ".join(f"{_HEAD[p]:>6s}" for p in PARTS)
+            + f" {'host':>6s} {'max batch':>9s} {'step':>6s}")
+    lines += [head, "-" * len(head)]
+    for p in plan.plans:
+        mark = "*" if plan.best is not None and p.candidate == plan.best.candidate else " "
+        lines.append(
+            f"{mark}{p.name:30s} {'yes' if p.fits else 'no':>4s} {_g(p.peak, u):>6s} "
+            + " ".join(f"{_g(p.breakdown.get(k, 0.0), u):>6s}" for k in PARTS)
+            + f" {_g(p.host, u):>6s} {p.max_batch:>9d} "
+            + (f"{p.relative_time:>5.2f}x" if p.fits else f"{'-':>6s}")  # a time only where it runs
+        )
+    lines.append("")
+    lines.append(f"{u} per device at the planned batch (peak = the parts + overhead); host = host memory per "
+                 "process; step = estimated time relative to the fastest plan that fits")
+    if plan.device == "cuda":
+        o = plan.overheads
+        lines.append(f"overhead = CUDA context {_g(o.cuda_context, u)} {u}"
+                     + (f" + NCCL buffers {_g(o.nccl_buffers, u)} {u}" if plan.world_size > 1 else "")
+                     + f" + allocator fragmentation {o.fragmentation:.0%} of the tensor peak")
+    lines.append(("best: " if plan.best is not None else "") + plan.why)
+    if plan.global_batch is not None:
+        g = plan.global_batch
+        lines.append(f"global batch {g.global_batch} = {g.micro_batch} per device x {g.grad_accum_steps} "
+                     f"accumulation step(s) x {plan.world_size} device(s), with {g.plan.name}")
+    lines += list(plan.notes)
+    return "\n".join(lines)
+
+
+def plot(plan: Plan, path: str | Path) -> None:
+    """Stacked bars of the per-device breakdown, one per plan, with the memory limit drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(plan.plans)), 5))
+    names = [p.name.replace(" + ", "\n+ ") for p in plan.plans]
+    bottom = [0.0] * len(plan.plans)
+    for part in PARTS:
+        values = [p.breakdown.get(part, 0.0) / _UNIT[_unit(plan)] for p in plan.plans]
+        ax.bar(names, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    u = _unit(plan)
+    ax.axhline(plan.device_memory / _UNIT[u], color="black", linestyle="--", linewidth=1)
+    ax.text(len(names) - 0.5, plan.device_memory / _UNIT[u], f" {_g(plan.device_memory, u)} {u}", va="bottom", ha="right")
+    ax.set_ylabel(f"{u} per device")
+    ax.set_title(f"{plan.model}: batch {plan.batch} per device on {plan.world_size} x {_g(plan.device_memory, u)} {u}")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_config(plan: Plan, path: str | Path, chosen: StrategyPlan | None = None) -> None:
+    """The chosen plan as a shardwise YAML `shardwise launch` reads (refuses if nothing fits)."""
+    from ..config import make_config
+    from ..config_io import write_yaml
+
+    if chosen is None:  # the global-batch suggestion when asked for one, else the best plan
+        chosen = plan.global_batch.plan if plan.global_batch is not None else plan.best
+    if chosen is None:
+        raise ConfigError(f"nothing to write: {plan.why}")
+    accum = 1
+    batch = chosen.batch
+    g = plan.global_batch
+    if g is not None and g.plan.candidate == chosen.candidate:
+        batch, accum = g.micro_batch, g.grad_accum_steps
+    settings: dict[str, Any] = dict(chosen.settings(), precision=plan.precision, micro_batch_size=batch,
+                                    grad_accum_steps=accum, launch={"num_processes": plan.world_size})
+    cfg = make_config(**settings)
+    u = _unit(plan)
+    header = (f"# written by shardwise plan for {plan.model}: {chosen.name}, predicted peak "
+              f"{_g(chosen.peak, u)} of {_g(plan.device_memory, u)} {u} per device\n")
+    write_yaml(cfg, path, header=header)
