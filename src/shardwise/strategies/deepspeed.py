@@ -140,6 +140,9 @@ class DeepSpeedModel(nn.Module):
     runs DeepSpeed's forward, which gathers ZeRO-3 partitions and hooks the backward.
     """
 
+    ds_engine: Any  # deepspeed.DeepSpeedEngine once built, else None
+    _strategy: DeepSpeedStrategy
+
     def __init__(self, module: nn.Module, strategy: DeepSpeedStrategy) -> None:
         super().__init__()
         self.module = module

@@ -189,7 +189,7 @@ class ShardedOptimizer(OptimizerRunner):
                 inner.step()
             for seg in self._segments:
                 seg.master.grad = None  # drop the alias, or zero_grad could not free the grad
-        if self.partition == "flat":
+        if self.partition == "flat" and self.world > 1:  # alone, this rank updated every element
             self._all_gather_params()
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR-scheduler bookkeeping
 
