@@ -1,5 +1,5 @@
 """The three example workloads run end to end through `shardwise launch` at their tiny size, and
-the classifier reaches the same accuracy and F1 under ddp, zero2 and zero3.
+the classifier reaches the same accuracy and F1 under ddp and zero1.
 
 Tolerance for the metric equality: the three runs train numerically equivalent models (see
 test_equivalence: weights within ~1e-6), so their predictions agree except for an eval pair
@@ -34,9 +34,7 @@ def _launch(config: str, script: str, *args: str, cwd: Path) -> str:
 @pytest.mark.parametrize(
     ("script", "config", "expect"),
     [
-        ("causal_lm.py", "zero3.yaml", "perplexity"),
         ("seq2seq.py", "zero3_offload.yaml", "exact-match replies"),
-        ("classification.py", "zero1.yaml", "eval accuracy"),
     ],
 )
 def test_example_runs(script: str, config: str, expect: str, tmp_path: Path) -> None:
@@ -48,19 +46,23 @@ def test_example_runs(script: str, config: str, expect: str, tmp_path: Path) -> 
 
 
 def test_example_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """causal_lm.py under zero2, then resumed under zero3 to the end: perplexity and export."""
     _launch("zero2.yaml", "causal_lm.py", "--steps", "4", "--save-every", "4", cwd=tmp_path)
-    out = _launch("zero3.yaml", "causal_lm.py", "--steps", "6", "--resume", "--log-every", "1", cwd=tmp_path)
+    out = _launch("zero3.yaml", "causal_lm.py", "--steps", "6", "--resume", "--log-every", "1", "--save-every", "3",
+                  "--output-dir", str(tmp_path / "model"), cwd=tmp_path)
     assert "resumed from checkpoints/step_4 at step 4" in out and "step     5" in out and "step     1 " not in out
+    assert "perplexity" in out and (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_6"
+    assert any((tmp_path / "model").glob("*.safetensors")) and (tmp_path / "model" / "config.json").is_file()
 
 
 def test_classification_metrics_equal_across_strategies(tmp_path: Path) -> None:
     metrics = {}
-    for strategy in ("ddp", "zero2", "zero3"):
+    for strategy in ("ddp", "zero1"):  # (classification.py's run under a launch config: this test)
         out = tmp_path / f"{strategy}.json"
         _launch(f"{strategy}.yaml", "classification.py", "--metrics-out", str(out), cwd=tmp_path)
         metrics[strategy] = json.loads(out.read_text())
     ddp = metrics["ddp"]
     assert ddp["n"] == 203 and ddp["accuracy"] > 0.7  # it learned (15% of labels are noise)
-    for strategy in ("zero2", "zero3"):
+    for strategy in ("zero1",):
         assert abs(metrics[strategy]["accuracy"] - ddp["accuracy"]) <= 1 / 203 + 1e-9, metrics
         assert abs(metrics[strategy]["f1"] - ddp["f1"]) <= 0.01, metrics
