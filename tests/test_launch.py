@@ -25,8 +25,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = SCRIPTS / "train_from_config.py"
 RUN = dict(batch=2, accum=2, steps=4)
 # The launch path is the same for every strategy (test_equivalence covers each strategy's numbers):
-# one replicated, one sharded with parameters offloaded.
-STRATEGIES = [{"strategy": "ddp"}, {"strategy": "zero3", "offload": "params"}]
+# the one that touches the most machinery (sharded parameters, offloaded to the host).
+STRATEGIES = [{"strategy": "zero3", "offload": "params"}]
 
 
 def shardwise_cmd(*args: str) -> list[str]:

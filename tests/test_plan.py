@@ -109,6 +109,14 @@ class LiveStorage(TorchDispatchMode):
         super().__exit__(*exc)
 
 
+def _optimizer(name: str) -> Any:
+    """AdamW for the tiny models; SGD with momentum (one state tensor) at ~100M, which halves the
+    optimizer's share of the suite's time on 2 cores while still holding optimizer state."""
+    if name.endswith("m"):
+        return lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9)
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-4)
+
+
 def _measure(name: str, candidates: list[Candidate], steps: int = 2) -> list[int]:
     """Per-rank peak of live tensor bytes over `steps` real training steps, per candidate."""
     import gc
@@ -126,7 +134,7 @@ def _measure(name: str, candidates: list[Candidate], steps: int = 2) -> list[int
         engine = shardwise.Engine(strategy=cand.strategy, offload=cand.offload, cpu=True,
                                   activation_checkpointing=cand.activation_checkpointing)
         model = copy.deepcopy(template)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = _optimizer(name)(model.parameters())
         live = LiveStorage()
         for t in list(model.parameters()) + list(model.buffers()):
             live.tensor(t)
@@ -150,7 +158,7 @@ def _measure(name: str, candidates: list[Candidate], steps: int = 2) -> list[int
 
 def _predict(name: str, candidates: list[Candidate]) -> Plan:
     return plan_model(_spec(name), world_size=2, device_memory="1TB", batch=MODELS[name][4], device="cpu",
-                      candidates=candidates, workers=2)
+                      candidates=candidates, workers=2, optimizer=_optimizer(name))
 
 
 def _check(name: str, candidates: list[Candidate], measured: list[int], plan: Plan) -> list[str]:

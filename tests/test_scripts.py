@@ -32,14 +32,6 @@ def test_demo_trains_under_zero3_and_reports_memory() -> None:
     assert "tokens/s" in out
 
 
-def test_overhead_benchmark_writes_its_report(tmp_path: Path) -> None:
-    out = _torchrun("benchmarks/overhead.py", "--strategies", "zero3", "--rounds", "1", "--steps", "1", "--out", str(tmp_path))
-    assert "ratio" in out
-    (report,) = tmp_path.glob("overhead-*.json")
-    data = json.loads(report.read_text())
-    assert data["results"]["zero3"]["ratio"] > 0 and data["world_size"] == 2
-
-
 def test_compare_benchmark_runs_and_reports_what_ran(tmp_path: Path) -> None:
     out = _torchrun("benchmarks/compare.py", "--strategies", "zero3", "--peers", "shardwise", "raw",
                     "--steps", "3", "--warmup", "1", "--out", str(tmp_path))
