@@ -79,8 +79,8 @@ def _model() -> torch.nn.Module:
     return GPT(**MODEL)
 
 
-def shardwise_peer(strategy: str, offload: str) -> Peer:
-    engine = shardwise.Engine(strategy=strategy, offload=offload, seed=0)
+def shardwise_peer(strategy: str, offload: str, backend: str = "torch") -> Peer:
+    engine = shardwise.Engine(strategy=strategy, offload=offload, backend=backend, seed=0)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)
@@ -93,8 +93,13 @@ def shardwise_peer(strategy: str, offload: str) -> Peer:
         opt.step()
         return loss
 
+    def params() -> Any:
+        if backend == "deepspeed":  # whole fp32 weights on every rank (ZeRO-3 empties the module's)
+            return list(engine._strategy.model_state(model).values())
+        return engine.unwrap_model(model).parameters()
+
     ran = f"{type(engine.unwrap_model(model)).__name__ if strategy.startswith('zero') and strategy != 'zero1' else type(model).__name__}"
-    return Peer("shardwise", step, f"{strategy}{'+' + offload if offload != 'none' else ''} ({ran})", lambda: engine.unwrap_model(model).parameters())
+    return Peer("shardwise", step, f"{strategy}{'+' + offload if offload != 'none' else ''} ({ran})", params)
 
 
 def raw_peer(strategy: str, device: torch.device) -> Peer:

@@ -23,33 +23,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardwise  # noqa: E402
-from common import RESULTS, hardware, lm_loss, write_report  # noqa: E402
-from compare import MODEL, Peer, _model, measure  # noqa: E402
+from common import RESULTS, hardware, write_report  # noqa: E402
+from compare import MODEL, Peer, measure, shardwise_peer  # noqa: E402
 
 SETUPS = ["zero1", "zero2", "zero3", "zero2+optimizer", "zero3+optimizer", "zero3+params"]
 
 
 def engine_peer(backend: str, setup: str) -> Peer:
+    """compare.py's shardwise peer on one engine (`setup` is strategy[+offload])."""
     strategy, _, offload = setup.partition("+")
-    engine = shardwise.Engine(backend=backend, strategy=strategy, offload=offload or "none", seed=0)
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = engine.prepare(model, opt)
-
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = lm_loss(model, ids)
-        engine.backward(loss)
-        engine.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
-
-    def params() -> Any:
-        if backend == "deepspeed":  # whole fp32 weights on every rank, for the agreement check
-            return list(engine._strategy.model_state(model).values())
-        return engine.unwrap_model(model).parameters()
-
-    return Peer(backend, step, f"{backend}:{setup}", params)
+    peer = shardwise_peer(strategy, offload or "none", backend)
+    peer.name = backend
+    return peer
 
 
 def main(argv: list[str] | None = None) -> None:
