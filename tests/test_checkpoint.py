@@ -222,12 +222,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
 # -- export and save_model -----------------------------------------------------------------------
 def _export_pair(folder: str) -> dict[str, Any]:
     engine = _engine("zero3")
-    model = W.build("gpt2")
-    opt = W.make_optimizer(model)
-    model, opt = engine.prepare(model, opt)
-    ids = W.Tokens(4).data[engine.process_index * 2 : engine.process_index * 2 + 2]
-    engine.backward(W.lm_loss(model, ids))
-    opt.step()
+    model, _ = W.one_step(engine, "gpt2")
     engine.save_state(f"{folder}/ckpt")
     engine.save_model(model, f"{folder}/model", max_shard_size="40KB")
     engine.save_model(model, f"{folder}/model-one-file")

@@ -83,12 +83,7 @@ def _save_model_zero3(folder: str) -> dict[str, Any]:
     import shardwise
 
     engine = shardwise.Engine(backend="deepspeed", strategy="zero3", cpu=True, seed=W.SEED)
-    model = W.build("gpt2")
-    opt = W.make_optimizer(model)
-    model, opt = engine.prepare(model, opt)
-    ids = W.Tokens(4).data[engine.process_index * 2 : engine.process_index * 2 + 2]
-    engine.backward(W.lm_loss(model, ids))
-    opt.step()
+    model, _ = W.one_step(engine, "gpt2")
     engine.save_model(model, folder)
     local = [tuple(p.shape) for p in engine.unwrap_model(model).parameters()]
     return {"state": engine.get_state_dict(model), "local_shapes": local}

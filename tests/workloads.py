@@ -158,6 +158,17 @@ def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: float | No
     return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "memory": memory}
 
 
+def one_step(engine: Any, name: str) -> tuple[Any, Any]:
+    """Prepare `name` with AdamW and take one optimizer step on 2 samples per process."""
+    model = build(name)
+    opt = make_optimizer(model)
+    model, opt = engine.prepare(model, opt)
+    ids = Tokens(4).data[engine.process_index * 2 : engine.process_index * 2 + 2]
+    engine.backward(lm_loss(model, ids))
+    opt.step()
+    return model, opt
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
