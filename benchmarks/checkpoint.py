@@ -4,7 +4,10 @@
 
 Measures `save_state` (sharded: model + AdamW state), `load_state` into a fresh engine,
 `save_model` (consolidated safetensors) and the offline `shardwise export`, for each strategy
-asked; writes benchmarks/results/checkpoint-<hardware>-<date>.json.
+asked, and the cost of the checksums inside them: at save, each process hashing the files it
+wrote (`storage.checksum_file`, as `save_state` does right after writing them); at load, the
+verification `load_state` runs first (`checkpoint.verify_files`, each process a share of the
+files); in seconds per GB. Writes benchmarks/results/checkpoint-<hardware>-<date>.json.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardwise  # noqa: E402
 from common import GPT, finish_distributed, lm_loss  # noqa: E402
-from shardwise import cli  # noqa: E402
+from shardwise import checkpoint, cli  # noqa: E402
+from shardwise.storage import checksum_file  # noqa: E402
 
 
 def folder_bytes(path: Path) -> int:
@@ -63,6 +67,13 @@ def main() -> None:
         save_s = timed(lambda: engine.save_state(root / "ckpt"))
         engine2, model2, opt2 = build(strategy)
         load_s = timed(lambda: engine2.load_state(root / "ckpt"))
+        # the checksum work inside those two, measured alone on the same files
+        rank, world = engine.process_index, engine.num_processes
+        mine = [p for p in (root / "ckpt").glob(f"__{rank}_*.distcp")] + [root / "ckpt" / "rng" / f"rank{rank}.pt"]
+        hash_s = timed(lambda: [checksum_file(p) for p in mine])
+        meta = checkpoint.read_meta(root / "ckpt")
+        verify_s = timed(lambda: checkpoint.verify_files(root / "ckpt", meta, rank, world))
+        gb = folder_bytes(root / "ckpt") / 1e9
         model_s = timed(lambda: engine.save_model(model, root / "model"))
         export_s = None
         if engine.is_main_process:
@@ -77,6 +88,10 @@ def main() -> None:
                 "save_model_s": round(model_s, 2),
                 "export_s": round(export_s, 2),
                 "checkpoint_mb": round(folder_bytes(root / "ckpt") / 1e6, 1),
+                "checksum_at_save_s_per_gb": round(hash_s / gb, 3),
+                "checksum_at_load_s_per_gb": round(verify_s / gb, 3),
+                "checksum_share_of_save": round(hash_s / save_s, 3),
+                "checksum_share_of_load": round(verify_s / load_s, 3),
                 "model_mb": round(folder_bytes(root / "model") / 1e6, 1),
             }
             print(f"{strategy:6s} " + "  ".join(f"{k} {v}" for k, v in results[strategy].items()), flush=True)

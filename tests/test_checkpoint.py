@@ -206,17 +206,29 @@ def _killed_while_saving(folder: str) -> None:
     _train(engine, 6, save_every=3)
 
 
+def _resume_after_kill(folder: str) -> dict[str, Any]:
+    os.chdir(folder)
+    return _train(_engine("zero2"), 3, load="latest", save_every=3)  # saves step_6 again
+
+
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
-    from shardwise.checkpoint import full_model_state, read_meta, resolve
+    from shardwise.checkpoint import full_model_state, read_meta, resolve, verify
 
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(_killed_while_saving, 2, str(tmp_path), timeout=120)
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_3"
     assert (root / ".step_6.incomplete").is_dir() and not (root / "step_6").exists()
+    assert sorted(os.listdir(root)) == [".step_6.incomplete", "latest", "step_3"]  # nothing partial in sight
     assert read_meta(resolve(root))["world_size"] == 2
+    assert len(verify(root)) >= 5  # every file of step_3 matches its checksum
     state, _ = full_model_state(resolve(root / "latest"))
     assert set(state) >= set(W.build("tiny").state_dict())
+    # the run resumes from step_3; its next save to the same place removes what the killed one left
+    resumed = spawn(_resume_after_kill, 2, str(tmp_path))[0]
+    assert resumed["step"] == 6
+    assert sorted(os.listdir(root)) == ["latest", "step_3", "step_6"]
+    assert (root / "latest").read_text().strip() == "step_6"
 
 
 # -- export and save_model -----------------------------------------------------------------------
@@ -247,7 +259,11 @@ def test_save_model_and_export_give_what_transformers_loads(tmp_path: Path) -> N
     assert made == sorted(p.name for p in (tmp_path / "exported").iterdir())
     for name in made:
         assert (tmp_path / "model" / name).read_bytes() == (tmp_path / "exported" / name).read_bytes(), name
-    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 2  # never overwrites
+    # exporting again replaces the export's own files, byte for byte the same
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--max-shard-size", "40KB"]) == 0
+    assert made == sorted(p.name for p in (tmp_path / "exported").iterdir())
+    for name in made:
+        assert (tmp_path / "model" / name).read_bytes() == (tmp_path / "exported" / name).read_bytes(), name
 
 
 # -- bad checkpoints ----------------------------------------------------------------------------
@@ -275,8 +291,12 @@ def _tamper(folder: Path, case: str) -> Any:
     meta = json.loads(meta_path.read_text())
     shard = next(folder.glob("*.distcp"))
 
-    def rewrite_meta() -> None:
-        meta["files"] = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != "meta.json"}
+    def rewrite_meta() -> None:  # a tamperer who also rewrites the recorded sizes and checksums
+        from shardwise.storage import checksum_file
+
+        files = [p for p in folder.rglob("*") if p.is_file() and p.name != "meta.json"]
+        meta["files"] = {str(p.relative_to(folder)): p.stat().st_size for p in files}
+        meta["checksums"] = {str(p.relative_to(folder)): checksum_file(p) for p in files}
         meta_path.write_text(json.dumps(meta))
 
     if case == "truncated shard":

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import test_checkpoint as CK
+import test_data_safety as DS
 import workloads as W
 from spawn import spawn
 
@@ -125,13 +126,16 @@ def _everything(folder: str) -> dict[str, Any]:
     out["save_model"] = _save_model_zero3(f"{folder}/export")
     saved = {src: CK._train(_engine(src), 4, save=f"{folder}/{src}") for src, _ in CROSS}
     out["cross"] = {(s, d): (saved[s]["losses"], CK._train(_engine(d), 4, load=f"{folder}/{s}")) for s, d in CROSS}
+    out["careless"] = DS.careless_user("deepspeed", f"{folder}/careless")  # last: it changes directory
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("ds")
-    out = spawn(_everything, 2, str(folder))[0]
+    both = spawn(_everything, 2, str(folder))
+    out = both[0]
+    out["careless"] = [rank["careless"] for rank in both]
     out["folder"] = folder
     return out
 
@@ -194,6 +198,10 @@ def test_zero3_full_weights_and_save_model(runs: dict) -> None:
         assert torch.equal(v, out["state"][k]), k
     model = GPT2LMHeadModel.from_pretrained(folder)
     assert W.max_diff(model.state_dict(), out["state"]) == 0.0
+
+
+def test_careless_user_loses_nothing_on_deepspeed(runs: dict) -> None:
+    DS.check_careless(runs["careless"], runs["folder"] / "careless")
 
 
 @pytest.mark.parametrize("pair", CROSS, ids=lambda p: f"{p[0]}->{p[1]}")

@@ -10,21 +10,27 @@ Layout of one checkpoint folder:
   rng/rank<r>.pt    each process's python, numpy, torch (and CUDA) generator states
   model<i>.config.json   a `transformers` model's config (for `shardwise export`)
 
-A save goes into `.<name>.incomplete` and is renamed into place when complete; `latest` (a
-file naming the newest complete checkpoint) is replaced atomically after that. Loading reads
-only JSON and weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256
-matches the one recorded in meta.json.
+A save goes into `.<name>.incomplete` and replaces `<name>` in one atomic exchange when complete
+(see `storage`); `latest` (a file naming the newest complete checkpoint) is replaced atomically
+after that. A save replaces only an empty folder or an earlier checkpoint; any other folder, a
+file, or the current directory is refused before anything is written. meta.json records every
+file's size and xxh3-64 checksum (each process hashes the files it wrote, from the page cache);
+a load verifies them all first, each process a share of the files. Loading reads only JSON and
+weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256 matches the one
+recorded in meta.json.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,18 +40,39 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .consolidate import find_aliases, hf_config_json, swap_into_place
+from .consolidate import find_aliases, hf_config_json
+from .storage import (
+    CheckpointError,
+    agree,
+    atomic_write_text,
+    check_file,
+    checksum_file,
+    clear_staging,
+    describe_entries,
+    exchange,
+    fsync_path,
+    inside_cwd_check,
+    is_checkpoint,
+    new_staging,
+    one_line,
+    os_error_line,
+    staging_dir,
+    staging_is_ours,
+    STAGING_MARK,
+)
+
+log = logging.getLogger("shardwise")
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 1
 META = "meta.json"
+_OURS = (META, FORMAT)
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message says which file and why."""
+__all__ = ["CheckpointError", "Parts", "SaveReport", "load", "save", "verify"]
 
 
 @dataclass
@@ -150,23 +177,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def _dcp_state(parts: Parts) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for i, model in enumerate(parts.models):
@@ -176,53 +186,180 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
     return state
 
 
-def save(parts: Parts, target: Path) -> Path:
-    """Write a checkpoint of `parts` to `target` (a collective: every process calls it)."""
-    target = Path(target)
-    tmp = target.with_name(f".{target.name}.incomplete")
-    if parts.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    dist.barrier()
-    state = _dcp_state(parts)
-    dcp.save(state, checkpoint_id=str(tmp))  # each process writes its own shards
-    torch.save(_rng_state(), tmp / "rng" / f"rank{parts.rank}.pt")
-    dist.barrier()
-    if parts.rank == 0:
-        torch.save(parts.engine_state, tmp / "engine.pt")
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, remembering which files this process wrote (it hashes them after)."""
 
-        models = []
-        for i, module in enumerate(parts.unwrapped):
-            models.append(_model_meta(module, state[f"model{i}"]))
-            config = hf_config_json(module)
-            if config is not None:
-                (tmp / f"model{i}.config.json").write_text(config)
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "world_size": parts.world,
-            **parts.info,
-            "versions": _versions(),
-            "models": models,
-            "optimizers": [{"model": m} for m in parts.optimizer_models],
-            "files": files,
-            "dcp_metadata_sha256": _sha256(tmp / ".metadata"),
-        }
-        _atomic_write(tmp / META, json.dumps(meta, indent=1))
-        _fsync_dir(tmp)
-        swap_into_place(tmp, target)
-        _fsync_dir(target.parent)
-    dist.barrier()
-    return target
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)  # FileSystemWriter writes synchronously
+        self.written = sorted({r.storage_data.relative_path for r in future.value()})
+        return future
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one save wrote and what it cost."""
+
+    path: Path
+    bytes: int
+    seconds: float
+    checksum_seconds: float  # this process's share of hashing (the files it wrote)
+
+
+def _check_target(target: Path, stage: Path) -> str | None:
+    """Why a checkpoint must not be written to `target` (None: it may). Nothing is written here."""
+    if problem := inside_cwd_check(target):
+        return problem
+    if target.is_symlink():
+        return f"{target}: is a symbolic link; save to the folder it points to, or choose another name"
+    if target.exists() and not target.is_dir():
+        return f"{target}: is a file, not a checkpoint; nothing was written: choose another path, or move the file"
+    if target.is_dir() and any(target.iterdir()) and not is_checkpoint(target, *_OURS):
+        return (f"{target}: holds files that are not a shardwise checkpoint ({describe_entries(target)}); "
+                "a checkpoint replaces only an empty folder or an earlier checkpoint: choose another path")
+    if stage.parent == target:
+        return f"{target}: is a mount point, which cannot be replaced as a whole; save into a folder inside it"
+    if os.path.lexists(stage) and not staging_is_ours(stage, _OURS):
+        return f"{stage}: is in the way of the save's staging folder and was not made by shardwise; move it"
+    return None
+
+
+def save(parts: Parts, target: Path) -> SaveReport:
+    """Write a checkpoint of `parts` to `target` (a collective: every process calls it).
+
+    Refused with one line, before anything is written, when `target` is a file, the current
+    directory, or a folder that is neither empty nor an earlier checkpoint. A failed save leaves
+    the previous checkpoint at `target` untouched and removes what it wrote.
+    """
+    target = Path(target)
+    stage = staging_dir(target)
+    start = time.perf_counter()
+    agree(_check_target(target, stage) if parts.rank == 0 else None)
+    try:
+        return _save_staged(parts, target, stage, start)
+    except BaseException:
+        if parts.rank == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveReport:
+    error = None
+    if parts.rank == 0:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            new_staging(target, _OURS)
+            (stage / "rng").mkdir()
+        except (OSError, CheckpointError) as err:
+            error = str(err) if isinstance(err, CheckpointError) else os_error_line(target, "start the checkpoint", err)
+    agree(error)
+    state = _dcp_state(parts)
+    writer = _RecordingWriter(stage)
+    try:
+        dcp.save(state, storage_writer=writer)  # each process writes its own shards
+    except (Exception, CheckpointException) as err:  # DCP agrees on failure across processes itself
+        raise CheckpointError(os_error_line(target, "write the checkpoint's tensors", _first_failure(err))) from None
+    sums: dict[str, str] = {}
+    hashing = 0.0
+    try:
+        torch.save(_rng_state(), stage / "rng" / f"rank{parts.rank}.pt")
+        t0 = time.perf_counter()
+        for name in [*writer.written, f"rng/rank{parts.rank}.pt"]:
+            sums[name] = checksum_file(stage / name)  # just written: read back from the page cache
+        hashing = time.perf_counter() - t0
+        error = None
+    except Exception as err:  # OSError, or torch.save's RuntimeError for a failed write
+        error = os_error_line(target, "write the checkpoint", err)
+    gathered: list[Any] = [(error, sums)]
+    if parts.world > 1:
+        gathered = [None] * parts.world
+        dist.all_gather_object(gathered, (error, sums))
+    agree(next((e for e, _ in gathered if e), None))
+    size, error = 0, None
+    if parts.rank == 0:
+        try:
+            size = _finish(parts, target, stage, state, {k: v for _, s in gathered for k, v in s.items()})
+        except Exception as err:
+            error = str(err) if isinstance(err, CheckpointError) else os_error_line(target, "finish the checkpoint", err)
+    agree(error)
+    report = SaveReport(target, size, time.perf_counter() - start, hashing)
+    if parts.rank == 0:
+        log.info("saved %s: %.3f GB in %.2f s (checksums %.3f s)", target, size / 1e9, report.seconds, hashing)
+    return report
+
+
+def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums: dict[str, str]) -> int:
+    """Process 0: the engine state, meta.json (written last), then the exchange into place."""
+    torch.save(parts.engine_state, stage / "engine.pt")
+    models = []
+    for i, module in enumerate(parts.unwrapped):
+        models.append(_model_meta(module, state[f"model{i}"]))
+        config = hf_config_json(module)
+        if config is not None:
+            (stage / f"model{i}.config.json").write_text(config)
+    files = {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*"))
+             if p.is_file() and p.name != STAGING_MARK}
+    for name in files:
+        if name not in sums:
+            sums[name] = checksum_file(stage / name)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": parts.world,
+        **parts.info,
+        "versions": _versions(),
+        "models": models,
+        "optimizers": [{"model": m, "class": type(r.optimizer).__name__}
+                       for m, r in zip(parts.optimizer_models, parts.runners)],
+        "files": files,
+        "checksums": {name: sums[name] for name in files},
+        "dcp_metadata_sha256": _sha256(stage / ".metadata"),
+    }
+    atomic_write_text(stage / META, json.dumps(meta, indent=1))
+    (stage / STAGING_MARK).unlink()  # from here on the folder is a complete checkpoint
+    for name in ("rng", "."):
+        fsync_path(stage / name)
+    _into_place(stage, target)
+    return sum(files.values())
+
+
+def _into_place(stage: Path, target: Path) -> None:
+    """`stage` becomes `target` atomically; the folder it replaces (an empty one or an earlier
+    checkpoint) is removed after."""
+    if not target.exists():
+        stage.rename(target)
+    elif exchange(stage, target):
+        shutil.rmtree(stage)  # now the previous checkpoint
+    else:  # no atomic exchange on this file system: set the previous one aside for an instant
+        aside = target.with_name(f".{target.name}.previous")
+        clear_staging(aside, _OURS)
+        target.rename(aside)
+        stage.rename(target)
+        shutil.rmtree(aside)
+    fsync_path(target.parent)
+
+
+def _first_failure(err: BaseException) -> BaseException:
+    """The first process's exception inside torch's CheckpointException (which derives from
+    BaseException and prints every process's traceback)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return err
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    """Check a checkpoint folder before anything is loaded from it; return its metadata."""
+    """Check a checkpoint folder before anything is loaded from it; return its metadata.
+    (Sizes, the ranks' files and the index; `verify_files` checks the checksums.)"""
     folder = Path(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint folder")
+        aside = folder.with_name(f".{folder.name}.previous")
+        hint = f" ({aside} holds the checkpoint a save was replacing when it stopped)" if aside.is_dir() else ""
+        raise CheckpointError(f"{folder}: no such checkpoint folder{hint}")
     meta_path = folder / META
     if not meta_path.is_file():
         raise CheckpointError(f"{folder}: no {META}: not a shardwise checkpoint, or a save that never finished")
@@ -252,6 +389,40 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
+def verify_files(folder: Path, meta: dict[str, Any], rank: int = 0, world: int = 1) -> str | None:
+    """Check this process's share of the checkpoint's files (every `world`-th, from `rank`)
+    against their recorded checksums; the first problem as one line, or None."""
+    sums = meta.get("checksums")
+    if sums is None:  # saved before checksums were recorded: sizes and the index are all we have
+        if rank == 0:
+            log.warning("%s: saved without checksums (shardwise before 0.2); only sizes are checked", folder)
+        return None
+    missing = sorted(set(meta["files"]) - set(sums))
+    if missing:
+        return f"{Path(folder) / META}: records no checksum for {missing[0]} (altered after the save)"
+    for name in sorted(sums)[rank::world]:
+        problem = check_file(Path(folder) / name, sums[name])
+        if problem:
+            return problem
+    return None
+
+
+def verify(path: Path) -> list[str]:
+    """Check a checkpoint, or a folder written by `save_model`/`shardwise export`, against the
+    checksums recorded when it was saved (in this process); the files checked.
+    CheckpointError, one line naming the file, on the first mismatch."""
+    from .consolidate import verify_model_dir
+
+    path = resolve(Path(path))
+    if not (path / META).is_file():
+        return verify_model_dir(path)
+    meta = read_meta(path)
+    problem = verify_files(path, meta)
+    if problem:
+        raise CheckpointError(problem)
+    return sorted(meta.get("checksums") or meta["files"])
+
+
 def check_models(meta: dict[str, Any], models: list[dict[str, Any]], folder: Path) -> None:
     """The checkpoint's models must be these models: same names, same shapes."""
     if len(meta["models"]) != len(models):
@@ -276,9 +447,12 @@ def _few(items: list[str]) -> str:
 
 
 def load(parts: Parts, folder: Path) -> dict[str, Any]:
-    """Load a checkpoint into `parts` (a collective); return the engine state to restore."""
+    """Load a checkpoint into `parts` (a collective); return the engine state to restore.
+    Every file is checked against its checksum first (each process a share), so nothing is
+    loaded from a checkpoint that is not the one that was written."""
     folder = Path(folder)
     meta = read_meta(folder)
+    agree(verify_files(folder, meta, parts.rank, parts.world))
     if len(meta["optimizers"]) != len(parts.runners):
         raise CheckpointError(f"{folder}: holds {len(meta['optimizers'])} optimizer(s), {len(parts.runners)} prepared")
     state = _dcp_state(parts)  # templates in this run's layout; DCP reshards into them
@@ -287,8 +461,8 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
         dcp.load(state, storage_reader=_SafeReader(str(folder)))
     except CheckpointError:
         raise
-    except Exception as err:  # DCP raises many kinds; the user needs the file and the cause
-        raise CheckpointError(_one_line(f"{folder}: could not read the sharded tensors: {type(err).__name__}: {err}")) from None
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise CheckpointError(_load_failure(folder, meta, parts, _first_failure(err))) from None
     for i, model in enumerate(parts.models):
         parts.strategy.load_model_state(model, state[f"model{i}"])
     for j, runner in enumerate(parts.runners):
@@ -299,22 +473,41 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     return _load_safe(folder / "engine.pt")
 
 
+def _load_failure(folder: Path, meta: dict[str, Any], parts: Parts, err: BaseException) -> str:
+    """One line for what DCP could not load: which key, why, and the fix."""
+    text = str(err)
+    m = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", text)
+    o = re.fullmatch(r"optim(\d+)\.(.+)", m.group(1)) if m else None
+    if o and int(o.group(1)) < len(parts.runners):
+        j, rest = int(o.group(1)), o.group(2)
+        s = re.fullmatch(r"state\.(.+)\.([A-Za-z_0-9]+)", rest)
+        what = f"'{s.group(2)}' state for {s.group(1)}" if s else f"'{rest}'"
+        now = type(parts.runners[j].optimizer).__name__
+        saved = meta["optimizers"][j].get("class") if j < len(meta["optimizers"]) else None
+        was = f" (it was saved with {saved})" if saved else ""
+        fix = f"prepare {saved} as when it was saved" if saved and saved != now else "prepare the optimizer it was saved with"
+        return one_line(f"{folder}: optimizer {j} ({now}) needs {what}, which the checkpoint does not hold{was}: {fix}")
+    if m:
+        return one_line(f"{folder}: holds no '{m.group(1)}', which this run needs: prepare the same models, "
+                        "optimizers and settings as when it was saved")
+    return one_line(f"{folder}: could not read the sharded tensors: {type(err).__name__}: {text}")
+
+
 def _load_safe(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:
-        raise CheckpointError(_one_line(f"{path}: unreadable with weights-only loading ({type(err).__name__}: {err})")) from None
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        raise CheckpointError(one_line(f"{path}: unreadable with weights-only loading ({type(err).__name__}: {err})")) from None
 
 
 def full_model_state(folder: Path, index: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One model's full weights, read offline from a checkpoint in this single process."""
+    """One model's full weights, read offline from a checkpoint in this single process (after
+    every file of the checkpoint is verified against its checksum)."""
     folder = Path(folder)
     meta = read_meta(folder)
+    problem = verify_files(folder, meta)
+    if problem:
+        raise CheckpointError(problem)
     if not 0 <= index < len(meta["models"]):
         raise CheckpointError(f"{folder}: has no model {index} (it holds {len(meta['models'])})")
     model = meta["models"][index]
@@ -325,8 +518,9 @@ def full_model_state(folder: Path, index: int = 0) -> tuple[dict[str, torch.Tens
         dcp.load({f"model{index}": template}, storage_reader=_SafeReader(str(folder)), no_dist=True)
     except CheckpointError:
         raise
-    except Exception as err:
-        raise CheckpointError(_one_line(f"{folder}: could not read the sharded tensors: {type(err).__name__}: {err}")) from None
+    except (Exception, CheckpointException) as err:
+        err = _first_failure(err)
+        raise CheckpointError(one_line(f"{folder}: could not read the sharded tensors: {type(err).__name__}: {err}")) from None
     return template, meta
 
 
@@ -351,9 +545,14 @@ def resolve(root_or_dir: Path) -> Path:
 
 
 def mark_latest(root: Path, target: Path, keep_last: int | None) -> None:
-    """Point `latest` at `target` and drop complete checkpoints beyond the newest `keep_last`."""
-    _atomic_write(root / "latest", target.name + "\n")
+    """Point `latest` at `target` and drop complete checkpoints beyond the newest `keep_last`
+    (only folders that hold a shardwise checkpoint and nothing else)."""
+    atomic_write_text(root / "latest", target.name + "\n")
     if keep_last is not None:
         for old in step_dirs(root)[:-keep_last]:
-            if old != target:
+            if old == target:
+                continue
+            if is_checkpoint(old, *_OURS):
                 shutil.rmtree(old, ignore_errors=True)
+            else:
+                log.warning("%s: not pruned (keep_last): it holds files that are not part of its checkpoint", old)

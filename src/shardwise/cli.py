@@ -1,4 +1,4 @@
-"""The `shardwise` command: launch, config, plan, export, env.
+"""The `shardwise` command: launch, config, plan, export, verify, env.
 
 Flags for the config tree are generated from its fields (their docstrings are the help), so the
 command line, the YAML file and `Engine(...)` keywords always name the same settings.
@@ -271,11 +271,11 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 def _cmd_export(ns: argparse.Namespace) -> int:
     """A training checkpoint -> the safetensors layout `Engine.save_model` writes (offline)."""
     from .checkpoint import full_model_state, resolve
-    from .consolidate import atomic_dir, drop_aliases, parse_size, write_safetensors
+    from .consolidate import drop_aliases, parse_size, write_safetensors
 
     out = Path(ns.output)
-    if out.exists():
-        raise ConfigError(f"{out} exists; export never overwrites: choose another folder or remove it")
+    if os.path.lexists(out) and not out.is_dir():
+        raise ConfigError(f"{out}: is a file, not a folder; export writes a folder of files: choose another path")
     try:
         limit = parse_size(ns.max_shard_size)
     except ValueError as err:
@@ -284,14 +284,17 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     state, meta = full_model_state(folder, ns.model_index)
     config = folder / f"model{ns.model_index}.config.json"
     state = drop_aliases(state, meta["models"][ns.model_index]["aliases"])
-    with atomic_dir(out) as tmp:
-        write_safetensors(
-            state,
-            tmp,
-            max_shard_size=limit,
-            config_json=config.read_text() if config.is_file() else None,
-        )
+    write_safetensors(state, out, max_shard_size=limit, config_json=config.read_text() if config.is_file() else None)
     print(f"wrote {out} ({sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters from {folder})")
+    return 0
+
+
+def _cmd_verify(ns: argparse.Namespace) -> int:
+    """Every file against its recorded checksum: exit 0 when all match, 2 (one line) otherwise."""
+    from .checkpoint import verify
+
+    checked = verify(Path(ns.path))
+    print(f"{ns.path}: {len(checked)} file(s) match their recorded checksums")
     return 0
 
 
@@ -422,9 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(cfg)
     exp = sub.add_parser("export", help="a training checkpoint -> safetensors (+ config.json), offline, one process")
     exp.add_argument("checkpoint", help="a checkpoint folder, or a folder holding `latest`")
-    exp.add_argument("output", help="the folder to create (never overwritten)")
+    exp.add_argument("output", help="the folder to write into (its other files stay; an earlier export is replaced)")
     exp.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
     exp.add_argument("--max-shard-size", default="5GB", help="split into several files above this size")
+    ver = sub.add_parser("verify", help="check a checkpoint or an exported model against the checksums recorded at save")
+    ver.add_argument("path", help="a checkpoint folder (or one holding `latest`), or a folder written by save_model/export")
     _plan_parser(sub)
     sub.add_parser("env", help="versions, devices and backends, for a bug report")
     return parser
@@ -443,6 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_export(ns)
         if ns.command == "plan":
             return _cmd_plan(ns)
+        if ns.command == "verify":
+            return _cmd_verify(ns)
         return _cmd_env(ns)
     except (ConfigError, _checkpoint_error()) as err:
         print(f"shardwise: error: {err}", file=sys.stderr)

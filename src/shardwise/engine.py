@@ -24,6 +24,7 @@ from torch import nn
 from .config import ConfigError, EngineConfig, check_train_batch, make_config
 from .config_io import build, load_layers, merge
 from .consolidate import save_model_files
+from .storage import CheckpointError, agree, os_error_line
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
 from .memory import MemoryReport, tensor_memory
@@ -416,13 +417,24 @@ class Engine:
         """Consolidated weights as safetensors (split above `max_shard_size`, with an index),
         plus config.json for a `transformers` model: `from_pretrained(dir)` loads it.
 
-        Written to a temporary folder beside the target and renamed into place, so an
-        interrupted save never leaves a half-written model. A collective.
+        Only those files are written or replaced: a tokenizer or any other file already in the
+        folder stays. Each file is staged beside the folder and renamed in, the index last, so an
+        interrupted save never leaves a half-written file there; every file carries a checksum
+        (`shardwise verify DIR`). A collective.
         """
+        target = Path(save_directory)
+        problem = None
+        if self.is_main_process and os.path.lexists(target) and not target.is_dir():
+            problem = f"{target}: is a file, not a folder; save_model writes a folder of files: choose another path"
+        agree(problem)  # refused before the weights are gathered
         state = self.get_state_dict(model)
+        problem = None
         if self.is_main_process:
-            save_model_files(self.unwrap_model(model), state, Path(save_directory), max_shard_size=max_shard_size)
-        self.wait_for_everyone()
+            try:
+                save_model_files(self.unwrap_model(model), state, target, max_shard_size=max_shard_size)
+            except CheckpointError as err:
+                problem = str(err)
+        agree(problem)
 
     # -- checkpoints ------------------------------------------------------------------------
     @property
@@ -440,21 +452,28 @@ class Engine:
     def save_state(
         self, output_dir: str | os.PathLike[str] | None = None, *, keep_last: int | None = None
     ) -> Path:
-        """Checkpoint everything needed to resume exactly (a collective; sharded, atomic).
+        """Checkpoint everything needed to resume exactly (a collective; sharded, atomic, every
+        file checksummed).
 
         With no folder: `<checkpoint_dir>/step_<N>` (checkpoint_dir is "checkpoints" unless the
         config says otherwise), then `<checkpoint_dir>/latest` points at it and only the newest
-        `keep_last` step folders are kept.
+        `keep_last` step folders are kept. A folder given must be absent, empty or an earlier
+        checkpoint; anything else (a folder of other files, a file, the current directory) is
+        refused with a `CheckpointError` before anything is written.
         """
         from . import checkpoint
 
         root = Path(self.config.checkpoint_dir)
         target = Path(output_dir) if output_dir is not None else root / f"step_{self.step}"
-        path = checkpoint.save(self._checkpoint_parts(), target)
+        report = checkpoint.save(self._checkpoint_parts(), target)
+        problem = None
         if output_dir is None and self.is_main_process:
-            checkpoint.mark_latest(target.parent, target, keep_last)
-        self.wait_for_everyone()
-        return path
+            try:
+                checkpoint.mark_latest(target.parent, target, keep_last)
+            except OSError as err:
+                problem = os_error_line(root / "latest", "point at the new checkpoint", err)
+        agree(problem)
+        return report.path
 
     def load_state(self, input_dir: str | os.PathLike[str] = "latest") -> Path:
         """Resume from a checkpoint saved at any world size, strategy or offload setting.
