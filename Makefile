@@ -10,7 +10,7 @@ NPROC  ?= 2
 # any clone, so only the first `make test` on a machine pays the ~2 minutes.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: test demo bench install clean
+.PHONY: test lint demo bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# the checkers, with the settings in pyproject.toml: any finding fails `make test`
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 demo: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/demo.py

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from common import GPT, finish_distributed, lm_loss  # noqa: E402
-from shardwise import checkpoint, cli  # noqa: E402
-from shardwise.storage import checksum_file  # noqa: E402
+from common import GPT, finish_distributed, lm_loss
+
+import shardwise
+from shardwise import checkpoint, cli
+from shardwise.storage import checksum_file
 
 
 def folder_bytes(path: Path) -> int:
@@ -65,11 +66,11 @@ def main() -> None:
             return time.perf_counter() - t0
 
         save_s = timed(lambda: engine.save_state(root / "ckpt"))
-        engine2, model2, opt2 = build(strategy)
+        engine2, _model2, _opt2 = build(strategy)
         load_s = timed(lambda: engine2.load_state(root / "ckpt"))
         # the checksum work inside those two, measured alone on the same files
         rank, world = engine.process_index, engine.num_processes
-        mine = [p for p in (root / "ckpt").glob(f"__{rank}_*.distcp")] + [root / "ckpt" / "rng" / f"rank{rank}.pt"]
+        mine = [*list((root / "ckpt").glob(f"__{rank}_*.distcp")), root / "ckpt" / "rng" / f"rank{rank}.pt"]
         hash_s = timed(lambda: [checksum_file(p) for p in mine])
         meta = checkpoint.read_meta(root / "ckpt")
         verify_s = timed(lambda: checkpoint.verify_files(root / "ckpt", meta, rank, world))

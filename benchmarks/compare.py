@@ -41,10 +41,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from common import GPT, RESULTS, hardware, lm_loss, write_report  # noqa: E402
+from common import GPT, RESULTS, hardware, lm_loss, write_report
 
-MODEL = dict(vocab=4096, d=256, layers=4, heads=4, block=128)
+import shardwise
+
+MODEL = {"vocab": 4096, "d": 256, "layers": 4, "heads": 4, "block": 128}
 _ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
@@ -95,7 +96,7 @@ def shardwise_peer(strategy: str, offload: str, backend: str = "torch") -> Peer:
 
     def params() -> Any:
         if backend == "deepspeed":  # whole fp32 weights on every rank (ZeRO-3 empties the module's)
-            return list(engine._strategy.model_state(model).values())
+            return list(engine.session.strategy.model_state(model).values())
         return engine.unwrap_model(model).parameters()
 
     ran = f"{type(engine.unwrap_model(model)).__name__ if strategy.startswith('zero') and strategy != 'zero1' else type(model).__name__}"
@@ -176,7 +177,7 @@ def deepspeed_peer(strategy: str, offload: str, batch: int) -> Peer:
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
-    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    engine, _ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(engine, ids)

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from common import RESULTS, hardware, write_report  # noqa: E402
-from compare import MODEL, Peer, measure, shardwise_peer  # noqa: E402
+from common import RESULTS, hardware, write_report
+from compare import MODEL, Peer, measure, shardwise_peer
+
+import shardwise
 
 SETUPS = ["zero1", "zero2", "zero3", "zero2+optimizer", "zero3+optimizer", "zero3+params"]
 

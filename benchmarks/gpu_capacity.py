@@ -24,17 +24,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from common import RESULTS, write_report  # noqa: E402
+from common import RESULTS, write_report
+
+import shardwise
 
 MODELS = {  # name -> (family, sizes)
-    "gpt2-large": ("gpt2", dict(n_embd=1280, n_layer=36, n_head=20)),
-    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25)),
-    "deberta-v2-xlarge": ("deberta", dict(hidden_size=1536, num_hidden_layers=24, num_attention_heads=24, intermediate_size=6144)),
+    "gpt2-large": ("gpt2", {"n_embd": 1280, "n_layer": 36, "n_head": 20}),
+    "gpt2-xl": ("gpt2", {"n_embd": 1600, "n_layer": 48, "n_head": 25}),
+    "deberta-v2-xlarge": ("deberta", {"hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 24, "intermediate_size": 6144}),
 }
 TINY = {
-    "gpt2-tiny": ("gpt2", dict(n_embd=32, n_layer=2, n_head=2)),
-    "deberta-tiny": ("deberta", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)),
+    "gpt2-tiny": ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 2}),
+    "deberta-tiny": ("deberta", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}),
 }
 STRATEGIES = [("ddp", "none"), ("zero2", "optimizer"), ("zero3", "params")]
 

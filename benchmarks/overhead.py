@@ -21,8 +21,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from common import GPT, finish_distributed, lm_loss  # noqa: E402
+from common import GPT, finish_distributed, lm_loss
+
+import shardwise
 
 
 def raw_model(strategy: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

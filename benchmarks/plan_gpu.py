@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from shardwise.plan import Overheads, parse_memory, plan_named, resolve_model  # noqa: E402
+import shardwise
+from shardwise.plan import Overheads, parse_memory, plan_named, resolve_model
 
 SETUPS = [("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "params")]
 
@@ -58,7 +58,7 @@ def trial(spec: Any, strategy: str, offload: str, batch: int, precision: str) ->
     except torch.cuda.OutOfMemoryError:
         ok = False
     peak = torch.cuda.max_memory_allocated()
-    model = opt = out = engine = data = None  # noqa: F841 - drop every reference before the next trial
+    model = opt = out = engine = data = None
     gc.collect()
     torch.cuda.empty_cache()
     return ok, peak

@@ -19,8 +19,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from common import ROOT, add_common_args, make_optimizer, train  # noqa: E402
+from common import ROOT, add_common_args, make_optimizer, train
+
+import shardwise
 
 PRESETS = {  # n_embd, n_layer, n_head
     "tiny": (64, 2, 2),

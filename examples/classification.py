@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shardwise  # noqa: E402
-from common import add_common_args, make_optimizer, train  # noqa: E402
+from common import add_common_args, make_optimizer, train
+
+import shardwise
 
 PRESETS = {  # hidden, layers, heads, intermediate, vocab
     "tiny": (64, 2, 2, 128, 64),

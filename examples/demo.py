@@ -92,10 +92,8 @@ class ByteWindows(Dataset):
 
 
 def local_text(paths: list[str]) -> bytes:
-    if paths:
-        files = [Path(p) for p in paths]
-    else:  # the embedded default: this repository's own prose and code
-        files = [ROOT / "README.md", *sorted((ROOT / "src").rglob("*.py"))]
+    # the embedded default: this repository's own prose and code
+    files = [Path(p) for p in paths] if paths else [ROOT / "README.md", *sorted((ROOT / "src").rglob("*.py"))]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise SystemExit(f"demo: no such text file: {', '.join(missing)}")

@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
 import workloads as W
 from spawn import spawn
+from torch.utils.data import DataLoader
 
 N = 24  # samples: 6 global batches of 4 per epoch, so step 4 is mid-epoch and step 8 in epoch 1
 G = 4

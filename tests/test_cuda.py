@@ -14,15 +14,14 @@ import tempfile
 from typing import Any
 
 import pytest
-import torch
-
 import test_checkpoint as CK
+import torch
 import workloads as W
 from spawn import spawn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
-RUN = dict(batch=4, accum=2, steps=4)
+RUN = {"batch": 4, "accum": 2, "steps": 4}
 TORCH = [*W.STRATEGIES, {"strategy": "zero1", "offload": "optimizer"}]
 DEEPSPEED = [{"backend": "deepspeed", **c} for c in W.STRATEGIES if c["strategy"] != "ddp"]
 HAS_DS = importlib.util.find_spec("deepspeed") is not None

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-
 import workloads as W
 from spawn import spawn
 
@@ -73,7 +72,7 @@ def careless_user(backend: str, folder: str) -> dict[str, Any]:
     engine.wait_for_everyone()
     os.chdir(run)
     main = engine.is_main_process
-    model, opt = W.one_step(engine, "gpt2")
+    model, _opt = W.one_step(engine, "gpt2")
 
     # 1. the Hugging Face pattern: the tokenizer and results first, the weights after
     if main:
@@ -245,7 +244,7 @@ def test_verify_finds_flipped_bytes_in_an_export(careless: tuple[list[dict[str, 
     split = where == "shard"
     assert cli.main(["export", str(careless[1] / "run" / "ckpt"), str(out), *(["--max-shard-size", "40KB"] * split)]) == 0
     assert len(verify(out)) >= 2
-    victim = sorted(out.glob("model-*.safetensors"))[0] if split else out / where
+    victim = min(out.glob("model-*.safetensors")) if split else out / where
     if where == "config.json":
         victim.write_text(victim.read_text().replace('"n_layer": 2', '"n_layer": 3'))
     else:

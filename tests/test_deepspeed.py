@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-
 import test_checkpoint as CK
 import test_data_safety as DS
+import test_equivalence as EQ
+import torch
 import workloads as W
 from spawn import spawn
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 CONFIGS: list[dict[str, str]] = [c for c in W.STRATEGIES if c["strategy"] != "ddp"]
 MODELS = ["tiny", "gpt2"]
 CLIP = 0.5  # below every reference norm (asserted), so clipping changes every step
-RUN = dict(batch=2, accum=2, steps=4, clip=CLIP)
+RUN = {"batch": 2, "accum": 2, "steps": 4, "clip": CLIP}
 
 
 def _key(cfg: dict[str, Any]) -> str:
@@ -122,6 +122,8 @@ def _everything(folder: str) -> dict[str, Any]:
         "tiny", {"cpu": True, "backend": "deepspeed", "strategy": "zero2", "max_grad_norm": CLIP},
         batch=2, accum=2, steps=4, clip=None,  # the script never clips; the config's bound applies
     )
+    for strategy in ("zero2", "zero3"):
+        out[("clip once", strategy)] = EQ.clip_once_runs({"cpu": True, "backend": "deepspeed", "strategy": strategy})
     out["two_models"] = _two_models("deepspeed", "zero3")
     out["save_model"] = _save_model_zero3(f"{folder}/export")
     saved = {src: CK._train(_engine(src), 4, save=f"{folder}/{src}") for src, _ in CROSS}
@@ -174,6 +176,11 @@ def test_torch_and_deepspeed_engines_agree(runs: dict, precision: str) -> None:
     assert W.close(torch_run["norms"], ds_run["norms"]) < tol * max(torch_run["norms"])
     if precision == "bf16":  # bf16 really computed in bf16: it differs from fp32
         assert W.close(runs[("engines", "deepspeed", "fp32")]["losses"], ds_run["losses"]) > 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_clip_bound_lasts_one_step(runs: dict, strategy: str) -> None:
+    EQ.check_clip_once(runs[("clip once", strategy)])
 
 
 def test_two_models_each_with_its_optimizer(runs: dict) -> None:
@@ -251,9 +258,9 @@ def test_bad_deepspeed_combinations_are_refused() -> None:
     import shardwise
     from shardwise import ConfigError
 
-    with pytest.raises(ConfigError, match="strategy='ddp' is not run by backend='deepspeed'.*zero1, zero2 or zero3"):
+    with pytest.raises(ConfigError, match=r"strategy='ddp' is not run by backend='deepspeed'.*zero1, zero2 or zero3"):
         shardwise.Engine(backend="deepspeed", strategy="ddp", cpu=True)
-    with pytest.raises(ConfigError, match="fp16.*needs CUDA.*bf16"):
+    with pytest.raises(ConfigError, match=r"fp16.*needs CUDA.*bf16"):
         shardwise.Engine(backend="deepspeed", strategy="zero2", precision="fp16", cpu=True)
 
 
@@ -269,7 +276,7 @@ def test_without_deepspeed_one_clear_error(tmp_path: Path) -> None:
         "print('OK', e.prepare(nn.Linear(2, 2)).__class__.__name__)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "ERR backend='deepspeed' needs DeepSpeed" in proc.stdout
     assert "pip install 'shardwise[deepspeed]'" in proc.stdout

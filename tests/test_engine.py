@@ -6,12 +6,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
-
 import workloads as W
 from spawn import spawn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-RUN = dict(batch=2, accum=2, steps=3)
+RUN = {"batch": 2, "accum": 2, "steps": 3}
 
 
 class Indexed(Dataset):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 import workloads as W
 from spawn import spawn
 
@@ -22,19 +21,50 @@ CONFIGS: list[dict[str, Any]] = [
     {"strategy": "ddp", "activation_checkpointing": True},
 ]
 MODELS = ["tiny", "gpt2"]
-RUN = dict(batch=2, accum=2, steps=4)
+RUN = {"batch": 2, "accum": 2, "steps": 4}
 
 
 def _key(cfg: dict[str, Any]) -> str:
     return "+".join("checkpointing" if v is True else str(v) for v in cfg.values())
 
 
-def _train_all() -> dict[tuple[str, str], dict[str, Any]]:
-    return {
+# The script clips once with a small bound (step 1), with and without a config bound for the
+# other steps: a bound set by one clip_grad_norm_ call must last that step only.
+CLIP_ONCE = {1: 0.01}
+CLIP_CASES: dict[str, tuple[dict[str, Any], dict[int, float]]] = {
+    "script only": ({}, {1: 0.01}),
+    "config 0.5": ({"max_grad_norm": 0.5}, {0: 0.5, 1: 0.01, 2: 0.5, 3: 0.5}),
+}  # case -> (engine settings, the bounds one plain process applies)
+
+
+def clip_once_runs(engine_kw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {case: W.train_engine("tiny", {**engine_kw, **settings}, **{**RUN, "clip": CLIP_ONCE})
+            for case, (settings, _) in CLIP_CASES.items()}
+
+
+def check_clip_once(runs: dict[str, dict[str, Any]]) -> None:
+    """Each run equals one plain process clipping with the same bounds; a bound that leaked into
+    the later steps would land far away (asserted, so this check can fail)."""
+    for case, (_, bounds) in CLIP_CASES.items():
+        ref = W.reference("tiny", world=2, **{**RUN, "clip": bounds})
+        leaked_bounds = {**({0: bounds[0]} if 0 in bounds else {}), 1: 0.01, 2: 0.01, 3: 0.01}
+        leaked = W.reference("tiny", world=2, **{**RUN, "clip": leaked_bounds})
+        assert W.max_diff(leaked["state"], ref["state"]) > 1e-4, case
+        run = runs[case]
+        assert W.close(run["losses"], ref["losses"]) < 1e-5, case
+        assert W.close(run["norms"], [ref["norms"][list(bounds).index(1)]]) < 1e-5 * max(ref["norms"]), case
+        assert W.max_diff(run["state"], ref["state"]) < 2e-5, case
+
+
+def _train_all() -> dict[Any, dict[str, Any]]:
+    out: dict[Any, dict[str, Any]] = {
         (name, _key(cfg)): W.train_engine(name, {"cpu": True, **cfg}, **RUN)
         for name in MODELS
         for cfg in CONFIGS
     }
+    for strategy in ("zero3", "zero1"):
+        out[("clip once", strategy)] = clip_once_runs({"cpu": True, "strategy": strategy})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +88,11 @@ def test_matches_single_process(runs: dict, refs: dict, name: str, cfg: dict[str
     # training really moved the weights, so the comparison above is not trivially true
     init = W.build(name).state_dict()
     assert W.max_diff(run["state"], init) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero1"])
+def test_a_clip_bound_lasts_one_step(runs: dict, strategy: str) -> None:
+    check_clip_once(runs[("clip once", strategy)])
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import workloads as W
 from torch import nn
 from torch.utils.data import DataLoader
 
 import shardwise
-import workloads as W
 from shardwise import ConfigError
 from shardwise.precision import check_device_supports
 

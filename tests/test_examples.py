@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from spawn import run_command
 
 ROOT = Path(__file__).resolve().parents[1]

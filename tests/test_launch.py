@@ -15,15 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
-
 import workloads as W
+import yaml
 from spawn import GLOO_ABORT, free_port, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = SCRIPTS / "train_from_config.py"
-RUN = dict(batch=2, accum=2, steps=4)
+RUN = {"batch": 2, "accum": 2, "steps": 4}
 # The launch path is the same for every strategy (test_equivalence covers each strategy's numbers):
 # the one that touches the most machinery (sharded parameters, offloaded to the host).
 STRATEGIES = [{"strategy": "zero3", "offload": "params"}]

@@ -17,14 +17,15 @@ from typing import Any
 
 import pytest
 import torch
+from spawn import spawn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from typing_extensions import Self
 
 from shardwise import cli
 from shardwise.plan import CANDIDATES, Candidate, Plan, parse_memory, plan_model, plan_module
 from shardwise.plan.presets import PlanError, hf_spec
-from spawn import spawn
 
 TOLERANCE = 0.05
 SIX = [c for c in CANDIDATES if not c.activation_checkpointing]
@@ -33,21 +34,21 @@ AC = [Candidate("ddp", "none", True), Candidate("zero2", "optimizer", True), Can
 # name -> (config class, model class, config keywords, sequence length, per-device batch)
 MODELS: dict[str, tuple[str, str, dict[str, Any], int, int]] = {
     "gpt2-tiny": ("GPT2Config", "GPT2LMHeadModel",
-                  dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=3, n_head=2), 16, 2),
+                  {"vocab_size": 96, "n_positions": 32, "n_embd": 32, "n_layer": 3, "n_head": 2}, 16, 2),
     "deberta-tiny": ("DebertaV2Config", "DebertaV2ForSequenceClassification",
-                     dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
-                          intermediate_size=64, max_position_embeddings=64, num_labels=2,
-                          relative_attention=True, position_buckets=16, pos_att_type=["p2c", "c2p"]), 16, 2),
+                     {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
+                          "intermediate_size": 64, "max_position_embeddings": 64, "num_labels": 2,
+                          "relative_attention": True, "position_buckets": 16, "pos_att_type": ["p2c", "c2p"]}, 16, 2),
     # ~100M parameters each; deep enough that the planner traces 3 and 4 blocks and extrapolates
     "gpt2-96m": ("GPT2Config", "GPT2LMHeadModel",
-                 dict(vocab_size=50257, n_positions=64, n_embd=768, n_layer=8, n_head=12), 32, 1),
+                 {"vocab_size": 50257, "n_positions": 64, "n_embd": 768, "n_layer": 8, "n_head": 12}, 32, 1),
     "deberta-92m": ("DebertaV2Config", "DebertaV2ForSequenceClassification",
-                    dict(vocab_size=64000, hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
-                         intermediate_size=3072, max_position_embeddings=128, num_labels=2,
-                         relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"]), 32, 1),
+                    {"vocab_size": 64000, "hidden_size": 768, "num_hidden_layers": 6, "num_attention_heads": 12,
+                         "intermediate_size": 3072, "max_position_embeddings": 128, "num_labels": 2,
+                         "relative_attention": True, "position_buckets": 32, "pos_att_type": ["p2c", "c2p"]}, 32, 1),
 }
-_NO_DROPOUT = {"GPT2Config": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-               "DebertaV2Config": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)}
+_NO_DROPOUT = {"GPT2Config": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+               "DebertaV2Config": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}}
 
 
 def _spec(name: str) -> Any:
@@ -93,7 +94,7 @@ class LiveStorage(TorchDispatchMode):
                 self.tensor(t)
         return out
 
-    def __enter__(self) -> LiveStorage:
+    def __enter__(self) -> Self:
         original, counter = self._resize, self
 
         def resize_(st: torch.UntypedStorage, n: int) -> Any:
@@ -104,7 +105,7 @@ class LiveStorage(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         super().__exit__(*exc)
 
@@ -119,11 +120,10 @@ def _optimizer(name: str) -> Any:
 
 def _measure(name: str, candidates: list[Candidate], steps: int = 2) -> list[int]:
     """Per-rank peak of live tensor bytes over `steps` real training steps, per candidate."""
+    import copy
     import gc
 
     import shardwise
-
-    import copy
 
     spec = _spec(name)
     batch = MODELS[name][4]
@@ -308,7 +308,7 @@ def test_global_batch_needs_accumulation_when_the_batch_does_not_fit() -> None:
 def test_cli_refuses_bad_input_in_one_line_before_tracing(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import shardwise.plan.planner as planner
+    from shardwise.plan import planner
 
     monkeypatch.setattr(planner, "_trace_candidates", lambda *a, **k: pytest.fail("traced despite bad input"))
     argv = ["plan", "--gpu-memory", "24GB", *args] if "--gpu-memory" not in args else ["plan", *args]
@@ -332,9 +332,10 @@ def test_memory_sizes() -> None:
 def _auto_runs() -> dict[str, Any]:
     """The equivalence loop under strategy="auto": with this machine's memory, with a device
     budget only sharded plans fit, and with one nothing fits."""
-    import shardwise
-    import shardwise.auto as auto
     import workloads as W
+
+    import shardwise
+    from shardwise import auto
 
     def run() -> dict[str, Any]:
         engine = shardwise.Engine(strategy="auto", cpu=True, grad_accum_steps=2, seed=W.SEED)
@@ -376,7 +377,7 @@ def test_auto_is_refused_where_it_cannot_plan() -> None:
     import shardwise
     from shardwise import ConfigError
 
-    with pytest.raises(ConfigError, match="strategy='auto' plans for the torch engine"):
+    with pytest.raises(ConfigError, match="strategy='auto' plans for the torch backend"):
         shardwise.EngineConfig(strategy="auto", backend="deepspeed")
     engine = shardwise.Engine(strategy="auto", cpu=True)
     with pytest.raises(ConfigError, match="pass exactly one model and its DataLoader"):

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
 import workloads as W
 from spawn import spawn
+from torch.utils.data import DataLoader
 
-RUN = dict(batch=2, accum=2, steps=2)
+RUN = {"batch": 2, "accum": 2, "steps": 2}
 CASES = [("bf16", "zero3"), ("bf16", "ddp"), ("fp16", "zero3"), ("fp16", "zero1")]
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import workloads as W
 from torch.utils.data import DataLoader
 
 import shardwise
-import workloads as W
 
-RUN = dict(batch=4, accum=2, steps=2)
+RUN = {"batch": 4, "accum": 2, "steps": 2}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
@@ -28,9 +28,9 @@ def test_dataloader_order_is_seeded_and_reshuffles_per_epoch() -> None:
     loader.set_epoch(0)
     again = [b.tolist() for b in loader]
     expected = torch.randperm(10, generator=torch.Generator().manual_seed(3)).tolist()
-    assert sum(first, []) == expected
+    assert [i for batch in first for i in batch] == expected
     assert first == again and first != second
-    assert sorted(sum(second, [])) == list(range(10))
+    assert sorted(i for batch in second for i in batch) == list(range(10))
 
 
 def test_batches_land_on_the_engine_device() -> None:
@@ -62,3 +62,22 @@ def test_save_model_transformers_roundtrip(tmp_path) -> None:
     ids = W.Tokens(2).data
     with torch.no_grad():
         assert torch.equal(back(ids).logits, W.build("gpt2")(ids).logits)
+
+
+def test_step_counts_every_boundary_whichever_optimizer_steps() -> None:
+    """Two optimizers, the first prepared stepping every other iteration only (a GAN-style
+    loop): `engine.step` counts optimizer steps, one per iteration, not the first one's."""
+    engine = shardwise.Engine(cpu=True)
+    a, b = W.build("tiny"), W.build("tiny")
+    opt_a, opt_b = W.make_optimizer(a), W.make_optimizer(b)
+    a, b, opt_a, opt_b = engine.prepare(a, b, opt_a, opt_b)
+    ids = W.Tokens(2).data
+    for i in range(6):
+        with engine.accumulate(a, b):
+            engine.backward(W.lm_loss(a, ids) + W.lm_loss(b, ids))
+            if i % 2 == 0:
+                opt_a.step()
+            opt_b.step()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+    assert engine.step == 6

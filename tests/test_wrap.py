@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import workloads as W
 from torch import nn
 
-import workloads as W
 from shardwise import ConfigError
 from shardwise.strategies import find_blocks
 
@@ -44,7 +44,7 @@ def test_no_repeated_blocks_means_root_only() -> None:
 
 
 def test_explicit_wrap_matching_nothing_names_the_classes() -> None:
-    with pytest.raises(ConfigError, match="its module classes are: .*TinyLM"):
+    with pytest.raises(ConfigError, match=r"its module classes are: .*TinyLM"):
         find_blocks(W.build("tiny"), ("LlamaDecoderLayer",))
 
 

@@ -103,10 +103,19 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model), lr=1e-3)
 
 
+Clip = float | None | dict[int, float]  # one bound for every step, none, or bounds by optimizer step
+
+
+def bound_at(clip: Clip, step: int) -> float | None:
+    """The clip bound of optimizer step `step` (None: that step is not clipped)."""
+    return clip.get(step) if isinstance(clip, dict) else clip
+
+
 def reference(
-    name: str, *, world: int, batch: int, accum: int, steps: int, clip: float = 1.0, device: str = "cpu"
+    name: str, *, world: int, batch: int, accum: int, steps: int, clip: Clip = 1.0, device: str = "cpu"
 ) -> dict[str, Any]:
-    """One plain process on the same global batches: micro-batch losses, norms, final weights."""
+    """One plain process on the same global batches: micro-batch losses, norms (of the clipped
+    steps), final weights."""
     model = build(name).to(device)
     opt = make_optimizer(model)
     data = Tokens(world * batch * accum * steps)
@@ -119,14 +128,16 @@ def reference(
         (loss / accum).backward()
         losses.append(loss.item())
         if (k + 1) % accum == 0:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+            bound = bound_at(clip, k // accum)
+            if bound is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), bound).item())
             opt.step()
             opt.zero_grad()
     return {"losses": losses, "norms": norms, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
 def train_engine(
-    name: str, engine_kw: dict[str, Any], *, batch: int, accum: int, steps: int, clip: float | None = 1.0
+    name: str, engine_kw: dict[str, Any], *, batch: int, accum: int, steps: int, clip: Clip = 1.0
 ) -> dict[str, Any]:
     """The same loop written against shardwise (optimizer created before prepare)."""
     import shardwise
@@ -135,7 +146,7 @@ def train_engine(
     return run_loop(engine, name, batch=batch, steps=steps, clip=clip)
 
 
-def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: float | None = 1.0) -> dict[str, Any]:
+def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: Clip = 1.0) -> dict[str, Any]:
     """The training loop of `train_engine`, on an engine configured elsewhere (a config file)."""
     accum = engine.config.grad_accum_steps
     model = build(name)
@@ -149,8 +160,9 @@ def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: float | No
             loss = lm_loss(model, ids)
             engine.backward(loss)
             losses.append(engine.reduce(loss.detach(), "mean").item())
-            if engine.sync_gradients and clip is not None:  # None: the script never clips
-                norms.append(float(engine.clip_grad_norm_(model.parameters(), clip)))
+            bound = bound_at(clip, i // accum)
+            if engine.sync_gradients and bound is not None:  # None: the script does not clip
+                norms.append(float(engine.clip_grad_norm_(model.parameters(), bound)))
             opt.step()
             if i == len(loader) - 1:
                 memory = engine.memory_report()  # after the last step, gradients still held

@@ -33,7 +33,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .consolidate import find_aliases, hf_config_json
 from .storage import (
+    STAGING_MARK,
     CheckpointError,
     agree,
     atomic_write_text,
@@ -62,10 +63,12 @@ from .storage import (
     os_error_line,
     staging_dir,
     staging_is_ours,
-    STAGING_MARK,
 )
 
 log = logging.getLogger("shardwise")
+# What torch.distributed.checkpoint raises: its CheckpointException (a BaseException, holding each
+# process's exception) and what a single process raises directly.
+_DCP_FAILURES = (CheckpointException, OSError, RuntimeError, ValueError, KeyError)
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 1
@@ -77,15 +80,15 @@ __all__ = ["CheckpointError", "Parts", "SaveReport", "load", "save", "verify"]
 
 @dataclass
 class Parts:
-    """What an engine checkpoints (the engine fills this; nothing here reaches into it)."""
+    """What an Engine checkpoints (the Engine fills this; nothing here reaches into it)."""
 
     models: list[nn.Module]
     unwrapped: list[nn.Module]
     runners: list[Any]  # OptimizerRunner per prepared optimizer
     optimizer_models: list[int]  # index of the model each optimizer updates
-    engine_state: dict[str, Any]  # counters, scaler, schedulers, loaders, registered objects
+    loop_state: dict[str, Any]  # step counters, loss scaler, schedulers, loaders, registered objects
     strategy: Any  # model_state / load_model_state: the weights in the strategy's layout
-    info: dict[str, Any]  # strategy, offload, precision, engine name
+    info: dict[str, Any]  # backend, strategy, offload, precision
     rank: int
     world: int
 
@@ -94,11 +97,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     """DCP keeps its index as a pickle; this unpickler builds only the classes such an index
     holds (DCP's metadata records, torch.Size, dtypes, paths) and refuses everything else."""
 
-    _ALLOWED = {
+    _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset({
         ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
         ("pathlib", "PureWindowsPath"), ("torch", "Size"), ("collections", "OrderedDict"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    }
+    })
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name:
@@ -126,7 +129,7 @@ class _SafeReader(FileSystemReader):
             raise CheckpointError(f"{path}: refused: {err}") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path}: is not a checkpoint index")
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
@@ -149,7 +152,7 @@ def _model_meta(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     out: dict[str, Any] = {
         "python": [list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
@@ -260,7 +263,7 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
     writer = _RecordingWriter(stage)
     try:
         dcp.save(state, storage_writer=writer)  # each process writes its own shards
-    except (Exception, CheckpointException) as err:  # DCP agrees on failure across processes itself
+    except _DCP_FAILURES as err:  # DCP agrees on failure across processes itself
         raise CheckpointError(os_error_line(target, "write the checkpoint's tensors", _first_failure(err))) from None
     sums: dict[str, str] = {}
     hashing = 0.0
@@ -271,7 +274,7 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
             sums[name] = checksum_file(stage / name)  # just written: read back from the page cache
         hashing = time.perf_counter() - t0
         error = None
-    except Exception as err:  # OSError, or torch.save's RuntimeError for a failed write
+    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
         error = os_error_line(target, "write the checkpoint", err)
     gathered: list[Any] = [(error, sums)]
     if parts.world > 1:
@@ -282,7 +285,7 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
     if parts.rank == 0:
         try:
             size = _finish(parts, target, stage, state, {k: v for _, s in gathered for k, v in s.items()})
-        except Exception as err:
+        except (OSError, RuntimeError) as err:  # (CheckpointError is a RuntimeError)
             error = str(err) if isinstance(err, CheckpointError) else os_error_line(target, "finish the checkpoint", err)
     agree(error)
     report = SaveReport(target, size, time.perf_counter() - start, hashing)
@@ -292,8 +295,8 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
 
 
 def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums: dict[str, str]) -> int:
-    """Process 0: the engine state, meta.json (written last), then the exchange into place."""
-    torch.save(parts.engine_state, stage / "engine.pt")
+    """Process 0: the loop state, meta.json (written last), then the exchange into place."""
+    torch.save(parts.loop_state, stage / "engine.pt")  # (the loop state; file name of format 1)
     models = []
     for i, module in enumerate(parts.unwrapped):
         models.append(_model_meta(module, state[f"model{i}"]))
@@ -309,7 +312,8 @@ def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums
         "format": FORMAT,
         "version": VERSION,
         "world_size": parts.world,
-        **parts.info,
+        "engine": parts.info["backend"],  # (the backend; key name of format 1)
+        **{k: v for k, v in parts.info.items() if k != "backend"},
         "versions": _versions(),
         "models": models,
         "optimizers": [{"model": m, "class": type(r.optimizer).__name__}
@@ -348,7 +352,7 @@ def _first_failure(err: BaseException) -> BaseException:
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         first = failures[min(failures)]
-        return first[0] if isinstance(first, tuple) else first
+        return cast(BaseException, first[0] if isinstance(first, tuple) else first)
     return err
 
 
@@ -447,7 +451,7 @@ def _few(items: list[str]) -> str:
 
 
 def load(parts: Parts, folder: Path) -> dict[str, Any]:
-    """Load a checkpoint into `parts` (a collective); return the engine state to restore.
+    """Load a checkpoint into `parts` (a collective); return the loop state to restore.
     Every file is checked against its checksum first (each process a share), so nothing is
     loaded from a checkpoint that is not the one that was written."""
     folder = Path(folder)
@@ -461,7 +465,7 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
         dcp.load(state, storage_reader=_SafeReader(str(folder)))
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+    except _DCP_FAILURES as err:
         raise CheckpointError(_load_failure(folder, meta, parts, _first_failure(err))) from None
     for i, model in enumerate(parts.models):
         parts.strategy.load_model_state(model, state[f"model{i}"])
@@ -470,7 +474,7 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     rank_file = folder / "rng" / f"rank{parts.rank}.pt"
     if rank_file.is_file():  # at a larger world size, new ranks keep their own seeds
         _set_rng_state(_load_safe(rank_file))
-    return _load_safe(folder / "engine.pt")
+    return cast(dict[str, Any], _load_safe(folder / "engine.pt"))
 
 
 def _load_failure(folder: Path, meta: dict[str, Any], parts: Parts, err: BaseException) -> str:
@@ -496,7 +500,7 @@ def _load_failure(folder: Path, meta: dict[str, Any], parts: Parts, err: BaseExc
 def _load_safe(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as err:
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as err:
         raise CheckpointError(one_line(f"{path}: unreadable with weights-only loading ({type(err).__name__}: {err})")) from None
 
 
@@ -518,9 +522,9 @@ def full_model_state(folder: Path, index: int = 0) -> tuple[dict[str, torch.Tens
         dcp.load({f"model{index}": template}, storage_reader=_SafeReader(str(folder)), no_dist=True)
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as err:
-        err = _first_failure(err)
-        raise CheckpointError(one_line(f"{folder}: could not read the sharded tensors: {type(err).__name__}: {err}")) from None
+    except _DCP_FAILURES as err:
+        first = _first_failure(err)
+        raise CheckpointError(one_line(f"{folder}: could not read the sharded tensors: {type(first).__name__}: {first}")) from None
     return template, meta
 
 

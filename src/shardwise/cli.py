@@ -7,6 +7,7 @@ command line, the YAML file and `Engine(...)` keywords always name the same sett
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -14,7 +15,7 @@ import tempfile
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .config import ConfigError, EngineConfig, LaunchConfig, check_train_batch, field_docs
 from .config_io import build, load_layers, merge, read_file, to_yaml, write_yaml
@@ -79,7 +80,7 @@ def _flag_settings(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _config_path(ns: argparse.Namespace) -> str | None:
     if ns.config:
-        return ns.config
+        return str(ns.config)
     return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
 
 
@@ -107,7 +108,7 @@ def _launch_parser(sub: Any) -> argparse.ArgumentParser:
     p.set_defaults(**{a.dest: _UNSET for a in torchrun._actions if a.option_strings and a.dest != "help"})
     taken = {s for a in torchrun._actions for s in a.option_strings}
     _add_config_flags(p, skip=taken)
-    return p
+    return cast(argparse.ArgumentParser, p)
 
 
 def _torchrun_extra(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -208,10 +209,8 @@ def _ask(defaults: EngineConfig) -> dict[str, Any]:
         elif raw.lstrip("-").isdigit():
             value = int(raw)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(raw)
-            except ValueError:
-                pass
         trial = merge(answers, _nested(key, value))
         try:
             build(trial, "answer")

@@ -12,25 +12,73 @@ import ast
 import difflib
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-Strategy = Literal["ddp", "zero1", "zero2", "zero3", "auto"]
-Precision = Literal["fp32", "bf16", "fp16"]
-Offload = Literal["none", "optimizer", "params"]
-Backend = Literal["torch", "deepspeed"]
+StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "auto"]
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+OffloadName = Literal["none", "optimizer", "params"]
+BackendName = Literal["torch", "deepspeed"]
 Rendezvous = Literal["c10d", "static"]
 OptimizerType = Literal["AdamW", "Adam", "SGD"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 Auto = Literal["auto"]
 
-STRATEGIES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3")  # what "auto" chooses from
-PRECISIONS: tuple[str, ...] = get_args(Precision)
-OFFLOADS: tuple[str, ...] = get_args(Offload)
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+OFFLOADS: tuple[str, ...] = get_args(OffloadName)
 
 
 class ConfigError(ValueError):
     """A configuration value that shardwise refuses; the message names the field and the fix."""
+
+
+# -- the strategies: the one table of their names and of what each combines with ----------------
+@dataclass(frozen=True, slots=True)
+class StrategySpec:
+    """What a named strategy shards, and what it runs with."""
+
+    stage: int
+    """ZeRO stage: 0 shards nothing (ddp), 1 optimizer states, 2 also gradients, 3 also parameters."""
+    offloads: tuple[str, ...]
+    """Offload settings it supports ("optimizer" needs sharded optimizer states, "params" stage 3)."""
+    backends: tuple[str, ...]
+    """Backends that run it (DeepSpeed has no ddp)."""
+
+
+STRATEGY_TABLE: dict[str, StrategySpec] = {
+    "ddp": StrategySpec(stage=0, offloads=("none",), backends=("torch",)),
+    "zero1": StrategySpec(stage=1, offloads=("none", "optimizer"), backends=("torch", "deepspeed")),
+    "zero2": StrategySpec(stage=2, offloads=("none", "optimizer"), backends=("torch", "deepspeed")),
+    "zero3": StrategySpec(stage=3, offloads=("none", "optimizer", "params"), backends=("torch", "deepspeed")),
+}
+STRATEGIES: tuple[str, ...] = tuple(STRATEGY_TABLE)  # what "auto" chooses from
+
+
+def check_strategy(strategy: str, offload: str, backend: str) -> None:
+    """Refuse a strategy, offload and backend that do not go together (the table's rules)."""
+    if strategy == "auto":
+        if backend != "torch":
+            raise ConfigError(
+                f"strategy='auto' plans for the torch backend; with backend={backend!r} name the "
+                "strategy (zero1, zero2 or zero3), e.g. the one `shardwise plan` suggests"
+            )
+        return  # auto plans only among the plans with the offload given
+    spec = STRATEGY_TABLE[strategy]
+    if backend not in spec.backends:
+        names = [n for n, s in STRATEGY_TABLE.items() if backend in s.backends]
+        runs = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+        raise ConfigError(
+            f"strategy={strategy!r} is not run by backend={backend!r}; choose {runs} there, or "
+            f"backend={spec.backends[0]!r} for {strategy}"
+        )
+    if offload not in spec.offloads:
+        if offload == "params":
+            raise ConfigError(
+                f"offload='params' needs strategy='zero3' (got strategy={strategy!r}): only "
+                "stage 3 shards parameters. Use offload='optimizer' with zero1/zero2, or zero3."
+            )
+        raise ConfigError(f"offload={offload!r} needs a sharded strategy (zero1, zero2 or zero3), got strategy={strategy!r}")
 
 
 def _choice(field_name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -86,7 +134,7 @@ class LossScaleConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
-    """An optimizer the engine builds when the script passes none to `prepare`
+    """An optimizer the Engine builds when the script passes none to `prepare`
     ("auto": the script's value, else the Hugging Face Trainer default)."""
 
     type: OptimizerType = "AdamW"
@@ -107,7 +155,7 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SchedulerConfig:
-    """A DeepSpeed-style LR schedule the engine builds when the script passes none."""
+    """A DeepSpeed-style LR schedule the Engine builds when the script passes none."""
 
     type: SchedulerType = "WarmupDecayLR"
     """WarmupLR (warm up, then hold), WarmupDecayLR (then linear decay to 0), WarmupCosineLR."""
@@ -161,18 +209,18 @@ class LaunchConfig:
 class EngineConfig:
     """How an `Engine` shards, casts, accumulates and launches. The root of the config tree."""
 
-    strategy: Strategy = "ddp"
+    strategy: StrategyName = "ddp"
     """ddp: full replicas, gradients all-reduced. zero1: + optimizer states sharded.
     zero2: + gradients sharded. zero3: + parameters sharded (gathered per block for compute).
     auto: at prepare, plan for this device's memory, the world size and the DataLoader's batch
     and take the fastest strategy (and offload) that fits (`shardwise plan` explains the choice)."""
-    backend: Backend = "torch"
-    """The engine under the strategies: torch (FSDP2 / DDP) or deepspeed (DeepSpeed ZeRO stages
+    backend: BackendName = "torch"
+    """The library under the strategies: torch (FSDP2 / DDP) or deepspeed (DeepSpeed ZeRO stages
     1-3 and its offload; zero1/zero2/zero3 only; `pip install 'shardwise[deepspeed]'`)."""
-    precision: Precision = "fp32"
+    precision: PrecisionName = "fp32"
     """fp32; bf16 (bf16 compute, fp32 master weights, reduction and optimizer state);
     fp16 (as bf16, plus dynamic loss scaling)."""
-    offload: Offload = "none"
+    offload: OffloadName = "none"
     """none; optimizer: optimizer states and the optimizer step live on the host (zero1-3);
     params: parameter shards also live on the host between uses (zero3 only)."""
     grad_accum_steps: int = 1
@@ -211,7 +259,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, (*STRATEGIES, "auto"))
-        _choice("backend", self.backend, get_args(Backend))
+        _choice("backend", self.backend, get_args(BackendName))
         _choice("precision", self.precision, PRECISIONS)
         _choice("offload", self.offload, OFFLOADS)
         if isinstance(self.grad_accum_steps, bool) or not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
@@ -224,26 +272,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value, allow_auto=True)
-        if self.strategy == "auto" and self.backend != "torch":
-            raise ConfigError(
-                f"strategy='auto' plans for the torch engine; with backend={self.backend!r} name the "
-                "strategy (zero1, zero2 or zero3), e.g. the one `shardwise plan` suggests"
-            )
-        if self.offload == "params" and self.strategy not in ("zero3", "auto"):
-            raise ConfigError(
-                f"offload='params' needs strategy='zero3' (got strategy={self.strategy!r}): only "
-                "stage 3 shards parameters. Use offload='optimizer' with zero1/zero2, or zero3."
-            )
-        if self.offload == "optimizer" and self.strategy == "ddp":  # (auto: only plans with this offload)
-            raise ConfigError(
-                "offload='optimizer' needs a sharded strategy (zero1, zero2 or zero3), "
-                "got strategy='ddp'"
-            )
-        if self.backend == "deepspeed" and self.strategy == "ddp":
-            raise ConfigError(
-                "strategy='ddp' is not run by backend='deepspeed'; choose zero1, zero2 or zero3 "
-                "there, or backend='torch' for ddp"
-            )
+        check_strategy(self.strategy, self.offload, self.backend)
         _positive("offload_bucket_numel", self.offload_bucket_numel)
         if isinstance(self.wrap, (str, type)):
             self.wrap = (self.wrap,)
@@ -281,10 +310,10 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                docs[node.target.id] = " ".join(str(after.value.value).split())
+    for node, after in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
     return docs
 
 

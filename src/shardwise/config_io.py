@@ -36,10 +36,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: no such config file")
     text = p.read_text()
     try:
-        if p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{p}:{err.lineno}: JSON syntax error: {err.msg}") from None
     except yaml.YAMLError as err:
@@ -93,7 +90,8 @@ def _describe(errors: list[dict[str, Any]]) -> str:
 
 
 def _all_config_classes() -> list[type]:
-    out, todo = [], [EngineConfig]
+    out: list[type] = []
+    todo: list[type] = [EngineConfig]
     while todo:
         cls = todo.pop()
         out.append(cls)
@@ -110,7 +108,7 @@ def build(data: Mapping[str, Any], source: str = "config") -> EngineConfig:
     try:
         return _adapter().validate_python(dict(data))
     except ValidationError as err:
-        raise ConfigError(f"{source}: {_describe(err.errors())}") from None
+        raise ConfigError(f"{source}: {_describe([dict(e) for e in err.errors()])}") from None
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
 
@@ -177,7 +175,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def to_yaml(cfg: EngineConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return str(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def write_yaml(cfg: EngineConfig, path: str | Path, *, header: str = "") -> None:

@@ -29,6 +29,7 @@ import re
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -99,7 +100,7 @@ def _ours_safetensors(path: Path) -> bool:
     return SAFETENSORS_KEY in (header.get("__metadata__") or {})
 
 
-def _read_index(folder: Path) -> dict | None:
+def _read_index(folder: Path) -> dict[str, Any] | None:
     try:
         index = json.loads((folder / INDEX).read_text())
     except (OSError, ValueError, UnicodeDecodeError):
@@ -146,7 +147,7 @@ def _split(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.T
     return shards
 
 
-def _entries_digest(entries: dict) -> xxhash.xxh3_64:
+def _entries_digest(entries: dict[str, Any]) -> xxhash.xxh3_64:
     """The checksum's start: the tensor entries (names, dtypes, shapes, offsets), canonically."""
     return xxhash.xxh3_64(json.dumps(entries, sort_keys=True, separators=(",", ":")).encode())
 
@@ -159,7 +160,7 @@ def _write_shard(tensors: dict[str, torch.Tensor], path: Path, extra: dict[str, 
         t = tensors[name]
         if t.dtype not in _DTYPES:
             raise CheckpointError(f"{path}: {name} has dtype {t.dtype}, which safetensors cannot store")
-        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(b"")
         entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
         offset += len(raw)
         data.append(raw)
@@ -179,7 +180,7 @@ def _write_shard(tensors: dict[str, torch.Tensor], path: Path, extra: dict[str, 
     return digest
 
 
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     """(header, offset of the data section); CheckpointError if the file is not safetensors."""
     try:
         with open(path, "rb") as f:
@@ -191,9 +192,9 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
                 raise ValueError(f"header length {n} is not plausible")
             header = json.loads(f.read(n))
             if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
+                raise TypeError("header is not a JSON object")
             return header, 8 + n
-    except (OSError, ValueError, UnicodeDecodeError) as err:
+    except (OSError, ValueError, TypeError) as err:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
 
 
@@ -265,7 +266,7 @@ def write_safetensors(
             index = {"metadata": {"total_size": total, _FILES_KEY: sums}, "weight_map": weight_map}
             (stage / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             fsync_path(stage / INDEX)
-            order = sorted(sums) + [INDEX]
+            order = [*sorted(sums), INDEX]
         folder.mkdir(exist_ok=True)
         for name in order:  # the top file last: a reader sees the old save or the new one whole
             os.replace(stage / name, folder / name)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import (
@@ -38,8 +38,8 @@ class _EpochOrder:
         if isinstance(self.sampler, SequentialSampler):
             return list(range(len(self.sampler.data_source)))
         if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        return list(self.sampler)  # type: ignore[arg-type]
+            self.sampler.set_epoch(epoch)
+        return list(self.sampler)
 
 
 class _RankBatchSampler(Sampler[list[int]]):
@@ -75,10 +75,10 @@ class _RankBatchSampler(Sampler[list[int]]):
         return 0 if self.drop_last else self.num_samples % g
 
 
-class _IterableShard(IterableDataset):
+class _IterableShard(IterableDataset[Any]):
     """This rank's items of every global batch of an iterable dataset."""
 
-    def __init__(self, dataset: IterableDataset, batch_size: int, world: int, rank: int, drop_last: bool) -> None:
+    def __init__(self, dataset: IterableDataset[Any], batch_size: int, world: int, rank: int, drop_last: bool) -> None:
         self.dataset, self.batch_size, self.world, self.rank = dataset, batch_size, world, rank
         self.drop_last = drop_last
         self.last_real = 0  # real samples in the last global batch of the latest pass
@@ -116,7 +116,7 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         moved = {k: move_to_device(v, device) for k, v in batch.items()}
         try:
-            return type(batch)(moved)  # keeps BatchEncoding and other dict subclasses
+            return type(batch)(moved)  # type: ignore[call-arg]  # keeps BatchEncoding and other dict subclasses
         except TypeError:
             return moved
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
@@ -126,7 +126,7 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-class PreparedDataLoader(DataLoader):
+class PreparedDataLoader(DataLoader[Any]):
     """A DataLoader over this process's share, with epochs, device placement and lookahead.
 
     It tells the engine (through `on_batch`) when the batch it yields is the last one, and how
@@ -135,7 +135,7 @@ class PreparedDataLoader(DataLoader):
 
     def __init__(
         self,
-        base: DataLoader,
+        base: DataLoader[Any],
         *,
         world: int,
         rank: int,
@@ -155,16 +155,16 @@ class PreparedDataLoader(DataLoader):
         self._iteration = 0
         self._served = 0  # samples of the current epoch yielded so far (all processes)
         self._resume_at = 0
-        kwargs: dict[str, Any] = dict(
-            num_workers=base.num_workers,
-            collate_fn=base.collate_fn,
-            pin_memory=base.pin_memory,
-            timeout=base.timeout,
-            worker_init_fn=base.worker_init_fn,
-            multiprocessing_context=base.multiprocessing_context,
-            generator=base.generator,
-            persistent_workers=base.persistent_workers,
-        )
+        kwargs: dict[str, Any] = {
+            "num_workers": base.num_workers,
+            "collate_fn": base.collate_fn,
+            "pin_memory": base.pin_memory,
+            "timeout": base.timeout,
+            "worker_init_fn": base.worker_init_fn,
+            "multiprocessing_context": base.multiprocessing_context,
+            "generator": base.generator,
+            "persistent_workers": base.persistent_workers,
+        }
         if base.num_workers > 0:
             kwargs["prefetch_factor"] = base.prefetch_factor
         dataset = base.dataset
@@ -181,7 +181,7 @@ class PreparedDataLoader(DataLoader):
             self._batches: _RankBatchSampler | None = None
             super().__init__(self._shard, batch_size=base.batch_size, drop_last=False, **kwargs)
         else:
-            order = _EpochOrder(base.sampler, seed)
+            order = _EpochOrder(cast(Sampler[int], base.sampler), seed)
             self._batches = _RankBatchSampler(order, base.batch_size, world, rank, base.drop_last)
             self._shard = None
             super().__init__(dataset, batch_sampler=self._batches, **kwargs)
@@ -209,7 +209,7 @@ class PreparedDataLoader(DataLoader):
         self._epoch = None if state["epoch"] is None else int(state["epoch"])
         self._resume_at = int(state["samples"])
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # yields batches, as DataLoader's iterator does
         epoch = self._iteration if self._epoch is None else self._epoch
         start, self._resume_at = self._resume_at, 0
         self._served = start

@@ -62,7 +62,7 @@ def init_distributed(*, force_cpu: bool) -> DistInfo:
 
     CUDA devices get NCCL for device tensors and gloo for host tensors (optimizer offload keeps
     a few host-side collectives); CPU-only runs use gloo. An already initialised default group
-    is reused, so several engines can live in one process.
+    is reused, so several Engines can live in one process.
     """
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)

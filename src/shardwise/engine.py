@@ -1,7 +1,14 @@
 """`Engine`: an ordinary PyTorch loop, sharded. The verbs follow Hugging Face Accelerate.
 
-The engine owns the process group, the precision policy and the bookkeeping of accumulation;
-everything that depends on the strategy is delegated to a `Strategy` object.
+The engine resolves the config, joins the process group, prepares DataLoaders, and offers the
+collectives and checkpoints; models, optimizers, schedulers and the step are its `Session`'s
+(`shardwise.session`), and everything that depends on the strategy is the `Strategy`'s.
+
+Words: "Engine" is this user object only. "backend" is the library under the strategies (torch
+or DeepSpeed). A "DeepSpeed engine" (`ds_engine`) is DeepSpeed's own `DeepSpeedEngine`, one per
+model on that backend. The "loop state" is what a checkpoint keeps besides tensors: step
+counters, loss scaler, schedulers, DataLoader positions, registered objects (`engine.pt`, the
+file name of checkpoint format 1).
 """
 
 from __future__ import annotations
@@ -13,8 +20,7 @@ import random
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import MethodType
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,19 +30,14 @@ from torch import nn
 from .config import ConfigError, EngineConfig, check_train_batch, make_config
 from .config_io import build, load_layers, merge
 from .consolidate import save_model_files
-from .storage import CheckpointError, agree, os_error_line
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
 from .memory import MemoryReport, tensor_memory
-from .optim import (
-    PreparedOptimizer,
-    PreparedScheduler,
-    build_optimizer,
-    build_scheduler,
-    rebind_optimizer,
-)
-from .precision import DynamicLossScaler, Precision, check_device_supports
-from .strategies import Strategy, apply_activation_checkpointing, find_blocks, make_strategy
+from .optim import PreparedOptimizer, PreparedScheduler, build_optimizer, build_scheduler
+from .precision import check_device_supports
+from .session import Session, check_optimizer
+from .storage import CheckpointError, agree, os_error_line
+from .strategies import make_strategy
 
 log = logging.getLogger("shardwise")
 
@@ -85,28 +86,28 @@ class Engine:
         if conflicts and self._info.is_main:
             warnings.warn("code overrides the config file: " + "; ".join(conflicts), stacklevel=2)
         check_device_supports(cfg.precision, self._info.device)
-        self._precision = Precision(cfg.precision, self._info.device)
         # strategy="auto" is chosen at the first prepare, from the model and its batch
-        auto = cfg.strategy == "auto"
-        self._strategy: Strategy = cast(Strategy, None) if auto else make_strategy(cfg, self._info, self._precision.dtype)
+        self._session: Session | None = None
+        if cfg.strategy != "auto":
+            self._session = Session(cfg, make_strategy(cfg, self._info))
         self.plan: Any = None  # strategy="auto": the plan the choice came from
-        ours = cfg.precision == "fp16" and not (self._strategy and self._strategy.owns_precision)
-        self._scaler = DynamicLossScaler(cfg.loss_scale, self.device) if ours else None
         set_seed(cfg.seed)
-        self._models: list[nn.Module] = []
-        self._optimizers: list[PreparedOptimizer] = []
-        self._param_ids: set[int] = set()
-        self._micro_step = 0
-        self._sync = True
         self._loader: PreparedDataLoader | None = None  # the loader that yielded the last batch
         self._loader_at_end = False
-        self._clipped = False  # the script clipped this step itself (no config clipping then)
-        self._schedulers: list[PreparedScheduler] = []
         self._loaders: list[PreparedDataLoader] = []
         self._registered: list[Any] = []
-        self._step_count = 0  # optimizer steps taken (accumulation boundaries)
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
+
+    @property
+    def session(self) -> Session:
+        """The strategy and what was prepared on it (strategy='auto': from the first prepare)."""
+        if self._session is None:
+            raise RuntimeError(
+                "strategy='auto' chooses the strategy at the first prepare(); prepare the model "
+                "(and its DataLoader) before this call"
+            )
+        return self._session
 
     # -- where this process sits ------------------------------------------------------------
     @property
@@ -136,15 +137,16 @@ class Engine:
     @property
     def sync_gradients(self) -> bool:
         """True on the micro-step that ends an accumulation (gradients are communicated)."""
-        return self._sync
+        return self._session is None or self._session.step_state.sync
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        return any(o.step_was_skipped for o in self._optimizers)
+        return self._session is not None and any(o.step_was_skipped for o in self._session.optimizers)
 
     @property
     def loss_scale(self) -> float:
-        return self._scaler.scale if self._scaler is not None else 1.0
+        """The fp16 loss scale (1.0 when nothing is scaled, or DeepSpeed scales)."""
+        return self._session.strategy.precision.loss_scale if self._session is not None else 1.0
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main_process:
@@ -169,58 +171,32 @@ class Engine:
         Everything is checked before anything is changed.
         """
         kinds = [self._kind(obj) for obj in objects]
-        models = [o for o, k in zip(objects, kinds) if k == "model"]
-        pending = {id(p) for m in models for p in m.parameters()}
-        for o, k in zip(objects, kinds):
-            if k == "optimizer":
-                self._check_owned(o, pending)
-            elif k == "dataloader":
-                self._check_batch_sizes(o)
-        if self._strategy is None:
+        of = {kind: [o for o, k in zip(objects, kinds) if k == kind] for kind in ("model", "optimizer", "scheduler", "dataloader")}
+        for loader in of["dataloader"]:
+            self._check_batch_sizes(loader)
+        known = self._session.param_ids if self._session is not None else set()
+        for optimizer in of["optimizer"]:
+            check_optimizer(optimizer, of["model"], known)
+        if self._session is None:
             from .auto import choose
 
-            loaders = [o for o, k in zip(objects, kinds) if k == "dataloader"]
-            self.config, self.plan = choose(self.config, self._info, models, loaders)
-            self._strategy = make_strategy(self.config, self._info, self._precision.dtype)
-        names: dict[int, tuple[int, str]] = {}
-        for m in models:  # parameter -> (model, name), to rebind optimizers made before prepare
-            for name, p in m.named_parameters():
-                names[id(p)] = (len(self._models) + models.index(m), name)
-        prepared: dict[int, Any] = {}
-        for obj in models:
-            if self.config.activation_checkpointing:
-                apply_activation_checkpointing(find_blocks(obj, self.config.wrap))
-            prepared[id(obj)] = self._prepare_model(obj)
-        new_params = [dict(self._strategy.unwrap(m).named_parameters()) for m in self._models]
-
-        def new_param(p: torch.Tensor) -> torch.Tensor:
-            if id(p) in names:
-                model_idx, name = names[id(p)]
-                return new_params[model_idx][name]
-            return p  # already a prepared parameter (optimizer made after prepare(model))
-
-        for obj, kind in zip(objects, kinds):
-            if kind == "optimizer":
-                rebind_optimizer(obj, new_param, self._strategy.shard_state)
-                wrapped = PreparedOptimizer(obj, self._strategy.make_runner(obj), self)
-                self._optimizers.append(wrapped)
-                prepared[id(obj)] = wrapped
-        for obj, kind in zip(objects, kinds):
-            if kind == "scheduler":
-                prepared[id(obj)] = self._prepare_scheduler(obj)
-            elif kind == "dataloader":
-                prepared[id(obj)] = PreparedDataLoader(
-                    obj,
-                    world=self.num_processes,
-                    rank=self.process_index,
-                    seed=self.config.seed,
-                    device=self.device,
-                    on_batch=self._on_batch,
-                )
-                self._loaders.append(prepared[id(obj)])
-        if models and "optimizer" not in kinds and not self._optimizers and self.config.optimizer:
-            loaders = [prepared[id(o)] for o, k in zip(objects, kinds) if k == "dataloader"]
-            self._build_from_config(prepared[id(models[0])], loaders[0] if loaders else None)
+            self.config, self.plan = choose(self.config, self._info, of["model"], of["dataloader"])
+            self._session = Session(self.config, make_strategy(self.config, self._info))
+        session = self._session
+        prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
+        for loader in of["dataloader"]:
+            prepared[id(loader)] = PreparedDataLoader(
+                loader,
+                world=self.num_processes,
+                rank=self.process_index,
+                seed=self.config.seed,
+                device=self.device,
+                on_batch=self._on_batch,
+            )
+            self._loaders.append(prepared[id(loader)])
+        if of["model"] and not of["optimizer"] and not session.optimizers and self.config.optimizer:
+            loaders = [prepared[id(o)] for o in of["dataloader"]]
+            self._build_from_config(prepared[id(of["model"][0])], loaders[0] if loaders else None)
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
 
@@ -229,14 +205,11 @@ class Engine:
         they are `engine.optimizer` and `engine.scheduler`."""
         assert self.config.optimizer is not None
         raw = build_optimizer(self.config.optimizer, model)
-        self.optimizer = PreparedOptimizer(raw, self._strategy.make_runner(raw), self)
-        self._optimizers.append(self.optimizer)
+        self.optimizer = self.session.add_optimizer(raw)
         log.info("built %s from the config", type(raw).__name__)
         if self.config.scheduler is not None:
             steps = len(loader) // self.config.grad_accum_steps if loader is not None else None
-            sched = build_scheduler(self.config.scheduler, raw, steps)
-            self.scheduler = PreparedScheduler(sched, [self.optimizer], self)
-            self._schedulers.append(self.scheduler)
+            self.scheduler = self.session.add_scheduler(build_scheduler(self.config.scheduler, raw, steps))
 
     def _check_batch_sizes(self, loader: Any) -> None:
         micro = self.config.micro_batch_size
@@ -251,11 +224,11 @@ class Engine:
 
     def _kind(self, obj: Any) -> str:
         if isinstance(obj, nn.Module):
-            if any(obj is m or obj is self._strategy.unwrap(m) for m in self._models):
+            if self._session is not None and self._session.is_prepared_model(obj):
                 raise ValueError(f"{type(obj).__name__} was already prepared; prepare each model once")
             return "model"
         if isinstance(obj, PreparedOptimizer):
-            raise ValueError("this optimizer was already prepared; prepare each optimizer once")
+            raise ValueError("this optimizer was already prepared; prepare each optimizer once")  # noqa: TRY004
         if isinstance(obj, torch.optim.Optimizer):
             return "optimizer"
         if is_dataloader(obj):
@@ -267,96 +240,34 @@ class Engine:
             "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers"
         )
 
-    def _check_owned(self, optimizer: torch.optim.Optimizer, pending: set[int]) -> None:
-        stray = [
-            p
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if id(p) not in pending and id(p) not in self._param_ids
-        ]
-        if stray:
-            shapes = ", ".join(str(tuple(p.shape)) for p in stray[:3])
-            raise ValueError(
-                f"{type(optimizer).__name__} holds {len(stray)} parameter(s) of no prepared model "
-                f"(shapes {shapes}{', ...' if len(stray) > 3 else ''}); pass the model to "
-                "prepare() in the same call as the optimizer, or before it"
-            )
-
-    def _prepare_model(self, model: nn.Module) -> nn.Module:
-        wrapped = self._strategy.setup_model(model)
-        inner = self._strategy.unwrap(wrapped)
-        if self._precision.is_mixed and not self._strategy.owns_precision:  # low-dtype compute, fp32 weights
-            forward = inner.forward
-            precision = self._precision
-
-            def autocast_forward(_self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-                with precision.autocast():
-                    return forward(*args, **kwargs)
-
-            inner.forward = MethodType(autocast_forward, inner)  # type: ignore[method-assign]
-        self._models.append(wrapped)
-        self._param_ids.update(id(p) for p in wrapped.parameters())
-        return wrapped
-
-    def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        target = scheduler.optimizer
-        owners = [o for o in self._optimizers if target is o or target is o.optimizer]
-        if not owners:
-            raise ValueError(
-                f"{type(scheduler).__name__}'s optimizer was not prepared; pass the optimizer to "
-                "prepare() in the same call as the scheduler, or before it"
-            )
-        prepared = PreparedScheduler(scheduler, owners, self)
-        self._schedulers.append(prepared)
-        return prepared
-
     # -- the step ---------------------------------------------------------------------------
     def _on_batch(self, loader: PreparedDataLoader, last: bool) -> None:
         self._loader, self._loader_at_end = loader, last
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
         """One micro-step. Off the boundary nothing is communicated and the prepared
         optimizers and schedulers do nothing; `sync_gradients` says which this is."""
-        self._micro_step += 1
-        self._clipped = False
-        n = self.config.grad_accum_steps
-        self._sync = self._micro_step % n == 0 or self._loader_at_end
-        if self._loader_at_end:
-            self._micro_step = 0
-        with contextlib.ExitStack() as stack:
-            if not self._sync:
-                for m in models or self._models:
-                    stack.enter_context(self._strategy.no_sync(m))
-            yield
+        return self.session.accumulate(models, loader_at_end=self._loader_at_end)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()`, divided by grad_accum_steps and multiplied by the fp16 loss scale."""
-        loss = loss / self.config.grad_accum_steps
-        if self._scaler is not None:
-            loss = self._scaler.scale_loss(loss)
-        self._strategy.backward(loss, **kwargs)
+        self.session.backward(loss, **kwargs)
 
     def unscale_gradients(self) -> None:
         """fp16: unscale every prepared optimizer's gradients now (done once per step)."""
-        for o in self._optimizers:
-            o.unscale_gradients()
+        self.session.unscale_gradients()
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip gradients in place; return the total norm over all shards (the unsharded norm).
 
         Off an accumulation boundary gradients are partial, so nothing is clipped and None is
-        returned.
+        returned. The bound applies to this step only.
         """
-        if not self._sync:
-            return None
-        self._clipped = True
-        self.unscale_gradients()
-        return self._strategy.clip_grad_norm(parameters, max_norm, norm_type)
+        return self.session.clip_grad_norm(parameters, max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The compute-dtype context of this run (prepared models already run inside it)."""
-        return self._precision.autocast()
+        return self.session.strategy.precision.autocast()
 
     # -- collectives ------------------------------------------------------------------------
     def gather(self, data: Any) -> Any:
@@ -404,12 +315,12 @@ class Engine:
     # -- models out -------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module, without the DDP wrapper (an FSDP2 module is its own unwrap)."""
-        return self._strategy.unwrap(model)
+        return self.session.strategy.unwrap(model)
 
     def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights as CPU tensors on the main process; `{}` on the others.
         A collective: call it on every process."""
-        return self._strategy.full_state_dict(model)
+        return self.session.strategy.full_state_dict(model)
 
     def save_model(
         self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "5GB"
@@ -440,7 +351,7 @@ class Engine:
     @property
     def step(self) -> int:
         """Optimizer steps taken so far (restored by `load_state`)."""
-        return self._step_count
+        return self._session.step_state.optimizer_steps if self._session is not None else 0
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and restore these objects (anything with state_dict/load_state_dict) too."""
@@ -489,37 +400,37 @@ class Engine:
             path = Path(self.config.checkpoint_dir) / "latest"
         path = checkpoint.resolve(path)
         state = checkpoint.load(self._checkpoint_parts(), path)
-        counts = {"schedulers": self._schedulers, "loaders": self._loaders, "registered": self._registered}
+        session = self.session
+        counts: dict[str, list[Any]] = {"schedulers": session.schedulers, "loaders": self._loaders,
+                                         "registered": self._registered}
         for key, objs in counts.items():
             if len(state[key]) != len(objs):
-                raise checkpoint.CheckpointError(f"{path}: holds {len(state[key])} {key}, {len(objs)} prepared now")
+                raise CheckpointError(f"{path}: holds {len(state[key])} {key}, {len(objs)} prepared now")
             for obj, sd in zip(objs, state[key]):
                 obj.load_state_dict(sd)
-        self._micro_step, self._step_count = state["micro_step"], state["step"]
-        if self._scaler is not None and state["scaler"] is not None:
-            self._scaler.load_state_dict(state["scaler"])
+        session.step_state.load_state_dict(state)
+        session.strategy.precision.load_state_dict(state["scaler"])
         return path
 
     def _checkpoint_parts(self) -> Any:
         from .checkpoint import Parts
 
-        owner = {id(p): i for i, m in enumerate(self._models) for p in m.parameters()}
-        optimizer_models = [owner[id(o.runner.owner_params()[0])] for o in self._optimizers]
+        session = self.session
+        owner = {id(p): i for i, m in enumerate(session.models) for p in m.parameters()}
         return Parts(
-            models=self._models,
-            unwrapped=[self._strategy.unwrap(m) for m in self._models],
-            runners=[o.runner for o in self._optimizers],
-            optimizer_models=optimizer_models,
-            engine_state={
-                "micro_step": self._micro_step,
-                "step": self._step_count,
-                "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-                "schedulers": [s.state_dict() for s in self._schedulers],
+            models=session.models,
+            unwrapped=[session.strategy.unwrap(m) for m in session.models],
+            runners=[o.runner for o in session.optimizers],
+            optimizer_models=[owner[id(o.runner.owner_params()[0])] for o in session.optimizers],
+            loop_state={
+                **session.step_state.state_dict(),  # "micro_step", "step"
+                "scaler": session.strategy.precision.state_dict(),
+                "schedulers": [s.state_dict() for s in session.schedulers],
                 "loaders": [d.state_dict() for d in self._loaders],
                 "registered": [o.state_dict() for o in self._registered],
             },
-            strategy=self._strategy,
-            info={"engine": self.config.backend, "strategy": self.config.strategy, "offload": self.config.offload,
+            strategy=session.strategy,
+            info={"backend": self.config.backend, "strategy": self.config.strategy, "offload": self.config.offload,
                   "precision": self.config.precision},
             rank=self.process_index,
             world=self.num_processes,
@@ -527,8 +438,8 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """Tensor bytes this process holds for the prepared models and optimizers."""
-        opt = [t for o in self._optimizers for t in o.runner.tensors()]
-        return tensor_memory(self._models, opt)
+        session = self.session
+        return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()])
 
     def end_training(self) -> None:
         """Leave the process group (call once, at the end of the script)."""

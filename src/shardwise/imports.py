@@ -297,10 +297,10 @@ def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[s
         out["wrap"] = [n.strip() for n in names if n.strip()]
     handled = {"sharding_strategy", "reshard_after_forward", "offload_params", "activation_checkpointing",
                "auto_wrap_policy", "transformer_layer_cls_to_wrap", "version"}
-    for key in plain:
+    for key, value in plain.items():
         if key == "min_num_params" or (key == "auto_wrap_policy" and policy == "SIZE_BASED_WRAP"):
             dropped.append(f"fsdp_config.{key} (size-based wrapping: shardwise wraps the repeated blocks)")
-        elif key not in handled and plain[key] and _FSDP_NEUTRAL.get(key, object()) != plain[key]:
+        elif key not in handled and value and _FSDP_NEUTRAL.get(key, object()) != value:
             dropped.append(f"fsdp_config.{key}")
     return out
 

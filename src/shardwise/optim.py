@@ -9,27 +9,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from .config import ConfigError, OptimizerConfig, SchedulerConfig
-from .strategies.base import OptimizerRunner
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .step import StepState
+from .strategies.base import OptimizerRunner, Strategy
 
 
 def rebind_optimizer(
     optimizer: torch.optim.Optimizer,
     new_param: Callable[[torch.Tensor], torch.Tensor],
-    shard_state: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    rebind_state: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> None:
     """Point every group of `optimizer` at the parameters that replaced the ones it held.
 
     Class, hyperparameters and groups are untouched; existing state moves to the new parameter,
-    cut to its shard by `shard_state` where the strategy shards parameters.
+    in the form `rebind_state` gives it (cut to its shard where the strategy shards parameters).
     """
     for group in optimizer.param_groups:
         fresh = []
@@ -38,9 +36,7 @@ def rebind_optimizer(
             fresh.append(new)
             if new is not old and old in optimizer.state:
                 state = optimizer.state.pop(old)
-                if shard_state is not None:
-                    state = {k: shard_state(new, v) if torch.is_tensor(v) else v for k, v in state.items()}
-                optimizer.state[new] = state
+                optimizer.state[new] = {k: rebind_state(new, v) if torch.is_tensor(v) else v for k, v in state.items()}
         group["params"] = fresh
 
 
@@ -48,19 +44,30 @@ class PreparedOptimizer(torch.optim.Optimizer):
     """The optimizer `prepare` returns: steps only on accumulation boundaries, handles fp16.
 
     `param_groups`, `defaults` and `state` are the user's optimizer's, so LR schedulers and
-    code that reads or edits them behave as before.
+    code that reads or edits them behave as before. The step itself is the strategy's
+    (`Strategy.optimizer_step`; the protocol is in `shardwise.step`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, runner: OptimizerRunner, engine: Engine) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        runner: OptimizerRunner,
+        *,
+        strategy: Strategy,
+        state: StepState,
+        max_grad_norm: float | None,
+    ) -> None:
         # Deliberately no super().__init__: this object only delegates.
         self.optimizer = optimizer
         self.runner = runner
-        self._engine = engine
+        self._strategy = strategy
+        self._step_state = state
+        self._max_grad_norm = max_grad_norm
         self._finite: bool | None = None  # fp16: verdict of this step's unscale, once computed
         self.step_was_skipped = False
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -68,7 +75,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -80,41 +87,30 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     def params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return self.runner.params()
 
     def unscale_gradients(self) -> None:
         """fp16: divide this step's gradients by the loss scale, once."""
-        scaler = self._engine._scaler
-        if scaler is not None and self._finite is None:
-            self._finite = scaler.unscale_and_check(p.grad for p in self.params() if p.grad is not None)
+        if self._finite is None:
+            self._finite = self._strategy.precision.unscale(p.grad for p in self.params() if p.grad is not None)
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("prepared optimizers take no closure; compute the loss in your loop")
-        if not self._engine.sync_gradients:
+        state = self._step_state
+        if not state.sync:
             return  # a micro-step inside accumulate(): gradients keep accumulating
-        engine = self._engine
-        if engine._optimizers and engine._optimizers[0] is self:
-            engine._step_count += 1
-        if engine.config.max_grad_norm is not None and not engine._clipped and not engine._strategy.clips_in_step:
-            engine.clip_grad_norm_(self.params(), engine.config.max_grad_norm)
-            engine._clipped = False  # each optimizer clips its own parameters
-        scaler = engine._scaler
-        finite = True
-        if scaler is not None:
-            self.unscale_gradients()
-            finite = bool(self._finite)
-            self._finite = None
-            scaler.update(finite)
-        self.step_was_skipped = not finite
-        if finite:
-            self.runner.step()
-            self.step_was_skipped = getattr(self.runner, "skipped", False)  # an engine's own fp16 scaler
+        state.record_step(id(self))
+        self.unscale_gradients()
+        finite, self._finite = self._finite, None
+        clip = None if state.clipped else self._max_grad_norm  # each optimizer clips its own parameters
+        result = self._strategy.optimizer_step(self.runner, clip=clip, finite=finite)
+        self.step_was_skipped = not result.applied
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._engine.sync_gradients:
+        if self._step_state.sync:
             self.runner.zero_grad(set_to_none)
-            self._engine._clipped = False
+            self._step_state.end_step()
 
     def state_dict(self) -> dict[str, Any]:
         return self.runner.state_dict()
@@ -136,23 +132,23 @@ class PreparedScheduler:
     counts optimizer steps, as it would in a single-process run.
     """
 
-    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], engine: Engine) -> None:
+    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], state: StepState) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
-        self._engine = engine
+        self._step_state = state
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self._engine.sync_gradients:
+        if not self._step_state.sync:
             return
         if self.optimizers and all(o.step_was_skipped for o in self.optimizers):
             return  # fp16 overflow: the weights did not move, neither does the schedule
         self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
+        return list(self.scheduler.get_last_lr())
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        return dict(self.scheduler.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state_dict)
@@ -168,7 +164,8 @@ _AUTO_OPTIMIZER = {"lr": 5e-5, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps"
 
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer a config describes, over `model` (no weight decay on biases and norms)."""
-    v = {k: _AUTO_OPTIMIZER[k] if getattr(cfg, k) == "auto" else getattr(cfg, k) for k in _AUTO_OPTIMIZER}
+    v: dict[str, Any] = {k: _AUTO_OPTIMIZER[k] if getattr(cfg, k) == "auto" else getattr(cfg, k)
+                         for k in _AUTO_OPTIMIZER}
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": v["weight_decay"]}, {"params": rest, "weight_decay": 0.0}]

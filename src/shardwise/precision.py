@@ -1,19 +1,23 @@
-"""fp32 / bf16 / fp16 policies and dynamic loss scaling.
+"""fp32 / bf16 / fp16 policies and dynamic loss scaling: the precision component a strategy holds.
 
 In every mode the weights the optimizer updates, the gradients it reads and its state stay fp32:
-only the forward/backward compute runs in the low-precision dtype. FSDP strategies get the cast
-through `MixedPrecisionPolicy` (bf16/fp16 gathers, fp32 reduce-scatter); DDP strategies through
-`torch.autocast`, whose fp32 master weights are the module's own parameters.
+only the forward/backward compute runs in the low-precision dtype. On the torch backend, every
+prepared model's forward runs under `torch.autocast` (whose fp32 master weights are the module's
+own parameters); FSDP strategies also gather parameters in that dtype (`MixedPrecisionPolicy`,
+fp32 reduce-scatter). fp16 adds a `DynamicLossScaler`. A strategy that casts and scales by itself
+(DeepSpeed) holds a `Precision` subclass that leaves both to it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from types import MethodType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import ConfigError, LossScaleConfig
@@ -47,12 +51,13 @@ def check_device_supports(precision: str, device: torch.device) -> None:
 
 
 class Precision:
-    """The compute dtype of a run and the autocast context that applies it."""
+    """The compute dtype of a run: the autocast that applies it, and fp16's loss scaler."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, loss_scale: LossScaleConfig | None = None) -> None:
         self.name = name
         self.dtype = DTYPES[name]
         self.device = device
+        self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig(), device) if name == "fp16" else None
 
     @property
     def is_mixed(self) -> bool:
@@ -62,6 +67,43 @@ class Precision:
         if not self.is_mixed:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def apply_to(self, module: nn.Module) -> None:
+        """Run `module`'s forward in the compute dtype (fp32 weights stay)."""
+        if not self.is_mixed:
+            return
+        forward = module.forward
+        autocast = self.autocast
+
+        def autocast_forward(_self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with autocast():
+                return forward(*args, **kwargs)
+
+        module.forward = MethodType(autocast_forward, module)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss) if self.scaler is not None else loss
+
+    def unscale(self, grads: Iterable[torch.Tensor]) -> bool | None:
+        """fp16: unscale in place and return whether every rank's gradients are finite;
+        None when nothing is scaled."""
+        return self.scaler.unscale_and_check(grads) if self.scaler is not None else None
+
+    def update(self, finite: bool | None) -> None:
+        """After a step: the scaler grows or backs off on this step's verdict."""
+        if self.scaler is not None and finite is not None:
+            self.scaler.update(finite)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def state_dict(self) -> dict[str, float | int] | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict[str, float | int] | None) -> None:
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -132,10 +174,3 @@ class DynamicLossScaler:
         self._good_steps = int(state["good_steps"])
         self._hysteresis = int(state.get("hysteresis", self.cfg.hysteresis))
         self.skipped_steps = int(state.get("skipped", 0))
-
-
-def grads_of(params: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """The existing gradients of `params`."""
-    for p in params:
-        if p.grad is not None:
-            yield p.grad

@@ -118,11 +118,8 @@ def is_checkpoint(folder: Path, meta_name: str, fmt: str) -> bool:
     if not isinstance(meta, dict) or meta.get("format") != fmt or not isinstance(meta.get("files"), dict):
         return False
     listed = set(meta["files"]) | {meta_name}
-    for path in folder.rglob("*"):
-        if path.is_file() or path.is_symlink():
-            if str(path.relative_to(folder)) not in listed:
-                return False
-    return True
+    return all(str(path.relative_to(folder)) in listed
+               for path in folder.rglob("*") if path.is_file() or path.is_symlink())
 
 
 def staging_is_ours(stage: Path, checkpoint: tuple[str, str] | None = None) -> bool:

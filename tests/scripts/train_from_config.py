@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import workloads as W  # noqa: E402
+import workloads as W
 
-import shardwise  # noqa: E402
+import shardwise
 
 
 def config_optimizer_loop(engine: shardwise.Engine, name: str, batch: int, steps: int) -> dict:

@@ -118,7 +118,7 @@ class Fitted:
         else:
             l1, l2 = self.trace_depths
             wl = {l1: (l2 - self.depth) / (l2 - l1), l2: (self.depth - l1) / (l2 - l1)}
-        return {(l, b): x * y for l, x in wl.items() for b, y in wb.items()}
+        return {(depth, b): x * y for depth, x in wl.items() for b, y in wb.items()}
 
     def memory(self, batch: float) -> Memory:
         w = self._weights(batch)
@@ -136,7 +136,7 @@ class Fitted:
         return Memory(device=max(best[0], 0.0), roles=best[2], host=max(host, 0.0), segment=best[1])
 
     def linear(self, attr: str, batch: float) -> float:
-        return sum(x * getattr(self.traces[k], attr) for k, x in self._weights(batch).items())
+        return float(sum(x * getattr(self.traces[k], attr) for k, x in self._weights(batch).items()))
 
     def comm_seconds(self, hw: Hardware) -> float:
         w = self._weights(self.batches[0])

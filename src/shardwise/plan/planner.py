@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .fit import GiB, Fitted, Hardware, Overheads, largest_batch
+from .fit import Fitted, GiB, Hardware, Overheads, largest_batch
 from .presets import TRACE_DEPTHS, ModelSpec, PlanError, module_spec, resolve_model
 from .trace import Candidate, TraceJob, TraceResult, run_trace
 
@@ -40,7 +40,7 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB"
           "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
 
 
-def parse_memory(value: str | int | float, what: str = "memory") -> int:
+def parse_memory(value: str | float, what: str = "memory") -> int:
     """'24GB', '24GiB', '512MB', '1.5T' or a number of bytes -> bytes.
 
     Memory sizes are binary: GB and GiB both mean 2**30 bytes (a "24 GB" card holds 24 GiB).
@@ -301,17 +301,17 @@ def plan_model(
     hardware = hardware or (Hardware() if device == "cuda" else Hardware.cpu())
     cands = [c for c in (candidates or CANDIDATES)
              if activation_checkpointing is None or c.activation_checkpointing == activation_checkpointing]
-    kw = dict(world_size=world_size, precision=precision, device=device, wrap=wrap, optimizer=optimizer,
-              workers=workers)
+    kw = {"world_size": world_size, "precision": precision, "device": device, "wrap": wrap, "optimizer": optimizer,
+              "workers": workers}
     traces = _trace_candidates(spec, cands, batch=batch, grad_accum_steps=1, **kw)  # type: ignore[arg-type]
-    fits_kw = dict(batch=batch, budget=budget, host_budget=host_budget, device=device, world_size=world_size,
-                   precision=precision, overheads=overheads, hardware=hardware)
+    fits_kw = {"batch": batch, "budget": budget, "host_budget": host_budget, "device": device, "world_size": world_size,
+                   "precision": precision, "overheads": overheads, "hardware": hardware}
     fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, world_size, device) for c, t in traces.items()}
     flop_src = {ac: next(f for c, f in fitted.items() if c.activation_checkpointing == ac and
                          any(r.flops for r in f.traces.values())) for ac in {c.activation_checkpointing for c in cands}}
     plans = [_evaluate(fitted[c], c, flops=flop_src[c.activation_checkpointing], **fits_kw) for c in cands]  # type: ignore[arg-type]
     plans, best, why = _choose(plans, batch, budget)
-    n_params = int(round(next(iter(fitted.values())).linear("parameters", batch)))
+    n_params = round(next(iter(fitted.values())).linear("parameters", batch))
     accum = None
     if global_batch is not None:
         accum = _global_batch(spec, plans, fitted, flop_src, global_batch, kw, fits_kw)

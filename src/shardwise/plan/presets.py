@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,8 +55,8 @@ class ModelSpec:
 
 
 # name -> (transformers config class, head class, config keywords, task)
-_GPT2 = dict(vocab_size=50257, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-_LLAMA = dict(vocab_size=32000, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False)
+_GPT2 = {"vocab_size": 50257, "n_positions": 1024, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+_LLAMA = {"vocab_size": 32000, "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 PRESETS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=768, n_layer=12, n_head=12), "causal"),
     "gpt2-medium": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16), "causal"),
@@ -64,17 +64,17 @@ PRESETS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "gpt2-xl": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=1600, n_layer=48, n_head=25), "causal"),
     "deberta-v2-xlarge": (
         "DebertaV2Config", "DebertaV2ForSequenceClassification",
-        dict(vocab_size=128100, hidden_size=1536, num_hidden_layers=24, num_attention_heads=24,
-             intermediate_size=6144, max_position_embeddings=512, type_vocab_size=0, num_labels=2,
-             relative_attention=True, position_buckets=256, pos_att_type=["p2c", "c2p"],
-             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        {"vocab_size": 128100, "hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 24,
+             "intermediate_size": 6144, "max_position_embeddings": 512, "type_vocab_size": 0, "num_labels": 2,
+             "relative_attention": True, "position_buckets": 256, "pos_att_type": ["p2c", "c2p"],
+             "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
         "classify",
     ),
     "blenderbot-400m": (  # BlenderBot-400M-distill's shape: 2 encoder and 12 decoder layers
         "BlenderbotConfig", "BlenderbotForConditionalGeneration",
-        dict(vocab_size=8008, d_model=1280, encoder_layers=2, decoder_layers=12, encoder_attention_heads=32,
-             decoder_attention_heads=32, encoder_ffn_dim=5120, decoder_ffn_dim=5120, max_position_embeddings=128,
-             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1),
+        {"vocab_size": 8008, "d_model": 1280, "encoder_layers": 2, "decoder_layers": 12, "encoder_attention_heads": 32,
+             "decoder_attention_heads": 32, "encoder_ffn_dim": 5120, "decoder_ffn_dim": 5120, "max_position_embeddings": 128,
+             "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 1},
         "seq2seq",
     ),
     "llama-1b": (  # TinyLlama-1.1B's shape: grouped-query attention, SwiGLU, RMSNorm, RoPE
@@ -154,7 +154,7 @@ def hf_spec(name: str, cfg: Any, arch: str, seq_len: int) -> ModelSpec:
         c = copy.deepcopy(cfg)
         if layers is not None and key is not None:
             setattr(c, key, layers)
-        return model_cls(c)
+        return cast(nn.Module, model_cls(c))
 
     return ModelSpec(name=name, build=build, make_batch=_hf_batch(task, seq_len, cfg.vocab_size), depth=depth,
                      max_seq=limit, seq_len=seq_len)
@@ -281,9 +281,9 @@ def _stack_parents(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.M
     parents: list[tuple[nn.Module, str]] = []
     for mod in model.modules():
         for name, child in mod.named_children():
-            if id(child) in ids and isinstance(mod, (nn.ModuleList, nn.Sequential)):
-                if not parents or parents[-1][0] is not mod:
-                    parents.append((mod, name))
+            if (id(child) in ids and isinstance(mod, (nn.ModuleList, nn.Sequential))
+                    and (not parents or parents[-1][0] is not mod)):
+                parents.append((mod, name))
     return parents
 
 

@@ -125,7 +125,7 @@ class _Counter(TorchDispatchMode):
     """Live storage bytes, as an event log replayed once roles are known (see the module doc)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._serial_of: dict[int, int] = {}  # StorageImpl address -> serial (while alive)
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._size: dict[int, int] = {}
@@ -231,8 +231,8 @@ def _replay(
     """Per segment: the peak of all live bytes, of device bytes (with role breakdowns), of host
     bytes. Bytes count from the first event; segments only for marks inside `window`."""
     size: dict[int, int] = {}
-    roles = {r: 0 for r in ROLES}
-    dev_roles = {r: 0 for r in ROLES}
+    roles = dict.fromkeys(ROLES, 0)
+    dev_roles = dict.fromkeys(ROLES, 0)
     host = 0
     keys: tuple[str, ...] = ()
     best_total: dict[str, SegmentPeak] = {}
@@ -240,7 +240,7 @@ def _replay(
     best_host: dict[str, float] = {}
     for i, entry in enumerate(events):
         if entry[0] == "mark":
-            keys = entry[1] if window[0] <= i < window[1] else ()  # type: ignore[assignment]
+            keys = entry[1] if window[0] <= i < window[1] else ()
             continue
         serial, n = cast(tuple[int, int], entry)
         delta = n - size.get(serial, 0)
@@ -319,7 +319,7 @@ def _step_views(counter: _Counter, st: _Steps, scale: float) -> list[tuple[list[
     start_b = len(view_b)
     for entry in log[st.b0 : st.end]:
         if entry[0] != "mark" and entry[0] in prev:
-            entry = (entry[0], int(entry[1] * scale))  # type: ignore[arg-type,operator]
+            entry = (entry[0], int(entry[1] * scale))
         view_b.append(entry)
     return [(view_a, (start_a, len(view_a))), (view_b, (start_b, len(view_b)))]
 
@@ -401,9 +401,11 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
     at each batch size of `job.batches` (see `_step_views`); the result per batch size."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.parallel import distributed as ddp_module
+
     from ..config import make_config
-    from ..engine import Engine
-    from ..strategies import find_blocks
+    from ..dist import init_distributed
+    from ..session import Session
+    from ..strategies import find_blocks, make_strategy
 
     cand = job.candidate
     trace_precision = "bf16" if job.precision == "fp16" else job.precision  # same bytes, no loss scaler
@@ -415,7 +417,8 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(kept_rng())
         stack.enter_context(fake_world(job.world_size))
-        engine = Engine(config=cfg)  # outside the fake mode: it checks the precision on real tensors
+        # the session that `Engine.prepare` builds, on the fake ranks (made outside the fake mode)
+        session = Session(cfg, make_strategy(cfg, init_distributed(force_cpu=True)))
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(patched(torch.UntypedStorage, "resize_", _resize_seen(counter)))
         # DDP compares parameter shapes across ranks by reading tensor data; fake ranks agree.
@@ -429,7 +432,8 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
         counter.claim("params", list(model.parameters()) + list(model.buffers()))
         n_full = sum(p.numel() for p in model.parameters())
         optimizer = make_opt(model.parameters())
-        model, optimizer = engine.prepare(model, optimizer)
+        prepared = session.prepare([model], [optimizer], [])
+        model, optimizer = prepared[id(model)], prepared[id(optimizer)]
         fake_ddp(model, counter.on_bucket)
         sharded = list(model.parameters())
         counter.claim("params", sharded + list(model.buffers()))
@@ -444,7 +448,7 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
         for step, batch_size in enumerate(job.batches):
             marks[f"start{step}"] = len(counter.log)
             counter.comm_bytes, counter.counting = {}, True  # this step's collectives
-            for micro in range(job.grad_accum_steps):
+            for _micro in range(job.grad_accum_steps):
                 counter.phase = "batch"
                 batch = job.make_batch(batch_size)
                 counter.claim("activations", [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)])
@@ -452,13 +456,13 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
                 counter.phase = "fwd"
                 counter.mark("fwd.pre")
                 counter.flops, counter.count_flops = 0.0, job.count_flops  # one micro-step's FLOPs
-                with engine.accumulate(model):
+                with session.accumulate([model], loader_at_end=False):
                     out = _forward(model, batch)  # the previous outputs live until this returns
                     marks.setdefault(f"fwd{step}", len(counter.log))
                     loss = job.loss_fn(out, batch)
                     counter.phase = "bwd"
                     counter.mark("bwd.post")
-                    engine.backward(loss)
+                    session.backward(loss)
                 counter.count_flops = False
                 counter.claim("grads", [p.grad for p in model.parameters()])
                 counter.phase = "opt"
@@ -554,7 +558,7 @@ def default_loss(out: Any, batch: Any) -> torch.Tensor:
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")
     if loss is not None:
-        return loss
+        return cast(torch.Tensor, loss)
     t = out if isinstance(out, torch.Tensor) else _first_grad_tensor(out)
     if t is None:
         raise TypeError(f"cannot find a loss in the model's output ({type(out).__name__}); pass loss_fn")

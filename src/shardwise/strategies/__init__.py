@@ -1,40 +1,34 @@
-"""Strategy name -> implementation: the one table that knows the names."""
+"""The strategies: `make_strategy` builds the one a config names.
+
+The names and what each combines with are `config.STRATEGY_TABLE`; here each ZeRO stage maps to
+its implementation on each backend.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
-from ..config import EngineConfig
+from ..config import STRATEGY_TABLE, EngineConfig
 from ..dist import DistInfo
-from .base import OptimizerRunner, Strategy
-from .ddp import DDPStrategy
+from .base import OptimizerRunner, StepResult, Strategy
 from .blocks import apply_activation_checkpointing, find_blocks
+from .ddp import DDPStrategy
 from .fsdp import FSDPStrategy, apply_fsdp
 
-_Factory = Callable[[EngineConfig, DistInfo, torch.dtype], Strategy]
 
-STRATEGIES: dict[str, _Factory] = {
-    "ddp": lambda c, i, d: DDPStrategy(c, i, d, shard_optimizer=False),
-    "zero1": lambda c, i, d: DDPStrategy(c, i, d, shard_optimizer=True),
-    "zero2": lambda c, i, d: FSDPStrategy(c, i, d, stage=2),
-    "zero3": lambda c, i, d: FSDPStrategy(c, i, d, stage=3),
-}
-
-
-def make_strategy(cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -> Strategy:
-    """The strategy `cfg.strategy` names on the engine `cfg.backend` names (both validated)."""
+def make_strategy(cfg: EngineConfig, info: DistInfo) -> Strategy:
+    """The strategy `cfg.strategy` names on the backend `cfg.backend` names (both validated)."""
+    stage = STRATEGY_TABLE[cfg.strategy].stage
     if cfg.backend == "deepspeed":
         from .deepspeed import DeepSpeedStrategy  # imports deepspeed itself only when built
 
-        return DeepSpeedStrategy(cfg, info, param_dtype)
-    return STRATEGIES[cfg.strategy](cfg, info, param_dtype)
+        return DeepSpeedStrategy(cfg, info, stage=stage)
+    if stage <= 1:
+        return DDPStrategy(cfg, info, shard_optimizer=stage == 1)
+    return FSDPStrategy(cfg, info, stage=stage)
 
 
 __all__ = [
-    "STRATEGIES",
     "OptimizerRunner",
+    "StepResult",
     "Strategy",
     "apply_activation_checkpointing",
     "apply_fsdp",

@@ -1,10 +1,16 @@
-"""The narrow interface the engine talks to. Nothing outside `strategies/` compares names."""
+"""The narrow interface the Engine's session talks to. Nothing outside `strategies/` compares names.
+
+A `Strategy` turns models into their distributed form, holds the run's `Precision`, and performs
+the optimizer step (`optimizer_step`: clip, skip on fp16 overflow, update; see `shardwise.step`
+for the whole protocol). An `OptimizerRunner` is how one optimizer's update happens under it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +24,36 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config import EngineConfig
 from ..dist import DistInfo
+from ..precision import Precision
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one `Strategy.optimizer_step` did."""
+
+    applied: bool
+    """The parameters were updated (False: an fp16 overflow skipped the step on every rank)."""
+
+
+def zero_step(optimizer: torch.optim.Optimizer, params: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Give `optimizer` its state without moving a weight: one step at lr 0 with zero gradients
+    over `params` (one list per param group, in place of the groups' own), as torch DCP does for
+    a fresh optimizer. Groups, learning rates and gradients are restored afterwards."""
+    groups = optimizer.param_groups
+    kept = [(g["params"], g["lr"]) for g in groups]
+    grads = [[p.grad for p in ps] for ps in params]
+    try:
+        for group, ps in zip(groups, params):
+            group["params"], group["lr"] = list(ps), 0.0
+            for p in ps:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, (ps, lr) in zip(groups, kept):
+            group["params"], group["lr"] = ps, lr
+        for ps, gs in zip(params, grads):
+            for p, g in zip(ps, gs):
+                p.grad = g
 
 
 class OptimizerRunner(ABC):
@@ -44,9 +80,13 @@ class OptimizerRunner(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
 
+    def params(self) -> list[torch.Tensor]:
+        """The (prepared) parameters the user's optimizer updates, in group order."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
     def owner_params(self) -> list[torch.Tensor]:
         """Parameters of the model this optimizer updates (to find the model it belongs to)."""
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return self.params()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this runner keeps besides the model's parameters and gradients."""
@@ -80,19 +120,21 @@ class InPlaceRunner(OptimizerRunner):
 
 
 class Strategy(ABC):
-    """Turns a model into its distributed form and says how optimizers step on it."""
+    """Turns a model into its distributed form and performs the optimizer step on it."""
 
-    #: the optimizer step clips (to max_grad_norm) itself; the engine must not clip before it
-    clips_in_step: bool = False
-    #: the strategy applies the compute dtype and any loss scaling itself (no engine autocast)
-    owns_precision: bool = False
-    #: convert a full optimizer-state tensor to the form the rebound parameter needs
-    shard_state: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-    def __init__(self, cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -> None:
+    def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
         self.cfg = cfg
         self.info = info
-        self.param_dtype = param_dtype
+        self.precision = self.make_precision()
+
+    def make_precision(self) -> Precision:
+        """The precision component: autocast on every prepared model, fp16's loss scaler."""
+        return Precision(self.cfg.precision, self.info.device, self.cfg.loss_scale)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype parameters are computed in (gathered in, where sharded)."""
+        return self.precision.dtype
 
     @abstractmethod
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -114,9 +156,29 @@ class Strategy(ABC):
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Unsharded weights as CPU tensors on the main process, `{}` elsewhere (collective)."""
 
+    def rebind_state(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A full optimizer-state tensor of a parameter prepare replaced, in the form the new
+        parameter needs (FSDP cuts it like its shard)."""
+        return value
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backpropagate an already scaled loss."""
         loss.backward(**kwargs)
+
+    def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None, finite: bool | None) -> StepResult:
+        """One optimizer step on an accumulation boundary (gradients already unscaled).
+
+        `clip`: the bound to clip this runner's gradients to first (the config's max_grad_norm
+        when the script did not clip), or None. `finite`: the fp16 overflow verdict, agreed by
+        every rank (None without loss scaling); on an overflow the update is skipped.
+        """
+        if clip is not None:
+            self.clip_grad_norm(runner.params(), clip, 2.0)
+        self.precision.update(finite)
+        if finite is False:
+            return StepResult(applied=False)
+        runner.step()
+        return StepResult(applied=True)
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip the gradients of `parameters` in place; return their global (unsharded) norm."""

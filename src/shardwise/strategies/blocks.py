@@ -35,14 +35,12 @@ def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Mo
             )
         return blocks
     hinted = set(getattr(model, "_no_split_modules", None) or ())
-    if hinted:
-        blocks = [m for m in model.modules() if m is not model and type(m).__name__ in hinted]
-        if blocks:
-            return blocks
+    if hinted and (found_hinted := [m for m in model.modules() if m is not model and type(m).__name__ in hinted]):
+        return found_hinted
     # A stack of layers: a container whose children are all one *composite* class (a block
     # with submodules of its own, not a Linear), repeated; the outermost such stack wins, so
     # an MLP's Sequential(Linear, GELU, Linear) inside a block is never split further.
-    blocks: list[nn.Module] = []
+    stacked: list[nn.Module] = []
     inside: set[int] = set()
     for container in model.modules():
         if id(container) in inside or container is model:
@@ -55,9 +53,12 @@ def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Mo
                 and any(True for _ in kids[0].children())
                 and any(True for _ in kids[0].parameters())
             ):
-                blocks.extend(kids)
+                stacked.extend(kids)
                 inside.update(id(m) for k in kids for m in k.modules())
-    return blocks
+    return stacked
+
+
+_CHECKPOINTED = "_shardwise_checkpointed"  # set on a block whose forward is already wrapped
 
 
 def apply_activation_checkpointing(blocks: Sequence[nn.Module]) -> None:
@@ -71,7 +72,7 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module]) -> None:
             "activation_checkpointing=True found no blocks to checkpoint; name them with wrap=(...)"
         )
     for block in blocks:
-        if getattr(block, "_shardwise_checkpointed", False):
+        if getattr(block, _CHECKPOINTED, False):
             continue
         forward = block.forward
 
@@ -80,5 +81,5 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module]) -> None:
                 return _forward(*args, **kwargs)
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
-        block.forward = checkpointed  # type: ignore[method-assign]
-        block._shardwise_checkpointed = True  # type: ignore[attr-defined]
+        block.forward = checkpointed
+        setattr(block, _CHECKPOINTED, True)

@@ -23,15 +23,8 @@ from .sharded_optim import ShardedOptimizer
 class DDPStrategy(Strategy):
     """Replicated model; `shard_optimizer` turns ddp into zero1."""
 
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        info: DistInfo,
-        param_dtype: torch.dtype,
-        *,
-        shard_optimizer: bool,
-    ) -> None:
-        super().__init__(cfg, info, param_dtype)
+    def __init__(self, cfg: EngineConfig, info: DistInfo, *, shard_optimizer: bool) -> None:
+        super().__init__(cfg, info)
         self.shard_optimizer = shard_optimizer
 
     def setup_model(self, model: nn.Module) -> nn.Module:

@@ -1,27 +1,29 @@
 """zero1, zero2 and zero3 on DeepSpeed (`backend="deepspeed"`): the one file that imports it.
 
-The engine's verbs keep their meaning; what DeepSpeed owns, and how it is kept in step:
+The Engine's verbs keep their meaning; what DeepSpeed owns, and how it is kept in step:
   model      `prepare(model)` returns a `DeepSpeedModel`, the user's module behind a DeepSpeed
              engine that is built (`deepspeed.initialize`) when the module's optimizer is
              prepared, so an optimizer made before or after `prepare(model)` both work. A model
-             with no optimizer gets an optimizer-less engine at its first forward.
+             with no optimizer gets an optimizer-less DeepSpeed engine at its first forward.
   optimizer  the user's own optimizer object, class and parameter groups: DeepSpeed's ZeRO
              optimizer wraps it and repoints its groups at the flat fp32 partitions this rank
              owns (1/W of every group). It is never swapped for DeepSpeedCPUAdam, offload or not.
   backward   plain `loss.backward()`: DeepSpeed's engine hooks the forward outputs and runs its
              reduce epilogue after autograd (torch-style backward), so one loss may span several
-             models. The loss is divided by grad_accum_steps by the engine, as on torch; DeepSpeed's
+             models. The loss is divided by grad_accum_steps by the Engine, as on torch; DeepSpeed's
              own accumulation count is 1 so it never divides again.
-  accumulate off the boundary the engine's `set_gradient_accumulation_boundary(False)`: stage 1
+  accumulate off the boundary the DeepSpeed engine's `set_gradient_accumulation_boundary(False)`: stage 1
              keeps local gradients, stages 2-3 reduce-scatter into their partitions every
              micro-step (DeepSpeed has no no_sync for partitioned gradients); on the boundary
              it finalises the reduction and the optimizer step runs.
   clipping   the global L2 norm is computed from DeepSpeed's reduced gradient partitions when the
              script asks (so it is returned before the step), and DeepSpeed's step applies the
-             clip with that bound; `max_grad_norm` becomes DeepSpeed's `gradient_clipping`.
+             clip with that bound, for that step only; `max_grad_norm` becomes DeepSpeed's
+             `gradient_clipping`, the bound of every other step.
   precision  bf16 is DeepSpeed's `torch_autocast` with fp32 weights, fp32 reduction and fp32
-             optimizer state, the torch engine's policy; fp16 is DeepSpeed's fp16 with its loss
-             scaler (CUDA only: DeepSpeed's CPU accelerator has no fp16).
+             optimizer state, the torch backend's policy; fp16 is DeepSpeed's fp16 with its loss
+             scaler (CUDA only: DeepSpeed's CPU accelerator has no fp16). `DeepSpeedPrecision`
+             therefore adds no autocast and no scaler of ours.
   weights    `full_state_dict` gathers ZeRO-3 partitions one parameter at a time, no flag needed.
 """
 
@@ -34,18 +36,17 @@ import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ..config import ConfigError, EngineConfig
+from ..config import STRATEGY_TABLE, ConfigError, EngineConfig, check_strategy
 from ..dist import DistInfo
-from .base import OptimizerRunner, Strategy
+from ..precision import Precision
+from .base import OptimizerRunner, StepResult, Strategy, zero_step
 
 log = logging.getLogger("shardwise")
-
-_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
 # through untouched; the stage and the offload targets always come from our config.
 _OURS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"}
@@ -74,11 +75,7 @@ def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> 
     `numel` (the model's parameter count) caps the bucket sizes: DeepSpeed's defaults (5e8
     elements) allocate ~2 GB of fp32 buffers per rank whatever the model.
     """
-    if cfg.strategy not in _STAGES:
-        raise ConfigError(
-            f"strategy={cfg.strategy!r} is not run by backend='deepspeed'; choose zero1, zero2 or "
-            "zero3 there, or backend='torch' for ddp"
-        )
+    check_strategy(cfg.strategy, cfg.offload, "deepspeed")
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ConfigError(
             "precision='fp16' with backend='deepspeed' needs CUDA: DeepSpeed's CPU accelerator has "
@@ -87,7 +84,7 @@ def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> 
     bucket = int(max(1, min(cfg.offload_bucket_numel, numel)))
     pin = device.type == "cuda"
     zero: dict[str, Any] = {
-        "stage": _STAGES[cfg.strategy],
+        "stage": STRATEGY_TABLE[cfg.strategy].stage,
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
     }
@@ -102,7 +99,7 @@ def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> 
         zero = _user_zero_keys(cfg.deepspeed_config) | zero
     out: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: the DataLoader sets the batch
-        "gradient_accumulation_steps": 1,  # the engine divides the loss by grad_accum_steps
+        "gradient_accumulation_steps": 1,  # the Engine divides the loss by grad_accum_steps
         "gradient_clipping": float(cfg.max_grad_norm or 0.0),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # the user's torch optimizer, under ZeRO
@@ -118,7 +115,7 @@ def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> 
         out["fp16"] = {
             "enabled": True,
             "loss_scale": 0 if ls.dynamic else ls.init_scale,
-            "initial_scale_power": int(round(math.log2(ls.init_scale))),
+            "initial_scale_power": round(math.log2(ls.init_scale)),
             "loss_scale_window": ls.growth_interval,
             "hysteresis": ls.hysteresis,
             "min_loss_scale": ls.min_scale,
@@ -146,15 +143,26 @@ class DeepSpeedModel(nn.Module):
     def __init__(self, module: nn.Module, strategy: DeepSpeedStrategy) -> None:
         super().__init__()
         self.module = module
-        # not submodules: the engine holds `module` again, the strategy is no module at all
+        # not submodules: the DeepSpeed engine holds `module` again, the strategy is no module at all
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "ds_engine", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.ds_engine
-        if engine is None:  # evaluation-only model: an engine without optimizer
+        if engine is None:  # evaluation-only model: a DeepSpeed engine without optimizer
             engine = self._strategy.initialize(self, None)
         return engine(*args, **kwargs)
+
+
+class DeepSpeedPrecision(Precision):
+    """DeepSpeed casts (`torch_autocast`) and scales the loss (fp16) itself: nothing to add."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        super().__init__(name, device)
+        self.scaler = None  # DeepSpeed's own scaler; its verdict comes back from its step
+
+    def apply_to(self, module: nn.Module) -> None:
+        return
 
 
 class DeepSpeedRunner(OptimizerRunner):
@@ -163,20 +171,19 @@ class DeepSpeedRunner(OptimizerRunner):
     def __init__(self, optimizer: torch.optim.Optimizer, model: DeepSpeedModel, names: list[list[str]]) -> None:
         self.optimizer = optimizer  # the user's; its groups now hold this rank's fp32 partitions
         self.model = model
-        self.engine = model.ds_engine
+        self.ds_engine = model.ds_engine
         self.group_names = names  # parameter names per group, as the user made them
-        self.clip = float(self.engine.optimizer.clip_grad)
-        self.skipped = False
+        self.clip = float(self.ds_engine.optimizer.clip_grad)  # the config's bound (0: none)
 
     def step(self) -> None:
-        self.engine.step()  # on the boundary: reduce (stage 1), clip, step, zero the grads
-        self.skipped = not self.engine.was_step_applied()  # fp16 overflow        self.engine.optimizer.clip_grad = self.clip  # a script's clip bound lasts one step
+        self.ds_engine.step()  # on the boundary: reduce (stage 1), clip, step, zero the grads
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.module.parameters())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.optimizer.zero_grad(set_to_none=set_to_none)
+        self.ds_engine.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def owner_params(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
 
     def tensors(self) -> list[torch.Tensor]:
         """fp32 partitions, their gradients and the optimizer state this rank keeps."""
@@ -186,46 +193,37 @@ class DeepSpeedRunner(OptimizerRunner):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return self.engine.optimizer.state_dict()
+        return dict(self.ds_engine.optimizer.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.engine.optimizer.load_state_dict([state])
+        self.ds_engine.optimizer.load_state_dict([state])
 
     def _flat_partitions(self) -> list[tuple[torch.Tensor, int]]:
         """This rank's fp32 partitions and the user's group each belongs to. Stage 3 lends them
         to the optimizer's groups only while it steps, so its groups are empty at rest."""
-        opt = self.engine.optimizer
+        opt = self.ds_engine.optimizer
         if hasattr(opt, "fp32_partitioned_groups_flat"):  # stage 3: one per sub-group
             flats = opt.fp32_partitioned_groups_flat
             return [(f, opt.sub_group_to_group_id[i]) for i, f in enumerate(flats)]
         return [(f, i) for i, f in enumerate(opt.single_partition_of_fp32_groups)]
 
     def _ensure_state(self) -> None:
-        """Give a fresh optimizer its state (a zero-gradient step at lr 0, as torch DCP does) and
-        point DeepSpeed's per-parameter views at it (stages 1-2 link them after the first step)."""
+        """Give a fresh optimizer its state (`zero_step` over this rank's partitions) and point
+        DeepSpeed's per-parameter views at it (stages 1-2 link them after the first step)."""
         flats = self._flat_partitions()
-        groups = self.optimizer.param_groups
         if not any(f in self.optimizer.state for f, _ in flats):
-            kept = [(g["params"], g["lr"]) for g in groups]
-            grads = [f.grad for f, _ in flats]
-            for g in groups:
-                g["params"], g["lr"] = [], 0.0
+            per_group: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
             for f, gi in flats:
-                groups[gi]["params"].append(f)
-                f.grad = torch.zeros_like(f)
-            self.optimizer.step()
-            for g, (params, lr) in zip(groups, kept):
-                g["params"], g["lr"] = params, lr
-            for (f, _), grad in zip(flats, grads):  # offload keeps its host gradient buffers attached
-                f.grad = grad
-        opt = self.engine.optimizer
+                per_group[gi].append(f)
+            zero_step(self.optimizer, per_group)  # offload's host gradient buffers stay attached
+        opt = self.ds_engine.optimizer
         if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):  # stages 1 and 2
             opt._hp_optimizer_states_linked = False
             opt._lazy_init_hp_params_optimizer_state()
 
     def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
         """torch's `get_optimizer_state_dict` layout with whole tensors, so a checkpoint moves
-        between engines, stages and world sizes (each is gathered: a collective)."""
+        between backends, stages and world sizes (each is gathered: a collective)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
         self._ensure_state()
@@ -272,16 +270,17 @@ def _state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
 
 
 class DeepSpeedStrategy(Strategy):
-    """ZeRO stage 1, 2 or 3 (`cfg.strategy`) with DeepSpeed's offload, one engine per model."""
+    """ZeRO stage 1, 2 or 3 with DeepSpeed's offload, one DeepSpeed engine per model."""
 
-    clips_in_step = True
-    owns_precision = True
-
-    def __init__(self, cfg: EngineConfig, info: DistInfo, param_dtype: torch.dtype) -> None:
-        super().__init__(cfg, info, param_dtype)
+    def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
         deepspeed_config(cfg, device=info.device, numel=1)  # refuse a bad combination up front
+        super().__init__(cfg, info)
+        self.stage = stage
         self.ds = import_deepspeed(info.device)
         self._owner: dict[int, DeepSpeedModel] = {}  # parameter id -> model
+
+    def make_precision(self) -> Precision:
+        return DeepSpeedPrecision(self.cfg.precision, self.info.device)
 
     # -- models -----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -336,6 +335,17 @@ class DeepSpeedStrategy(Strategy):
         if self.cfg.offload != "none":
             log.info("deepspeed: %s steps on the host (DeepSpeedCPUAdam not substituted)", type(optimizer).__name__)
         return DeepSpeedRunner(optimizer, model, group_names)
+
+    def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None, finite: bool | None) -> StepResult:
+        """DeepSpeed's step: it reduces (stage 1), clips to the bound in force (the script's, set
+        by `clip_grad_norm` for this step only, else `gradient_clipping`, which is `clip`), checks
+        fp16 overflow with its own scaler, and steps."""
+        assert isinstance(runner, DeepSpeedRunner)
+        try:
+            runner.step()
+            return StepResult(applied=bool(runner.ds_engine.was_step_applied()))
+        finally:
+            runner.ds_engine.optimizer.clip_grad = runner.clip  # a script's bound lasts one step
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.cfg.precision != "fp16":
@@ -416,10 +426,10 @@ class DeepSpeedStrategy(Strategy):
 def _scaled_global_norm(opt: Any) -> torch.Tensor:
     """The loss-scaled global gradient norm DeepSpeed's own step computes (all ranks agree)."""
     if hasattr(opt, "scaled_global_norm"):  # stages 1 and 2
-        return opt.scaled_global_norm()
+        return cast(torch.Tensor, opt.scaled_global_norm())
     from deepspeed.runtime.utils import combine_grad_norm_groups  # stage 3
 
-    return combine_grad_norm_groups(opt._get_norm_groups())
+    return cast(torch.Tensor, combine_grad_norm_groups(opt._get_norm_groups()))
 
 
 @contextlib.contextmanager

@@ -79,15 +79,8 @@ def _sync_module_states(model: nn.Module) -> None:
 class FSDPStrategy(Strategy):
     """ZeRO stage 2 or 3 on FSDP2."""
 
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        info: DistInfo,
-        param_dtype: torch.dtype,
-        *,
-        stage: int,
-    ) -> None:
-        super().__init__(cfg, info, param_dtype)
+    def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
+        super().__init__(cfg, info)
         self.stage = stage
         self.mesh = device_mesh(info.device)
 
@@ -141,15 +134,13 @@ class FSDPStrategy(Strategy):
             bucket_numel=self.cfg.offload_bucket_numel,
         )
 
-    @staticmethod
-    def shard_state(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def rebind_state(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A full optimizer-state tensor, cut like its (DTensor) parameter."""
         if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.shape:
-            sharded = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
-            return sharded
+            return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
         return value
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)  # collective: all ranks gather
-        return state if self.info.is_main else {}
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if self.info.is_main else {}

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import OptimizerRunner
+from .base import OptimizerRunner, zero_step
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
@@ -150,17 +150,17 @@ class ShardedOptimizer(OptimizerRunner):
             if masters:
                 groups.append({**_hyper(user_group), "params": masters})
                 self_map.append(gi)
-        cls = type(self.optimizer)
+        cls: Any = type(self.optimizer)  # a torch.optim.Optimizer subclass, constructed as users do
         try:
             inner = cls(groups, **self.optimizer.defaults)
         except TypeError:  # `defaults` holds keys the constructor does not take
             inner = cls(groups)
-        inner._shardwise_groups = self_map  # type: ignore[attr-defined]
+        inner._shardwise_groups = self_map
         for seg in bucket:  # carry over state the user's optimizer already had, sliced
             old = self.optimizer.state.get(seg.param)
             if old:
                 inner.state[seg.master] = {k: self._slice_state(v, seg) for k, v in old.items()}
-        return inner
+        return cast(torch.optim.Optimizer, inner)
 
     def _slice_state(self, value: Any, seg: _Segment) -> Any:
         if not torch.is_tensor(value):
@@ -204,7 +204,7 @@ class ShardedOptimizer(OptimizerRunner):
                 for seg in bucket:
                     g = seg.param.grad
                     seg.master.grad = None if g is None else seg.host_grad
-                    if g is not None:
+                    if g is not None and seg.host_grad is not None:
                         seg.host_grad.copy_(local_flat(g)[seg.start : seg.end], non_blocking=True)
                 landed.append(stream.record_event() if stream is not None else None)
         for inner, bucket, event in zip(self._inner, self._buckets, landed):
@@ -233,22 +233,10 @@ class ShardedOptimizer(OptimizerRunner):
 
     # -- checkpoints ------------------------------------------------------------------------
     def _init_state(self) -> None:
-        """Create the inner optimizers' state (one zero-gradient step at lr 0) if it is missing."""
+        """Create the inner optimizers' state if it is missing (`zero_step`)."""
         for inner in self._inner:
-            if inner.state:
-                continue
-            lrs = [g.get("lr") for g in inner.param_groups]
-            for g in inner.param_groups:
-                g["lr"] = 0.0
-                for p in g["params"]:
-                    p.grad = torch.zeros_like(p)
-            inner.step()
-            for g, lr in zip(inner.param_groups, lrs):
-                g["lr"] = lr
-                for p in g["params"]:
-                    p.grad = None
-            for seg in self._segments:
-                seg.master.grad = None
+            if not inner.state:
+                zero_step(inner, [g["params"] for g in inner.param_groups])
 
     def _keys(self) -> tuple[list[str], dict[str, torch.Tensor]]:
         """Per-element state keys, and scalar state (the same for every parameter)."""
@@ -268,11 +256,13 @@ class ShardedOptimizer(OptimizerRunner):
             # zero-copy: each host state shard, seen as a DTensor laid out like its parameter
             for seg in self._segments:
                 st = self._state_of(seg)
-                local = seg.param._local_tensor  # type: ignore[attr-defined]
-                state[names[id(seg.param)]] = {
+                param = seg.param
+                assert isinstance(param, DTensor)  # partition "local": FSDP2 shards
+                local = param.to_local()
+                state[names[id(param)]] = {
                     **{k: _clone(v) for k, v in scalars.items()},
-                    **{k: DTensor.from_local(st[k].view(local.shape), seg.param.device_mesh, seg.param.placements,
-                                             run_check=False, shape=seg.param.shape, stride=seg.param.stride())
+                    **{k: DTensor.from_local(st[k].view(local.shape), param.device_mesh, param.placements,
+                                             run_check=False, shape=param.shape, stride=param.stride())
                        for k in elem},
                 }
         else:
@@ -291,7 +281,7 @@ class ShardedOptimizer(OptimizerRunner):
     def _state_of(self, seg: _Segment) -> dict[str, Any]:
         for inner in self._inner:
             if seg.master in inner.state:
-                return inner.state[seg.master]
+                return cast(dict[str, Any], inner.state[seg.master])  # the live dict: loading writes into it
         raise KeyError("segment without optimizer state")
 
     def _gather_space(self, space: _FlatSpace, key: str) -> torch.Tensor:
@@ -335,7 +325,7 @@ class ShardedOptimizer(OptimizerRunner):
     def tensors(self) -> list[torch.Tensor]:
         out = [v for o in self._inner for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
         if self.host:
-            out += [s.master for s in self._segments] + [s.host_grad for s in self._segments]
+            out += [s.master for s in self._segments] + [s.host_grad for s in self._segments if s.host_grad is not None]
         return out
 
 

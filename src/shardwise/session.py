@@ -1,0 +1,137 @@
+"""`Session`: the prepare pipeline and the training step, below the user's `Engine`.
+
+A session holds one strategy (with its precision), the models, optimizers and schedulers
+prepared on it, and the `StepState` they share. `prepare` checks everything first, then shards
+or wraps the models, rebinds optimizers made before `prepare` to the prepared parameters (by
+name: class, groups and state kept), builds each optimizer's runner, and wraps schedulers.
+`Engine` adds the process group, DataLoaders, collectives and checkpoints on top; the planner
+drives a session directly on fake ranks. The step protocol is written down in `shardwise.step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import EngineConfig
+from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
+from .step import StepState
+from .strategies import Strategy, apply_activation_checkpointing, find_blocks
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module], prepared: set[int]) -> None:
+    """An optimizer may update only parameters of `models` (prepared with it) or of models
+    already prepared (`prepared`: their parameter ids)."""
+    pending = {id(p) for m in models for p in m.parameters()} | prepared
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in pending]
+    if stray:
+        shapes = ", ".join(str(tuple(p.shape)) for p in stray[:3])
+        raise ValueError(
+            f"{type(optimizer).__name__} holds {len(stray)} parameter(s) of no prepared model "
+            f"(shapes {shapes}{', ...' if len(stray) > 3 else ''}); pass the model to "
+            "prepare() in the same call as the optimizer, or before it"
+        )
+
+
+class Session:
+    """One strategy, what was prepared on it, and the step they share."""
+
+    def __init__(self, config: EngineConfig, strategy: Strategy) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.step_state = StepState(config.grad_accum_steps)
+        self.models: list[nn.Module] = []
+        self.optimizers: list[PreparedOptimizer] = []
+        self.schedulers: list[PreparedScheduler] = []
+        self.param_ids: set[int] = set()  # parameters of the prepared models
+
+    # -- prepare ----------------------------------------------------------------------------
+    def is_prepared_model(self, module: nn.Module) -> bool:
+        return any(module is m or module is self.strategy.unwrap(m) for m in self.models)
+
+    def prepare(
+        self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]
+    ) -> dict[int, Any]:
+        """Prepare models, then optimizers (rebound to the prepared parameters), then schedulers;
+        `id(object) -> prepared object`. The caller checked them first (`check_optimizer`)."""
+        names: dict[int, tuple[int, str]] = {}  # parameter -> (model, name), to rebind optimizers
+        for k, m in enumerate(models):
+            for name, p in m.named_parameters():
+                names[id(p)] = (len(self.models) + k, name)
+        prepared: dict[int, Any] = {}
+        for model in models:
+            if self.config.activation_checkpointing:
+                apply_activation_checkpointing(find_blocks(model, self.config.wrap))
+            prepared[id(model)] = self._prepare_model(model)
+        new_params = [dict(self.strategy.unwrap(m).named_parameters()) for m in self.models]
+
+        def new_param(p: torch.Tensor) -> torch.Tensor:
+            if id(p) in names:
+                model_idx, name = names[id(p)]
+                return new_params[model_idx][name]
+            return p  # already a prepared parameter (optimizer made after prepare(model))
+
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, new_param, self.strategy.rebind_state)
+            prepared[id(optimizer)] = self.add_optimizer(optimizer)
+        for scheduler in schedulers:
+            prepared[id(scheduler)] = self.add_scheduler(scheduler)
+        return prepared
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        wrapped = self.strategy.setup_model(model)
+        self.strategy.precision.apply_to(self.strategy.unwrap(wrapped))  # low-dtype compute, fp32 weights
+        self.models.append(wrapped)
+        self.param_ids.update(id(p) for p in wrapped.parameters())
+        return wrapped
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        """An optimizer already bound to prepared parameters, with its runner."""
+        prepared = PreparedOptimizer(optimizer, self.strategy.make_runner(optimizer), strategy=self.strategy,
+                                     state=self.step_state, max_grad_norm=self.config.max_grad_norm)
+        self.optimizers.append(prepared)
+        return prepared
+
+    def add_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        target = scheduler.optimizer
+        owners = [o for o in self.optimizers if target is o or target is o.optimizer]
+        if not owners:
+            raise ValueError(
+                f"{type(scheduler).__name__}'s optimizer was not prepared; pass the optimizer to "
+                "prepare() in the same call as the scheduler, or before it"
+            )
+        prepared = PreparedScheduler(scheduler, owners, self.step_state)
+        self.schedulers.append(prepared)
+        return prepared
+
+    # -- the step ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, models: Sequence[nn.Module], *, loader_at_end: bool) -> Iterator[None]:
+        """One micro-step; off the accumulation boundary `models` communicate nothing."""
+        self.step_state.begin_micro_step(loader_at_end)
+        with contextlib.ExitStack() as stack:
+            if not self.step_state.sync:
+                for m in models or self.models:
+                    stack.enter_context(self.strategy.no_sync(m))
+            yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Divide by grad_accum_steps, scale (fp16), backpropagate through the strategy."""
+        loss = self.strategy.precision.scale_loss(loss / self.config.grad_accum_steps)
+        self.strategy.backward(loss, **kwargs)
+
+    def unscale_gradients(self) -> None:
+        for o in self.optimizers:
+            o.unscale_gradients()
+
+    def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float) -> torch.Tensor | None:
+        """Clip on the accumulation boundary; the global norm (None off the boundary)."""
+        if not self.step_state.sync:
+            return None
+        self.step_state.clipped = True
+        self.unscale_gradients()
+        return self.strategy.clip_grad_norm(parameters, max_norm, norm_type)
