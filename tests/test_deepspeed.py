@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_big_models as BM
 import test_checkpoint as CK
 import test_data_safety as DS
 import test_equivalence as EQ
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 CONFIGS: list[dict[str, str]] = [c for c in W.STRATEGIES if c["strategy"] != "ddp"]
+LOAD_CONFIGS = [{"strategy": "zero1"}, {"strategy": "zero3"}, {"strategy": "zero2", "offload": "optimizer"},
+                {"strategy": "zero3", "offload": "params"}]
 MODELS = ["tiny", "gpt2"]
 CLIP = 0.5  # below every reference norm (asserted), so clipping changes every step
 RUN = {"batch": 2, "accum": 2, "steps": 4, "clip": CLIP}
@@ -128,6 +131,7 @@ def _everything(folder: str) -> dict[str, Any]:
     out["save_model"] = _save_model_zero3(f"{folder}/export")
     saved = {src: CK._train(_engine(src), 4, save=f"{folder}/{src}") for src, _ in CROSS}
     out["cross"] = {(s, d): (saved[s]["losses"], CK._train(_engine(d), 4, load=f"{folder}/{s}")) for s, d in CROSS}
+    out["load"] = BM.load_runs("deepspeed", LOAD_CONFIGS, f"{folder}/gpt2-pretrained")
     out["careless"] = DS.careless_user("deepspeed", f"{folder}/careless")  # last: it changes directory
     return out
 
@@ -135,6 +139,7 @@ def _everything(folder: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("ds")
+    BM.save_pretrained_gpt2(folder)
     both = spawn(_everything, 2, str(folder))
     out = both[0]
     out["careless"] = [rank["careless"] for rank in both]
@@ -205,6 +210,10 @@ def test_zero3_full_weights_and_save_model(runs: dict) -> None:
         assert torch.equal(v, out["state"][k]), k
     model = GPT2LMHeadModel.from_pretrained(folder)
     assert W.max_diff(model.state_dict(), out["state"]) == 0.0
+
+
+def test_pretrained_weights_load_on_deepspeed(runs: dict) -> None:
+    BM.check_load_runs(runs["load"], runs["folder"] / "gpt2-pretrained", LOAD_CONFIGS)
 
 
 def test_careless_user_loses_nothing_on_deepspeed(runs: dict) -> None:

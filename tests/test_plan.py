@@ -382,3 +382,22 @@ def test_auto_is_refused_where_it_cannot_plan() -> None:
     engine = shardwise.Engine(strategy="auto", cpu=True)
     with pytest.raises(ConfigError, match="pass exactly one model and its DataLoader"):
         engine.prepare(torch.nn.Linear(2, 2))
+
+
+def test_planner_predicts_host_memory_to_build_and_load() -> None:
+    """Built whole, every process holds the model; built empty and loaded, a zero3 process holds
+    its half plus one tensor's rows (the figure benchmarks/load.py measures with VmHWM)."""
+    from shardwise.plan import CANDIDATES
+    from shardwise.plan.load import load_memory
+    from shardwise.plan.presets import resolve_model
+
+    cands = [c for c in CANDIDATES if not c.activation_checkpointing]
+    by = {(c.strategy, c.offload): c for c in cands}
+    cpu = load_memory(resolve_model("gpt2-large", seq_len=128), cands, world_size=2, device="cpu")
+    assert cpu.parameters == pytest.approx(774_030_080 * 4, rel=1e-3)  # GPT-2 Large, fp32, tied head once
+    zero3 = by[("zero3", "none")]
+    assert cpu.load[zero3] < 0.6 * cpu.whole and cpu.init[zero3] < 0.6 * cpu.whole
+    assert cpu.load[by[("ddp", "none")]] >= cpu.whole  # replicas: the whole model on every process anyway
+    gpu = load_memory(resolve_model("gpt2-large", seq_len=128), cands, world_size=2, device="cuda")
+    assert gpu.load[zero3] < 0.1 * gpu.whole  # the shards go to the GPU
+    assert gpu.load[by[("zero3", "params")]] == pytest.approx(cpu.load[zero3])  # offloaded shards stay on the host

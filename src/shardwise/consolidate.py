@@ -22,12 +22,14 @@ without a serialized copy, laid out as safetensors lays them out (wider dtypes f
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
 import re
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -294,9 +296,25 @@ def save_model_files(
 def verify_model_dir(folder: Path) -> list[str]:
     """Check every file of the model save in `folder` against its recorded checksum; return the
     files checked. CheckpointError (one line, naming the file) on the first mismatch."""
+    return [check() for check in model_dir_checks(folder)]
+
+
+def written_by_shardwise(folder: Path) -> bool:
+    """Whether the model save at `folder` (a folder or one .safetensors file) records checksums."""
+    folder = Path(folder)
+    top = folder if folder.is_file() else folder / SINGLE
+    if top.is_file():
+        return _ours_safetensors(top)
+    index = _read_index(folder)
+    return index is not None and _FILES_KEY in (index.get("metadata") or {})
+
+
+def model_dir_checks(folder: Path) -> list[Callable[[], str]]:
+    """One check per file of the model save at `folder`, each returning the file's name or
+    raising CheckpointError; processes can share them out."""
     folder = Path(folder)
     if folder.is_file() and folder.suffix == ".safetensors":
-        return [_verify_safetensors(folder, None)]
+        return [functools.partial(_verify_safetensors, folder, None)]
     index = _read_index(folder)
     if (folder / SINGLE).is_file():
         header, _ = read_safetensors_header(folder / SINGLE)
@@ -309,13 +327,14 @@ def verify_model_dir(folder: Path) -> list[str]:
             raise CheckpointError(f"{top}: names {name} but records no checksum for it (altered after the save)")
     else:
         raise CheckpointError(f"{folder}: holds no {SINGLE} and no {INDEX}: no model saved here")
-    checked = []
+    checks: list[Callable[[], str]] = []
     if top.name == SINGLE:
-        checked.append(_verify_safetensors(top, None))
+        checks.append(functools.partial(_verify_safetensors, top, None))
     for name, digest in sorted(recorded.items()):
         path = folder / name
-        checked.append(_verify_safetensors(path, digest) if name.endswith(".safetensors") else _verify_plain(path, digest))
-    return checked
+        verify = _verify_safetensors if name.endswith(".safetensors") else _verify_plain
+        checks.append(functools.partial(verify, path, digest))
+    return checks
 
 
 def _verify_plain(path: Path, expected: str) -> str:

@@ -20,7 +20,7 @@ import random
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -32,12 +32,14 @@ from .config_io import build, load_layers, merge
 from .consolidate import save_model_files
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
+from .materialize import init_empty
 from .memory import MemoryReport, tensor_memory
 from .optim import PreparedOptimizer, PreparedScheduler, build_optimizer, build_scheduler
 from .precision import check_device_supports
-from .session import Session, check_optimizer
+from .session import PRETRAINED, Session, check_optimizer
 from .storage import CheckpointError, agree, os_error_line
 from .strategies import make_strategy
+from .weights import check_source
 
 log = logging.getLogger("shardwise")
 
@@ -96,6 +98,7 @@ class Engine:
         self._loader_at_end = False
         self._loaders: list[PreparedDataLoader] = []
         self._registered: list[Any] = []
+        self._init_rng: torch.Tensor | None = None  # init_empty(): the generator state it began with
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
 
@@ -183,6 +186,7 @@ class Engine:
             self.config, self.plan = choose(self.config, self._info, of["model"], of["dataloader"])
             self._session = Session(self.config, make_strategy(self.config, self._info))
         session = self._session
+        session.init_rng = self._init_rng
         prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
         for loader in of["dataloader"]:
             prepared[id(loader)] = PreparedDataLoader(
@@ -311,6 +315,50 @@ class Engine:
             return out / self.num_processes if reduction == "mean" else out
 
         return _map_tensors(data, one)
+
+    # -- models in ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def init_empty(self) -> Iterator[None]:
+        """Build models inside without memory: parameters on the meta device (buffers stay real).
+
+        `prepare` then allocates each process's shards only and initializes the weights with
+        the model's own initializers, module by module; the result does not depend on the
+        number of processes or the strategy (see `shardwise.materialize`).
+        """
+        with init_empty() as record:
+            yield
+        self._init_rng = record.rng
+
+    def load_model(self, model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+        """Load safetensors weights into a prepared model: the inverse of `save_model`.
+
+        `path`: a folder written by `save_model`, `shardwise export` or `save_pretrained` (one
+        file, or shards with their index), or one `.safetensors` file. Keys, shapes and files
+        are checked before any weight changes (`strict=False` leaves missing keys as they are
+        and skips unexpected ones, with a warning). Each process reads only its shard's rows;
+        dtypes are converted on the way. A collective.
+        """
+        session = self.session
+        strategy = session.strategy
+        source, found = check_source(path, strategy.unwrap(model), strict=strict, shapes=strategy.full_shapes(model))
+        session.load_weights(model, source, found)
+
+    def from_pretrained(self, model_class: Any, path: str | os.PathLike[str], **config_kwargs: Any) -> nn.Module:
+        """A `transformers` model built from the config in `path` without memory; `prepare`
+        then loads the weights in `path` into its shards (keys the files lack, such as a new
+        classification head, are initialized by the model's own `_init_weights`).
+
+        `model_class`: an `AutoModelFor...` class or a model class; `config_kwargs` override
+        the config (e.g. `num_labels=2`). Reads local folders (no hub access).
+        """
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, **config_kwargs)
+        build = getattr(model_class, "from_config", None) or model_class
+        with self.init_empty():
+            model = build(config)
+        object.__setattr__(model, PRETRAINED, Path(path))
+        return cast(nn.Module, model)
 
     # -- models out -------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module) -> nn.Module:

@@ -11,16 +11,25 @@ drives a session directly on fake ranks. The step protocol is written down in `s
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .config import EngineConfig
+from .materialize import empty_places, is_empty
 from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
 from .step import StepState
 from .strategies import Strategy, apply_activation_checkpointing, find_blocks
+from .strategies.base import EmptyModel
+from .weights import check_source, make_reader, verify_shared
+
+log = logging.getLogger("shardwise")
+PRETRAINED = "_shardwise_pretrained"  # on a model from `Engine.from_pretrained`: the weights prepare loads
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module], prepared: set[int]) -> None:
@@ -37,6 +46,15 @@ def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module
         )
 
 
+def _no_kv_cache(model: nn.Module) -> None:
+    """A `transformers` model recomputing its blocks in backward must not cache keys and values:
+    the recompute would append to the cache, which then outlives the step."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        log.info("activation checkpointing: %s.config.use_cache set to False", type(model).__name__)
+
+
 class Session:
     """One strategy, what was prepared on it, and the step they share."""
 
@@ -48,6 +66,7 @@ class Session:
         self.optimizers: list[PreparedOptimizer] = []
         self.schedulers: list[PreparedScheduler] = []
         self.param_ids: set[int] = set()  # parameters of the prepared models
+        self.init_rng: torch.Tensor | None = None  # `init_empty()`: the generator state it began with
 
     # -- prepare ----------------------------------------------------------------------------
     def is_prepared_model(self, module: nn.Module) -> bool:
@@ -66,6 +85,7 @@ class Session:
         for model in models:
             if self.config.activation_checkpointing:
                 apply_activation_checkpointing(find_blocks(model, self.config.wrap))
+                _no_kv_cache(model)
             prepared[id(model)] = self._prepare_model(model)
         new_params = [dict(self.strategy.unwrap(m).named_parameters()) for m in self.models]
 
@@ -83,11 +103,36 @@ class Session:
         return prepared
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        wrapped = self.strategy.setup_model(model)
+        pending = getattr(model, PRETRAINED, None)
+        source, found = check_source(pending, model, strict=False) if pending is not None else (None, {})
+        empty = None
+        if is_empty(model):  # built on the meta device: the strategy allocates it as it lays it out
+            empty = EmptyModel(empty_places(model), self._agreed_rng(), frozenset(found))
+        wrapped = self.strategy.setup_model(model, empty)
         self.strategy.precision.apply_to(self.strategy.unwrap(wrapped))  # low-dtype compute, fp32 weights
         self.models.append(wrapped)
         self.param_ids.update(id(p) for p in wrapped.parameters())
+        if source is not None:
+            self.load_weights(wrapped, source, found)
         return wrapped
+
+    def _agreed_rng(self) -> torch.Tensor:
+        """The generator state an empty model's initializers start from, rank 0's on every
+        process (one small broadcast), so every process draws the same full values."""
+        rng = (self.init_rng if self.init_rng is not None else torch.get_rng_state()).clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(rng, src=0)
+        return rng
+
+    def load_weights(self, model: nn.Module, source: Path, found: dict[str, Any]) -> None:
+        """Pretrained weights into a prepared model (checked by `check_source` already)."""
+        info = self.strategy.info
+        verify_shared(source, info.rank, info.world_size)
+        self.strategy.load_weights(model, found, make_reader(found))
+        owned = {id(p) for p in model.parameters()}
+        for o in self.optimizers:
+            if any(id(p) in owned for p in o.runner.owner_params()):
+                o.runner.reload_params()
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """An optimizer already bound to prepared parameters, with its runner."""

@@ -11,7 +11,7 @@ import contextlib
 import copy
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -134,8 +134,15 @@ def fake_ddp(model: nn.Module, on_bucket: Callable[[torch.Tensor], None]) -> Non
 def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     """A structural copy of `model` whose parameters and buffers are fake (nothing allocated)."""
     memo: dict[int, Any] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:  # a model built empty (init_empty): its fake tensors live where it will
+            with fake_mode:
+                return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return cast(torch.Tensor, fake_mode.from_tensor(t.detach()))
+
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = fake_mode.from_tensor(b)
+        memo[id(b)] = fake(b)
     return copy.deepcopy(model, memo)

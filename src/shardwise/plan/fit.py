@@ -125,9 +125,16 @@ class Fitted:
         best: tuple[float, str, dict[str, float]] | None = None
         for seg in self.segments:
             peaks: list[tuple[float, SegmentPeak]] = [(x, getattr(self.traces[k], self._field)[seg]) for k, x in w.items()]
-            total = sum(x * p.total for x, p in peaks)
-            if best is None or total > best[0]:
+            paths = [p.trajectory for _, p in peaks]
+            if all(t is not None for t in paths) and len({t.shape for t in paths}) == 1:
+                # the same moments in every trace: extrapolate each, then take the peak
+                at = sum(x * t for (x, _), t in zip(peaks, paths, strict=True))
+                i = int(at.sum(axis=1).argmax())
+                total, roles = float(at[i].sum()), {r: float(at[i, j]) for j, r in enumerate(ROLES)}
+            else:  # the traces differ in their events: extrapolate the peaks
+                total = sum(x * p.total for x, p in peaks)
                 roles = {r: sum(x * p.roles.get(r, 0.0) for x, p in peaks) for r in ROLES}
+            if best is None or total > best[0]:
                 best = (total, seg, roles)
         host = 0.0
         if self.device == "cuda":

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .fit import Fitted, GiB, Hardware, Overheads, largest_batch
+from .load import LoadMemory, load_memory
 from .presets import TRACE_DEPTHS, ModelSpec, PlanError, module_spec, resolve_model
 from .trace import Candidate, TraceJob, TraceResult, run_trace
 
@@ -133,6 +134,8 @@ class Plan:
     global_batch: GlobalBatch | None = None
     traced_depths: tuple[int, ...] | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    load: LoadMemory | None = None
+    """host memory per process to build and load the model, whole or empty (`plan.load`)"""
 
     def find(self, strategy: str, offload: str = "none", activation_checkpointing: bool = False) -> StrategyPlan:
         """The plan of one candidate."""
@@ -320,6 +323,7 @@ def plan_model(
         host_memory=host_budget, seq_len=spec.seq_len, batch=batch, precision=precision, plans=tuple(plans),
         best=best, why=why, overheads=overheads, hardware=hardware, seconds=time.perf_counter() - t0,
         global_batch=accum, traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
+        load=load_memory(spec, cands, world_size=world_size, device=device),
     )
 
 

@@ -64,6 +64,13 @@ def describe(plan: Plan) -> str:
                      + (f" + NCCL buffers {_g(o.nccl_buffers, u)} {u}" if plan.world_size > 1 else "")
                      + f" + allocator fragmentation {o.fragmentation:.0%} of the tensor peak")
     lines.append(("best: " if plan.best is not None else "") + plan.why)
+    if plan.load is not None:
+        ld = plan.load
+        plain = [p for p in plan.plans if p.candidate in ld.init and not p.candidate.activation_checkpointing]
+        lines.append(f"host memory per process to build the model: {_g(ld.whole, u)} {u} built whole on every process; "
+                     "under engine.init_empty(), initialized / loaded by engine.from_pretrained: "
+                     + ", ".join(f"{p.name} {_g(ld.init[p.candidate], u)} / {_g(ld.load[p.candidate], u)}" for p in plain)
+                     + f" {u}")
     if plan.global_batch is not None:
         g = plan.global_batch
         lines.append(f"global batch {g.global_batch} = {g.micro_batch} per device x {g.grad_accum_steps} "

@@ -89,10 +89,14 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class SegmentPeak:
-    """The largest live bytes seen in one segment, with the role breakdown at that moment."""
+    """The largest live bytes seen in one segment, with the role breakdown at that moment, and
+    the live bytes by role after every event of the segment (`trajectory`, events x ROLES): the
+    same operations run at every batch size, so event i of two traces is the same moment, and
+    the fit extrapolates each moment before taking the peak (the moment of the peak can move)."""
 
     total: float
     roles: dict[str, float]
+    trajectory: Any = None  # numpy array (events x len(ROLES)), or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +242,7 @@ def _replay(
     best_total: dict[str, SegmentPeak] = {}
     best_dev: dict[str, SegmentPeak] = {}
     best_host: dict[str, float] = {}
+    paths: dict[str, tuple[list[list[int]], list[list[int]]]] = {}  # segment -> (total, device) roles per event
     for i, entry in enumerate(events):
         if entry[0] == "mark":
             keys = entry[1] if window[0] <= i < window[1] else ()
@@ -254,7 +259,12 @@ def _replay(
         if not keys:
             continue
         total = sum(roles.values())
+        now = [roles[x] for x in ROLES]
+        now_dev = [dev_roles[x] for x in ROLES]
         for k in keys:
+            path = paths.setdefault(k, ([], []))
+            path[0].append(now)
+            path[1].append(now_dev)
             if k not in best_total or total > best_total[k].total:
                 best_total[k] = SegmentPeak(float(total), {x: float(v) for x, v in roles.items()})
             dev = total - host
@@ -262,6 +272,11 @@ def _replay(
                 best_dev[k] = SegmentPeak(float(dev), {x: float(v) for x, v in dev_roles.items()})
             if host > best_host.get(k, -1.0):
                 best_host[k] = float(host)
+    import numpy as np
+
+    for k, (tot, dev_path) in paths.items():
+        best_total[k] = SegmentPeak(best_total[k].total, best_total[k].roles, np.asarray(tot, dtype=np.float64))
+        best_dev[k] = SegmentPeak(best_dev[k].total, best_dev[k].roles, np.asarray(dev_path, dtype=np.float64))
     return best_total, best_dev, best_host
 
 

@@ -24,7 +24,21 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config import EngineConfig
 from ..dist import DistInfo
+from ..materialize import Place, allocate, materialize
 from ..precision import Precision
+from ..weights import Reader, copy_into, full_shapes
+
+
+@dataclass(frozen=True)
+class EmptyModel:
+    """How to fill a model built on the meta device (see `shardwise.materialize`)."""
+
+    places: set[Place]
+    """Where its meta tensors sit."""
+    rng: torch.Tensor | None
+    """The CPU generator state its initializers replay (the same on every process)."""
+    skip: frozenset[str] = frozenset()
+    """Tensors that pretrained weights fill instead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +102,11 @@ class OptimizerRunner(ABC):
         """Parameters of the model this optimizer updates (to find the model it belongs to)."""
         return self.params()
 
+    def reload_params(self) -> None:
+        """The model's parameters were overwritten (pretrained weights): refresh any copy of
+        them the runner keeps (host masters)."""
+        return
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this runner keeps besides the model's parameters and gradients."""
         return [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -137,8 +156,26 @@ class Strategy(ABC):
         return self.precision.dtype
 
     @abstractmethod
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        """Shard or replicate `model` on this process's device; return what the user calls."""
+    def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
+        """Shard or replicate `model` on this process's device; return what the user calls.
+        `empty`: the model was built on the meta device; allocate and initialize it (`fill`)."""
+
+    def fill(self, model: nn.Module, empty: EmptyModel, device: torch.device | str) -> None:
+        """Allocate an empty (meta) model on `device` as this strategy laid it out (shards
+        only, where sharded), then initialize it module by module (`materialize`)."""
+        allocate(model, device)
+        materialize(model, empty.places, rng=empty.rng, skip=lambda name: name in empty.skip)
+
+    def full_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        """State-dict key -> full (unsharded) shape of the prepared model's tensors."""
+        return full_shapes(self.unwrap(model))
+
+    def load_weights(self, model: nn.Module, keys: Iterable[str], read: Reader) -> None:
+        """Fill the model's tensors named `keys` (state-dict names) from `read`: each process
+        reads what it holds (its rows of a sharded parameter)."""
+        state = self.unwrap(model).state_dict(keep_vars=True)
+        for key in keys:
+            copy_into(state[key], key, read)
 
     @abstractmethod
     def unwrap(self, model: nn.Module) -> nn.Module:

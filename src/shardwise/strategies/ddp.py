@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import EngineConfig
 from ..dist import DistInfo
-from .base import InPlaceRunner, OptimizerRunner, Strategy
+from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
 from .sharded_optim import ShardedOptimizer
 
 
@@ -27,7 +27,9 @@ class DDPStrategy(Strategy):
         super().__init__(cfg, info)
         self.shard_optimizer = shard_optimizer
 
-    def setup_model(self, model: nn.Module) -> nn.Module:
+    def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
+        if empty is not None:  # replicas: every process holds the whole model anyway
+            self.fill(model, empty, self.info.device)
         model.to(self.info.device)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(

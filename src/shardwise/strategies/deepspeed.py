@@ -44,7 +44,8 @@ from torch import nn
 from ..config import STRATEGY_TABLE, ConfigError, EngineConfig, check_strategy
 from ..dist import DistInfo
 from ..precision import Precision
-from .base import OptimizerRunner, StepResult, Strategy, zero_step
+from ..weights import Reader
+from .base import EmptyModel, OptimizerRunner, StepResult, Strategy, zero_step
 
 log = logging.getLogger("shardwise")
 # Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
@@ -283,9 +284,11 @@ class DeepSpeedStrategy(Strategy):
         return DeepSpeedPrecision(self.cfg.precision, self.info.device)
 
     # -- models -----------------------------------------------------------------------------
-    def setup_model(self, model: nn.Module) -> nn.Module:
+    def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(f"{type(model).__name__} has no trainable parameters; DeepSpeed cannot train it")
+        if empty is not None:  # whole on each process until DeepSpeed partitions it (zero.Init is not used)
+            self.fill(model, empty, "cpu")
         model.to(self.info.device)
         wrapped = DeepSpeedModel(model, self)
         self._owner.update((id(p), wrapped) for p in model.parameters())
@@ -407,20 +410,42 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param
-
         module = self.unwrap(model)
-        trained = getattr(model, "ds_engine", None) is not None
         for name, p in module.named_parameters():
-            value = state[name].to(self.info.device, torch.float32)
-            if trained:
-                safe_set_full_fp32_param(p, value)  # the optimizer's fp32 master ...
-            # ... and the copy forward computes with (ZeRO-3: re-partitioned when the block exits)
-            with self.ds.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
-                p.data.copy_(value.to(p.dtype))
+            self._set_param(model, p, state[name])
         with torch.no_grad():
             for name, b in module.named_buffers():
                 b.copy_(state[name])
+
+    def _set_param(self, model: nn.Module, p: torch.Tensor, full: torch.Tensor) -> None:
+        """Give a parameter a whole new value: the optimizer's fp32 master (once DeepSpeed holds
+        one) and the copy forward computes with (ZeRO-3: re-partitioned when the block exits)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        value = full.to(self.info.device, torch.float32)
+        if getattr(model, "ds_engine", None) is not None:
+            safe_set_full_fp32_param(p, value)
+        with self.ds.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+            p.data.copy_(value.to(p.dtype))
+
+    def full_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        """ZeRO-3 leaves its parameters empty in the module; `ds_shape` is their full shape."""
+        return {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in self.unwrap(model).state_dict(keep_vars=True).items()}
+
+    def load_weights(self, model: nn.Module, keys: Iterable[str], read: Reader) -> None:
+        """Before DeepSpeed holds the model its tensors are plain; after, each parameter is set
+        whole, one at a time (DeepSpeed scatters it to its partitions)."""
+        if getattr(model, "ds_engine", None) is None:
+            super().load_weights(model, keys, read)
+            return
+        state = self.unwrap(model).state_dict(keep_vars=True)
+        params = {id(p) for p in self.unwrap(model).parameters()}
+        for key in keys:
+            if id(state[key]) in params:
+                self._set_param(model, state[key], read(key, None))
+            else:
+                with torch.no_grad():
+                    state[key].copy_(read(key, None))
 
 
 def _scaled_global_norm(opt: Any) -> torch.Tensor:

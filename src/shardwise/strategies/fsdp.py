@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import EngineConfig
 from ..dist import DistInfo, device_mesh
-from .base import InPlaceRunner, OptimizerRunner, Strategy
+from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
 from .blocks import find_blocks
 from .sharded_optim import ShardedOptimizer
 
@@ -84,11 +84,12 @@ class FSDPStrategy(Strategy):
         self.stage = stage
         self.mesh = device_mesh(info.device)
 
-    def setup_model(self, model: nn.Module) -> nn.Module:
+    def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         offload_params = self.cfg.offload == "params"
-        if not offload_params:
-            model.to(self.info.device)
-        _sync_module_states(model)
+        if empty is None:
+            if not offload_params:
+                model.to(self.info.device)
+            _sync_module_states(model)
         blocks = find_blocks(model, self.cfg.wrap)
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         if self.param_dtype is torch.float32:
@@ -106,6 +107,8 @@ class FSDPStrategy(Strategy):
             mp_policy=mp,
             offload_policy=offload,
         )
+        if empty is not None:  # sharded while empty: each process allocates its shards only
+            self.fill(model, empty, "cpu" if offload_params else self.info.device)
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:

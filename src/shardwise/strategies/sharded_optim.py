@@ -310,7 +310,11 @@ class ShardedOptimizer(OptimizerRunner):
                     st[k] = _clone(v)
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        if self.host:  # the host masters follow the parameters the checkpoint just restored
+        self.reload_params()  # the host masters follow the parameters the checkpoint just restored
+
+    @torch.no_grad()
+    def reload_params(self) -> None:
+        if self.host:
             for seg in self._segments:
                 seg.master.data.copy_(local_flat(seg.param)[seg.start : seg.end])
 

@@ -1,0 +1,224 @@
+"""Pretrained weights in: safetensors files read straight into prepared (sharded) models.
+
+`load_model` is the inverse of `save_model`. It reads a folder written by `save_model`, by
+`shardwise export` or by `transformers`' `save_pretrained` (one `model.safetensors`, or shards
+and `model.safetensors.index.json`), or a single `.safetensors` file. Everything is checked
+from the files' headers before any weight changes: every key the model needs is there, none is
+left over, every shape matches, no file is truncated (and a save written by shardwise matches
+its checksums, each process verifying a share of the files). Then each process reads only what
+it holds: the rows of its shard for a sharded (DTensor) parameter, the whole tensor for a
+replica, converting the dtype on the way. Rows are read with plain positioned reads (a dim-0
+slice is one contiguous byte range), not through a memory map, whose touched pages would count
+in every process's resident memory. Tied weights (an output head sharing the input embedding)
+are one tensor, stored once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .consolidate import (
+    INDEX,
+    SINGLE,
+    find_aliases,
+    model_dir_checks,
+    read_safetensors_header,
+    written_by_shardwise,
+)
+from .storage import CheckpointError, agree
+
+log = logging.getLogger("shardwise")
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+Reader = Callable[[str, "slice | None"], torch.Tensor]  # (model key, rows or None: all) -> tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    file: Path
+    key: str  # the key in the file
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model save (a folder or one file); one line if there are none."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: not a .safetensors file; give a folder written by save_model, "
+                                  "shardwise export or save_pretrained, or a .safetensors file")
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if (path / SINGLE).is_file():
+        return [path / SINGLE]
+    if (path / INDEX).is_file():
+        try:
+            index = json.loads((path / INDEX).read_text())
+            files = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path / INDEX}: not a safetensors index ({err})") from None
+        for name in files:
+            if not (path / name).is_file():
+                raise CheckpointError(f"{path / name}: missing (named in {INDEX})")
+        return [path / name for name in files]
+    found = ", ".join(sorted(p.name for p in path.iterdir())[:4]) or "nothing"
+    raise CheckpointError(f"{path}: holds no {SINGLE} and no {INDEX} (found {found}): not a safetensors model save")
+
+
+def read_entries(files: list[Path]) -> dict[str, _Entry]:
+    """Every tensor the files hold, from their headers (a truncated file is refused here)."""
+    entries: dict[str, _Entry] = {}
+    for f in files:
+        header, start = read_safetensors_header(f)
+        size = f.stat().st_size
+        for key, e in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                end = start + int(e["data_offsets"][1])
+                entry = _Entry(f, key, str(e["dtype"]), tuple(int(d) for d in e["shape"]),
+                               start + int(e["data_offsets"][0]))
+            except (KeyError, TypeError, ValueError, IndexError):
+                raise CheckpointError(f"{f}: the header entry of {key} is corrupted") from None
+            if end > size:
+                raise CheckpointError(f"{f}: truncated ({size} bytes; {key} ends at byte {end})")
+            if entry.dtype not in _DTYPES:
+                raise CheckpointError(f"{f}: {key} has dtype {entry.dtype}, which shardwise cannot load")
+            entries[key] = entry
+    return entries
+
+
+def class_name(module: nn.Module) -> str:
+    """The user's class name (FSDP2 renames a sharded module's class to FSDP<name>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next(b for b in cls.__bases__ if b is not FSDPModule)
+    return cls.__name__
+
+
+def _few(items: list[str]) -> str:
+    return ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+
+
+def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """State-dict key -> the tensor's full shape (a DTensor's global shape)."""
+    return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def match_keys(module: nn.Module, shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry], source: Path,
+               *, strict: bool) -> dict[str, _Entry]:
+    """Model key -> file entry, after checking names and shapes; one line naming the keys."""
+    aliases = find_aliases(module)
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    found: dict[str, _Entry] = {}
+    for key in shapes:
+        for candidate in (key, key.removeprefix(prefix + ".") if prefix else key, f"{prefix}.{key}" if prefix else key):
+            if candidate in entries:
+                found[key] = entries[candidate]
+                break
+    missing = [k for k in shapes if k not in found and not (k in aliases and aliases[k] in found)]
+    used = {e.key for e in found.values()}
+    unexpected = sorted(k for k in entries if k not in used)
+    shaped = [f"{k} {list(found[k].shape)} vs {list(shapes[k])}" for k in shapes if k in found and found[k].shape != shapes[k]]
+    problems = []
+    if shaped:
+        problems.append("mis-shaped " + _few(shaped))
+    if strict and missing:
+        problems.append("missing " + _few(missing))
+    if strict and unexpected:
+        problems.append("unexpected " + _few(unexpected))
+    if problems:
+        raise CheckpointError(f"{source}: does not match {class_name(module)}: {'; '.join(problems)}"
+                              + ("" if shaped else " (another model's weights? load with strict=False to skip them)"))
+    if missing or unexpected:
+        log.warning("%s: %s", source, "; ".join(
+            [f"left as initialized: {_few(missing)}"] * bool(missing) + [f"not used: {_few(unexpected)}"] * bool(unexpected)))
+    return {k: e for k, e in found.items() if k not in aliases or aliases[k] not in found}
+
+
+def verify_shared(path: Path, rank: int, world: int) -> None:
+    """A save written by shardwise is checked against its checksums, each process a share of
+    its files (a collective); others have none to check."""
+    problem = None
+    if written_by_shardwise(path):
+        try:
+            for check in model_dir_checks(path)[rank::world]:
+                check()
+        except CheckpointError as err:
+            problem = str(err)
+    agree(problem)
+
+
+def make_reader(found: dict[str, _Entry]) -> Reader:
+    """Reads `key` (the rows asked for, or all) from its file."""
+
+    def read(key: str, rows: slice | None) -> torch.Tensor:
+        entry = found[key]
+        dtype = _DTYPES[entry.dtype]
+        shape = list(entry.shape)
+        row_bytes = torch.empty((), dtype=dtype).element_size()
+        for d in shape[1:]:
+            row_bytes *= d
+        first = 0
+        if rows is not None and shape:
+            first, stop, _ = rows.indices(shape[0])
+            shape[0] = max(0, stop - first)
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel():
+            buf = memoryview(out.view(-1).view(torch.uint8).numpy().data)
+            with open(entry.file, "rb", buffering=0) as f:
+                f.seek(entry.offset + first * row_bytes)
+                got = 0
+                while got < len(buf):  # a raw read may return less than asked
+                    n = f.readinto(buf[got:])
+                    if not n:
+                        raise CheckpointError(f"{entry.file}: truncated while reading {entry.key}")
+                    got += n
+        return out
+
+    return read
+
+
+@torch.no_grad()
+def copy_into(target: torch.Tensor, key: str, read: Reader) -> None:
+    """Fill a prepared tensor from the files: a DTensor's local rows only, else all of it."""
+    if isinstance(target, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        local = target._local_tensor
+        if local.numel() == 0:
+            return
+        if any(o for o in offset[1:]) or tuple(shape[1:]) != tuple(target.shape[1:]):
+            value = read(key, None)[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        else:
+            value = read(key, slice(offset[0], offset[0] + shape[0]))
+        local.copy_(value.reshape(local.shape))
+    else:
+        target.copy_(read(key, None).reshape(target.shape))
+
+
+def check_source(path: str | os.PathLike[str], module: nn.Module, *, strict: bool,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[Path, dict[str, _Entry]]:
+    """Everything `load_model` checks before a weight changes (no collective). `shapes`: the
+    full shapes of `module`'s tensors where the module no longer shows them (DeepSpeed)."""
+    source = Path(path)
+    entries = read_entries(weight_files(source))
+    return source, match_keys(module, shapes or full_shapes(module), entries, source, strict=strict)
