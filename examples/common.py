@@ -50,9 +50,8 @@ def train(
     tokens_in: Callable[[Any], int],
 ) -> list[float]:
     """The loop every example runs: accumulate, clip, step, log, checkpoint."""
-    if args.resume and (Path(engine.config.checkpoint_dir) / "latest").is_file():
-        path = engine.load_state("latest")
-        engine.print(f"resumed from {path} at step {engine.step}")
+    if args.resume:
+        engine.load_state()  # the newest checkpoint under checkpoint_dir, if there is one
     losses: list[float] = []
     window: list[float] = []
     tokens, t0 = 0, time.perf_counter()

@@ -81,6 +81,8 @@ BAD = {
     "port_not_a_number.yaml": "launch.main_port: expected a valid integer",
     "negative_clipping.yaml": "max_grad_norm=-1.0 must be a number >= 1e-12",
     "optimizer_lr_word.yaml": "optimizer.lr: expected a valid number",
+    "not_utf8.yaml": "not_utf8.yaml: is not UTF-8 text (byte 21 is 0xe9); save it as UTF-8",
+    "ds_not_utf8.json": "ds_not_utf8.json: is not UTF-8 text (byte 53 is 0xe9); save it as UTF-8",
 }
 
 

@@ -125,6 +125,26 @@ def _work() -> dict[str, Any]:
     out["accumulation"] = {
         s: _accumulation(shardwise.Engine(strategy=s, cpu=True, grad_accum_steps=2)) for s in ("zero2", "zero1")
     }
+    out["gather_mismatch"] = _gather_mismatch(shardwise.Engine(strategy="ddp", cpu=True))
+    return out
+
+
+def _gather_mismatch(engine: Any) -> dict[str, Any]:
+    """Shapes and dtypes that differ across processes are refused in one line (both processes),
+    lengths that differ are gathered, and max/min reduce."""
+    from shardwise.checkpoint import CheckpointError
+
+    out: dict[str, Any] = {}
+    rank = engine.process_index
+    for case, t in (("trailing shape", torch.zeros(2, 3 + rank)), ("dtype", torch.zeros(2, dtype=[torch.float32, torch.int64][rank]))):
+        try:
+            engine.gather(t)
+            out[case] = None
+        except (ValueError, CheckpointError) as err:
+            out[case] = str(err)
+    out["lengths"] = engine.gather(torch.full((1 + rank, 2), float(rank))).tolist()
+    out["max"] = engine.reduce(torch.tensor([float(rank), -float(rank)]), "max").tolist()
+    out["min"] = engine.reduce(torch.tensor([float(rank), -float(rank)]), "min").tolist()
     return out
 
 
@@ -167,3 +187,13 @@ def test_accumulate_defers_steps(results: list, strategy: str) -> None:
     assert boundary["sync"] is True and boundary["clip"] is not None
     assert W.max_diff(boundary["changed"], r["before"]) > 0
     assert boundary["lr"] == [5e-4, 5e-4]
+
+
+def test_gather_refuses_shapes_that_differ_across_processes(results: list) -> None:
+    for r in results:
+        g = r["gather_mismatch"]
+        assert g["trailing shape"] == ("gather needs the same dtype and the same shape except dim 0 on every process "
+                                       "(dim 0 may differ): rank 0 has float32 (2, 3); rank 1 has float32 (2, 4)")
+        assert "rank 0 has float32 (2,); rank 1 has int64 (2,)" in g["dtype"]
+        assert g["lengths"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert g["max"] == [1.0, 0.0] and g["min"] == [0.0, -1.0]

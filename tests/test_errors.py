@@ -91,3 +91,29 @@ def test_contradicting_train_batch_size_is_refused_before_sharding() -> None:
     with pytest.raises(ConfigError, match=r"train_batch_size=5 but micro_batch_size 2 x grad_accum_steps 1 x 1 processes = 2"):
         engine.prepare(model, DataLoader(W.Tokens(8), batch_size=2))
     assert type(model) is W.TinyLM  # nothing was sharded
+
+
+def test_careless_calls_get_one_line_before_any_work() -> None:
+    engine = shardwise.Engine(strategy="zero3", cpu=True)
+    with pytest.raises(RuntimeError, match=r"backward\(\) before prepare\(\): prepare the model"):
+        engine.backward(torch.ones((), requires_grad=True))
+    frozen = W.build("tiny").requires_grad_(False)
+    with pytest.raises(ValueError, match="TinyLM has no trainable parameters \\(none, or all frozen\\)"):
+        engine.prepare(frozen)
+    with pytest.raises(ValueError, match="has no trainable parameters"):
+        engine.prepare(nn.ReLU())
+    model = engine.prepare(W.build("tiny"))
+    engine.backward(W.lm_loss(model, W.Tokens(2).data))
+    for bad in (-1.0, 0.0):
+        with pytest.raises(ValueError, match=r"clip_grad_norm_\(max_norm=.*\): the bound must be a number > 0"):
+            engine.clip_grad_norm_(model.parameters(), bad)
+
+
+def test_a_word_for_a_number_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardwise import cli
+
+    with pytest.raises(SystemExit) as code:
+        cli.main(["launch", "--num-processes", "two", "train.py"])
+    err = capsys.readouterr().err
+    assert code.value.code == 2 and err.count("\n") == 1
+    assert "argument --num-processes: 'two' is not a whole number (e.g. 2)" in err

@@ -27,7 +27,7 @@ def _launch(config: str, script: str, *args: str, cwd: Path) -> str:
            "--cpu", str(EXAMPLES / script), *args]
     proc = run_command(cmd, cwd=cwd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr  # the engine's own lines (resumed from ...) go to stderr
 
 
 @pytest.mark.parametrize(

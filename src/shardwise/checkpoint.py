@@ -534,6 +534,20 @@ def step_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def newest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`: the highest complete step_<N> (a save that
+    completed but died before moving `latest` counts), else what `latest` names; None when
+    there is none."""
+    root = Path(root)
+    found = step_dirs(root) if root.is_dir() else []
+    if found:
+        return found[-1]
+    pointer = root / "latest"
+    if pointer.is_file() and (root / pointer.read_text().strip() / META).is_file():
+        return root / pointer.read_text().strip()
+    return None
+
+
 def resolve(root_or_dir: Path) -> Path:
     """`latest` (or a folder holding a `latest` file) -> the newest complete checkpoint."""
     path = Path(root_or_dir)

@@ -15,7 +15,7 @@ import tempfile
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from .config import ConfigError, EngineConfig, LaunchConfig, check_train_batch, field_docs
 from .config_io import build, load_layers, merge, read_file, to_yaml, write_yaml
@@ -26,7 +26,8 @@ _UNSET: Any = object()
 _ENGINE_FLAGS = [
     "strategy", "backend", "precision", "offload", "grad_accum_steps", "max_grad_norm", "seed", "cpu",
     "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "checkpoint_dir",
-    "offload_bucket_numel",
+    "offload_bucket_numel", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_last", "collective_timeout_s",
+    "preempt_signals", "preempt_grace_s",
 ]
 # torchrun's own flags that fill the launch section instead of passing through.
 _TORCHRUN_FOLDED = {
@@ -34,6 +35,29 @@ _TORCHRUN_FOLDED = {
     "max_restarts": "max_restarts", "rdzv_backend": "rdzv_backend", "rdzv_id": "rdzv_id",
     "master_addr": "main_address", "master_port": "main_port",
 }
+
+
+def _whole_number(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 2)") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1.0)") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag value reported in one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _flag_type(tp: Any) -> dict[str, Any]:
@@ -44,9 +68,9 @@ def _flag_type(tp: Any) -> dict[str, Any]:
     if literals and all(isinstance(x, str) for x in literals) and typing.get_origin(tp) is typing.Literal:
         return {"choices": list(literals)}
     if int in args or tp is int:
-        return {"type": lambda s: s if s == "auto" else int(s)}
+        return {"type": _whole_number}
     if float in args or tp is float:
-        return {"type": float}
+        return {"type": _number}
     if typing.get_origin(tp) is tuple:
         return {"nargs": "+"}
     return {"type": str}
@@ -412,7 +436,7 @@ def _cmd_env(_ns: argparse.Namespace) -> int:
 
 # -- entry ------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise", description="Sharded PyTorch training: launch, configure, inspect.")
+    parser = _Parser(prog="shardwise", description="Sharded PyTorch training: launch, configure, inspect.")
     sub = parser.add_subparsers(dest="command", required=True)
     _launch_parser(sub)
     cfg = sub.add_parser("config", help="write shardwise.yaml (questionnaire, flags, or from Accelerate); `config show` prints the resolved config")

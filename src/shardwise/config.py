@@ -249,6 +249,21 @@ class EngineConfig:
     """LR schedule to build with that optimizer."""
     checkpoint_dir: str = "checkpoints"
     """Where `save_state()` writes step_<N> folders and the `latest` pointer."""
+    checkpoint_every_steps: int | None = None
+    """Save a checkpoint (checkpoint_dir/step_<N>) every this many optimizer steps, at the step
+    boundary, with no line in the script; `load_state()` at the start resumes from the newest."""
+    checkpoint_every_seconds: float | None = None
+    """Also save one when this many seconds have passed since the last (process 0's clock)."""
+    keep_last: int | None = None
+    """Keep only the newest this many step_<N> checkpoints (None: keep all)."""
+    collective_timeout_s: float = 600.0
+    """A collective that does not complete within this many seconds ends the run with an error
+    naming the step and the processes that did not arrive (torch's default is 30 minutes)."""
+    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """Signals that make the run checkpoint at the next step boundary and exit with code 75."""
+    preempt_grace_s: float = 25.0
+    """A process that reaches no step boundary within this many seconds of such a signal (or of
+    its launcher's death) exits without a checkpoint."""
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
     of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
@@ -274,6 +289,22 @@ class EngineConfig:
                 _positive(name, value, allow_auto=True)
         check_strategy(self.strategy, self.offload, self.backend)
         _positive("offload_bucket_numel", self.offload_bucket_numel)
+        for name in ("checkpoint_every_steps", "keep_last"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1 (or None)")
+        if self.checkpoint_every_seconds is not None:
+            _positive("checkpoint_every_seconds", self.checkpoint_every_seconds, minimum=1e-3)
+        _positive("collective_timeout_s", self.collective_timeout_s, minimum=1e-3)
+        _positive("preempt_grace_s", self.preempt_grace_s, minimum=0)
+        if isinstance(self.preempt_signals, str):
+            self.preempt_signals = (self.preempt_signals,)
+        self.preempt_signals = tuple(self.preempt_signals)
+        import signal
+
+        for name in self.preempt_signals:
+            if not (isinstance(name, str) and name.startswith("SIG") and hasattr(signal, name)) or name in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(f"preempt_signals: {name!r} is not a signal a process can catch; e.g. SIGTERM, SIGUSR1")
         if isinstance(self.wrap, (str, type)):
             self.wrap = (self.wrap,)
         self.wrap = tuple(self.wrap)
@@ -297,6 +328,27 @@ def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:
                 f"train_batch_size={total} but micro_batch_size {micro_batch} x "
                 f"grad_accum_steps {cfg.grad_accum_steps} x {world} processes = {actual}"
             )
+
+
+def resolve_grad_accum(cfg: EngineConfig, micro_batch: int, world: int) -> int:
+    """The accumulation steps that keep the global batch (`train_batch_size`, when given) at
+    this world size: the config's where it is consistent; recomputed when the run has another
+    number of processes than the config was written for (an elastic restart); a config
+    inconsistent at its own world size, or a global batch no whole number of micro-batches
+    reaches, is refused."""
+    total = cfg.train_batch_size
+    if not isinstance(total, int) or isinstance(total, bool) or micro_batch * cfg.grad_accum_steps * world == total:
+        return cfg.grad_accum_steps
+    written_for = cfg.launch.num_processes * cfg.launch.num_nodes
+    if world == written_for:
+        check_train_batch(cfg, micro_batch, world)
+    if total % (micro_batch * world):
+        raise ConfigError(
+            f"train_batch_size={total} cannot be kept at {world} process(es) x micro-batch {micro_batch}: "
+            f"{total} is not a multiple of {micro_batch * world}; change the number of processes or the "
+            "DataLoader's batch_size"
+        )
+    return total // (micro_batch * world)
 
 
 def field_names(cls: type) -> list[str]:

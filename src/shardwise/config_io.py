@@ -34,7 +34,11 @@ def read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x}); "
+                          "save it as UTF-8") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as err:

@@ -7,6 +7,7 @@ which still gets a real (single-member) process group so every strategy runs unc
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ def _pick_device(local_rank: int, force_cpu: bool) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(*, force_cpu: bool) -> DistInfo:
+def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the default process group described by the launcher's environment.
 
     CUDA devices get NCCL for device tensors and gloo for host tensors (optimizer offload keeps
@@ -70,14 +71,29 @@ def init_distributed(*, force_cpu: bool) -> DistInfo:
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     device = _pick_device(local_rank, force_cpu)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    # a collective not done within the timeout raises (gloo) or aborts the process (NCCL)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     elif world_size == 1 and "MASTER_ADDR" not in os.environ:
         # No launcher: a private in-memory store, no port to pick or collide on.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0:
+        dist.init_process_group(backend, store=_attempt_store(rank, world_size), rank=rank, world_size=world_size,
+                                timeout=timeout)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(rank, world_size, local_rank, local_world_size, device)
+
+
+def _attempt_store(rank: int, world_size: int) -> dist.Store:
+    """After torchrun restarted the worker group, its agent's store still holds the failed
+    attempt's keys, among them the old processes' gloo addresses: a new process that reads one
+    before its peer overwrote it connects to a dead port. Each attempt gets keys of its own."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=datetime.timedelta(seconds=300))
+    return dist.PrefixStore(f"/shardwise/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 def device_mesh(device: torch.device) -> DeviceMesh:

@@ -14,6 +14,7 @@ file name of checkpoint format 1).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -27,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import ConfigError, EngineConfig, check_train_batch, make_config
+from .collectives import check_reduction, gather_one, map_tensors, reduce_one
+from .config import ConfigError, EngineConfig, make_config, resolve_grad_accum
 from .config_io import build, load_layers, merge
 from .consolidate import save_model_files
 from .data import PreparedDataLoader, is_dataloader
@@ -36,6 +38,7 @@ from .materialize import init_empty
 from .memory import MemoryReport, tensor_memory
 from .optim import PreparedOptimizer, PreparedScheduler, build_optimizer, build_scheduler
 from .precision import check_device_supports
+from .resilience import Guard, say
 from .session import PRETRAINED, Session, check_optimizer
 from .storage import CheckpointError, agree, os_error_line
 from .strategies import make_strategy
@@ -84,7 +87,7 @@ class Engine:
             make_config(**{k: v for k, v in kwargs.items() if k not in ("launch", "loss_scale")})
             config, conflicts = _config_with_code(kwargs)
         self.config = cfg = config
-        self._info = init_distributed(force_cpu=cfg.cpu)
+        self._info = init_distributed(force_cpu=cfg.cpu, timeout_s=cfg.collective_timeout_s)
         if conflicts and self._info.is_main:
             warnings.warn("code overrides the config file: " + "; ".join(conflicts), stacklevel=2)
         check_device_supports(cfg.precision, self._info.device)
@@ -99,8 +102,13 @@ class Engine:
         self._loaders: list[PreparedDataLoader] = []
         self._registered: list[Any] = []
         self._init_rng: torch.Tensor | None = None  # init_empty(): the generator state it began with
+        self._last_save: Any = None  # the newest save's SaveReport
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
+        self._guard = Guard(cfg, self._info)  # checkpoints by policy, preemption, timeouts
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts:
+            say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
 
     @property
     def session(self) -> Session:
@@ -177,6 +185,10 @@ class Engine:
         of = {kind: [o for o, k in zip(objects, kinds) if k == kind] for kind in ("model", "optimizer", "scheduler", "dataloader")}
         for loader in of["dataloader"]:
             self._check_batch_sizes(loader)
+        if of["model"] and not any(p.requires_grad for m in of["model"] for p in m.parameters()):
+            raise ValueError(f"{type(of['model'][0]).__name__} has no trainable parameters (none, or all "
+                             "frozen): there is nothing to train or shard; prepare it for inference only "
+                             "without an optimizer, or unfreeze what should train")
         known = self._session.param_ids if self._session is not None else set()
         for optimizer in of["optimizer"]:
             check_optimizer(optimizer, of["model"], known)
@@ -188,6 +200,8 @@ class Engine:
         session = self._session
         session.init_rng = self._init_rng
         prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
+        for model in of["model"]:  # the heartbeat that says who did not arrive if a collective hangs
+            prepared[id(model)].register_forward_pre_hook(self._forward_started, prepend=True)
         for loader in of["dataloader"]:
             prepared[id(loader)] = PreparedDataLoader(
                 loader,
@@ -224,7 +238,13 @@ class Engine:
                 stacklevel=3,
             )
         if loader.batch_size is not None:
-            check_train_batch(self.config, loader.batch_size, self.num_processes)
+            accum = resolve_grad_accum(self.config, loader.batch_size, self.num_processes)
+            if accum != self.config.grad_accum_steps:
+                say(self._info, f"train_batch_size={self.config.train_batch_size} at {self.num_processes} process(es) "
+                    f"x batch {loader.batch_size}: grad_accum_steps {self.config.grad_accum_steps} -> {accum}")
+                self.config = dataclasses.replace(self.config, grad_accum_steps=accum)
+                if self._session is not None:
+                    self._session.set_config(self.config)
 
     def _kind(self, obj: Any) -> str:
         if isinstance(obj, nn.Module):
@@ -246,16 +266,39 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------
     def _on_batch(self, loader: PreparedDataLoader, last: bool) -> None:
+        self._boundary()  # before the batch counts as served: a checkpoint here resumes with it
         self._loader, self._loader_at_end = loader, last
+
+    def _boundary(self) -> None:
+        """Once per optimizer step, before the next one's work: heartbeat, agreement on
+        preemption, checkpoints by policy (`shardwise.resilience`). Every process gets here."""
+        if self._session is not None and self._session.models:
+            self._guard.at_boundary(self.step, self._policy_save)
+
+    def _forward_started(self, module: nn.Module, args: Any) -> None:
+        self._guard.heartbeat("in its forward")
+
+    def _policy_save(self, reason: str) -> None:
+        path = self.save_state()
+        report = self._last_save
+        size = f", {report.bytes / 1e9:.2f} GB" if report is not None else ""
+        secs = f" in {report.seconds:.2f} s" if report is not None else ""
+        say(self._info, f"checkpoint {path} saved{secs}{size} ({reason})")
 
     def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
         """One micro-step. Off the boundary nothing is communicated and the prepared
         optimizers and schedulers do nothing; `sync_gradients` says which this is."""
+        self._boundary()
         return self.session.accumulate(models, loader_at_end=self._loader_at_end)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()`, divided by grad_accum_steps and multiplied by the fp16 loss scale."""
-        self.session.backward(loss, **kwargs)
+        if self._session is None or not self._session.models:
+            raise RuntimeError("backward() before prepare(): prepare the model (and its optimizer) first, "
+                               "then compute the loss with the prepared model")
+        self._guard.heartbeat("in its backward")
+        with self._guard.timeouts():
+            self.session.backward(loss, **kwargs)
 
     def unscale_gradients(self) -> None:
         """fp16: unscale every prepared optimizer's gradients now (done once per step)."""
@@ -267,7 +310,11 @@ class Engine:
         Off an accumulation boundary gradients are partial, so nothing is clipped and None is
         returned. The bound applies to this step only.
         """
-        return self.session.clip_grad_norm(parameters, max_norm, norm_type)
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): the bound must be a number > 0 "
+                             "(a negative bound would scale gradients by a negative factor)")
+        with self._guard.timeouts():
+            return self.session.clip_grad_norm(parameters, max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The compute-dtype context of this run (prepared models already run inside it)."""
@@ -276,24 +323,8 @@ class Engine:
     # -- collectives ------------------------------------------------------------------------
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
-        return _map_tensors(data, self._gather_one)
-
-    def _gather_one(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if t.dim() == 0:
-            t = t[None]
-        if self.num_processes == 1:
-            return t
-        # gloo needs equal shapes: share the lengths, pad to the longest, trim after.
-        n = torch.tensor([t.shape[0]], device=t.device)
-        lengths = [torch.empty_like(n) for _ in range(self.num_processes)]
-        dist.all_gather(lengths, n)
-        longest = int(max(x.item() for x in lengths))
-        padded = t.new_zeros((longest, *t.shape[1:]))
-        padded[: t.shape[0]] = t
-        parts = [torch.empty_like(padded) for _ in range(self.num_processes)]
-        dist.all_gather(parts, padded.contiguous())
-        return torch.cat([p[: int(k.item())] for p, k in zip(parts, lengths)])
+        with self._guard.timeouts():
+            return map_tensors(data, lambda t: gather_one(t, self.num_processes))
 
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the samples repeated to even out the last batch of the loader."""
@@ -302,19 +333,13 @@ class Engine:
         if loader is None or not self._loader_at_end or loader.remainder() == 0:
             return gathered
         keep = loader.remainder()
-        return _map_tensors(gathered, lambda t: t[:keep])
+        return map_tensors(gathered, lambda t: t[:keep])
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
-        """Sum (or mean) tensors across processes."""
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction={reduction!r} is not valid; choose one of: sum, mean")
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            out = t.detach().clone()
-            dist.all_reduce(out)
-            return out / self.num_processes if reduction == "mean" else out
-
-        return _map_tensors(data, one)
+        """Sum, mean, max or min of tensors across processes."""
+        check_reduction(reduction)
+        with self._guard.timeouts():
+            return map_tensors(data, lambda t: reduce_one(t, reduction, self.num_processes))
 
     # -- models in ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -416,15 +441,18 @@ class Engine:
 
         With no folder: `<checkpoint_dir>/step_<N>` (checkpoint_dir is "checkpoints" unless the
         config says otherwise), then `<checkpoint_dir>/latest` points at it and only the newest
-        `keep_last` step folders are kept. A folder given must be absent, empty or an earlier
-        checkpoint; anything else (a folder of other files, a file, the current directory) is
-        refused with a `CheckpointError` before anything is written.
+        `keep_last` (default: the config's) step folders are kept. A folder given must be absent,
+        empty or an earlier checkpoint; anything else (a folder of other files, a file, the
+        current directory) is refused with a `CheckpointError` before anything is written.
         """
         from . import checkpoint
 
         root = Path(self.config.checkpoint_dir)
         target = Path(output_dir) if output_dir is not None else root / f"step_{self.step}"
-        report = checkpoint.save(self._checkpoint_parts(), target)
+        keep_last = keep_last if keep_last is not None else self.config.keep_last
+        with self._guard.timeouts():
+            report = checkpoint.save(self._checkpoint_parts(), target)
+        self._last_save = report
         problem = None
         if output_dir is None and self.is_main_process:
             try:
@@ -434,20 +462,30 @@ class Engine:
         agree(problem)
         return report.path
 
-    def load_state(self, input_dir: str | os.PathLike[str] = "latest") -> Path:
-        """Resume from a checkpoint saved at any world size, strategy or offload setting.
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> int | None:
+        """Resume from a checkpoint saved at any world size, strategy or offload setting; return
+        the optimizer steps it holds.
 
-        "latest" means the newest complete checkpoint under `checkpoint_dir`. Prepare the same
-        models, optimizers, schedulers and DataLoaders first; the next batch is the one that
-        would have come after the save.
+        With no folder: the newest complete checkpoint under `checkpoint_dir`, or, when there is
+        none yet, nothing happens and None comes back, so a script calls it unconditionally at
+        its start ("latest" names it too, but requires one). Prepare the same models,
+        optimizers, schedulers and DataLoaders first; the next batch is the one that would have
+        come after the save.
         """
         from . import checkpoint
 
-        path = Path(input_dir)
-        if str(input_dir) == "latest":
-            path = Path(self.config.checkpoint_dir) / "latest"
-        path = checkpoint.resolve(path)
-        state = checkpoint.load(self._checkpoint_parts(), path)
+        if input_dir is None:
+            found = checkpoint.newest(Path(self.config.checkpoint_dir))
+            if found is None:
+                return None
+            path = found
+        else:
+            path = Path(input_dir)
+            if str(input_dir) == "latest":
+                path = Path(self.config.checkpoint_dir) / "latest"
+            path = checkpoint.resolve(path)
+        with self._guard.timeouts():
+            state = checkpoint.load(self._checkpoint_parts(), path)
         session = self.session
         counts: dict[str, list[Any]] = {"schedulers": session.schedulers, "loaders": self._loaders,
                                          "registered": self._registered}
@@ -457,8 +495,18 @@ class Engine:
             for obj, sd in zip(objs, state[key]):
                 obj.load_state_dict(sd)
         session.step_state.load_state_dict(state)
+        saved_accum, saved_world = state.get("grad_accum_steps"), state.get("world_size")
+        if (saved_accum, saved_world) != (None, None) and (saved_accum, saved_world) != (
+                self.config.grad_accum_steps, self.num_processes):
+            if state["micro_step"] % (saved_accum or 1):
+                raise CheckpointError(f"{path}: saved in the middle of an accumulation (micro-step "
+                                      f"{state['micro_step']} of {saved_accum}); it resumes only with the same "
+                                      "processes and grad_accum_steps")
+            session.step_state.micro_step = 0  # saved on a boundary: the next micro-step starts one
         session.strategy.precision.load_state_dict(state["scaler"])
-        return path
+        self._guard.last_step = self.step  # no checkpoint of the step just restored
+        say(self._info, f"resumed from {path} at step {self.step}")
+        return self.step
 
     def _checkpoint_parts(self) -> Any:
         from .checkpoint import Parts
@@ -472,6 +520,8 @@ class Engine:
             optimizer_models=[owner[id(o.runner.owner_params()[0])] for o in session.optimizers],
             loop_state={
                 **session.step_state.state_dict(),  # "micro_step", "step"
+                "grad_accum_steps": self.config.grad_accum_steps,
+                "world_size": self.num_processes,
                 "scaler": session.strategy.precision.state_dict(),
                 "schedulers": [s.state_dict() for s in session.schedulers],
                 "loaders": [d.state_dict() for d in self._loaders],
@@ -506,16 +556,6 @@ def _config_with_code(kwargs: dict[str, Any]) -> tuple[EngineConfig, list[str]]:
         if k in data and data[k] != v and not isinstance(v, dict)
     ]
     return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts
-
-
-def _map_tensors(data: Any, fn: Any) -> Any:
-    if torch.is_tensor(data):
-        return fn(data)
-    if isinstance(data, dict):
-        return type(data)({k: _map_tensors(v, fn) for k, v in data.items()})
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn) for v in data)
-    raise TypeError(f"expected tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
 
 
 Accelerator = Engine

@@ -7,11 +7,15 @@ one resolved config as a file path in SHARDWISE_CONFIG.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .config import LaunchConfig
+from .resilience import PREEMPTED_EXIT
 
 CONFIG_ENV = "SHARDWISE_CONFIG"
 
@@ -61,10 +65,44 @@ def run_torchrun(argv: Sequence[str], config_path: str) -> int:
     try:
         run(parse_args(list(argv)))
     except ChildFailedError as err:
+        for line in describe_failures(err.failures):
+            print(f"shardwise launch: {line}", file=sys.stderr, flush=True)
         code = err.get_first_failure()[1].exitcode
         return code if code > 0 else 128 - code
     except SignalException as err:
+        print(f"shardwise launch: stopped by {signal.Signals(int(err.sigval)).name}; the workers were asked to "
+              f"checkpoint at their next step boundary and exit ({PREEMPTED_EXIT})", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     return 0
+
+
+def describe_failures(failures: dict[int, Any]) -> list[str]:
+    """One line per failed worker (torchrun's ProcessFailure), the first to fail first: its
+    rank, how it ended and the first line of its error."""
+    lines = []
+    for rank, f in sorted(failures.items(), key=lambda item: item[1].timestamp):
+        code = f.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        if code == PREEMPTED_EXIT:
+            how += " (stopped after a checkpoint: preempted, or its launcher went away)"
+        elif code == -signal.SIGABRT:
+            how += (" (if that was while the process group connected, it is gloo's start-up abort; "
+                    "--max-restarts 1 restarts the group by itself)")
+        first = _first_error_line(f.error_file)
+        lines.append(f"rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}" + (f": {first}" if first else ""))
+    return lines
+
+
+def _first_error_line(path: str | None) -> str:
+    """The message torchrun's error file holds for a worker that raised (empty if none)."""
+    try:
+        with open(path or "") as fh:
+            data = json.load(fh)
+        message = data.get("message", {})
+        text = message.get("message", "") if isinstance(message, dict) else str(message)
+    except (OSError, ValueError, AttributeError):
+        return ""
+    lines = [ln for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""

@@ -68,6 +68,11 @@ class Session:
         self.param_ids: set[int] = set()  # parameters of the prepared models
         self.init_rng: torch.Tensor | None = None  # `init_empty()`: the generator state it began with
 
+    def set_config(self, config: EngineConfig) -> None:
+        """The config changed before training (grad_accum_steps derived from train_batch_size)."""
+        self.config = config
+        self.step_state.grad_accum_steps = config.grad_accum_steps
+
     # -- prepare ----------------------------------------------------------------------------
     def is_prepared_model(self, module: nn.Module) -> bool:
         return any(module is m or module is self.strategy.unwrap(m) for m in self.models)

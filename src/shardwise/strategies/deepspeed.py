@@ -30,7 +30,6 @@ The Engine's verbs keep their meaning; what DeepSpeed owns, and how it is kept i
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -126,8 +125,9 @@ def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> 
 
 def _user_zero_keys(path: str) -> dict[str, Any]:
     """Tuning keys of a DeepSpeed JSON's zero_optimization section ("auto" ones left out)."""
-    with open(path) as f:
-        zero = json.load(f).get("zero_optimization") or {}
+    from ..config_io import read_file  # the same checks and one-line errors as every config file
+
+    zero = read_file(path).get("zero_optimization") or {}
     return {k: v for k, v in zero.items() if k not in _OURS and v != "auto"}
 
 

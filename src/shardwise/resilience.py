@@ -1,0 +1,221 @@
+"""Runs that survive failures: checkpoints by policy, preemption, a launcher that died, hung ranks.
+
+At every optimizer-step boundary (the first thing after an optimizer step: the prepared
+DataLoader yielding the next batch, or the next `accumulate()`, both before the next forward, so
+a checkpoint there resumes exactly), the Engine calls `Guard.at_boundary`:
+  heartbeat   this process's progress goes to the process group's store (`shardwise/progress/<r>`:
+              a count of boundaries, forwards and backwards, with the step), also at every
+              forward of a prepared model and every `backward()`, so a process whose collective
+              times out can say which processes did not arrive;
+  agreement   one all-reduce (MAX) of three flags, so every process acts alike: a preemption
+              signal arrived (on any process), the launcher is gone, checkpoint_every_seconds
+              has passed (process 0's clock);
+  checkpoint  every checkpoint_every_steps steps or when the time is due; on preemption or a gone
+              launcher, a checkpoint and then the exit with PREEMPTED_EXIT (75, "try again").
+Signals: the configured preempt_signals (SIGTERM, SIGUSR1) set a flag; the same signal again acts
+as it would without shardwise. A process that reaches no boundary within preempt_grace_s of the
+signal (a hung or stalled process) exits with 128 + the signal, without saving: the scheduler
+would kill it anyway (torchrun's agent and Kubernetes wait 30 s, SLURM's KillWait is 30 s).
+Launcher: a thread notices when the parent process changes (the launcher was SIGKILLed: the
+process was handed to init); the run then stops at its next boundary, as on preemption, or
+after preempt_grace_s without one.
+Hung ranks: the process group's collectives time out after collective_timeout_s; the timeout is
+reported as `CollectiveTimeout`, one line naming the step and the processes behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import EngineConfig
+from .dist import DistInfo
+
+log = logging.getLogger("shardwise")
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the run stopped cleanly after a checkpoint; start it again to continue
+_TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "DistStoreError")
+
+
+def say(info: DistInfo, message: str) -> None:
+    """A lifecycle line (resume, checkpoint, preemption) on process 0's stderr, and in the log."""
+    log.info(message)
+    if info.is_main:
+        print(f"shardwise: {message}", file=sys.stderr, flush=True)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within collective_timeout_s (one line: step, who is behind)."""
+
+
+def is_timeout(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _TIMEOUT_MARKERS)
+
+
+class _Process:
+    """What this process has seen (signals, its launcher), shared by every Engine in it: the
+    handlers and the watch thread are installed once per process."""
+
+    def __init__(self) -> None:
+        self.preempted = 0  # the signal that asked to stop (0: none)
+        self.launcher_gone = False
+        self.since = 0.0  # when either happened
+        self.at_boundary = False  # a checkpoint on the way out is being written
+        self.grace = 25.0
+        self.rank = 0
+        self.handlers: dict[int, Any] = {}
+        self.parent = os.getppid()
+        self.watch: threading.Thread | None = None
+        self.guard: Guard | None = None  # the newest Engine's: it reports an uncaught timeout
+        self.previous_hook: Callable[..., Any] | None = None
+
+    def install(self, signals: tuple[str, ...], grace: float, rank: int) -> None:
+        self.grace, self.rank = grace, rank
+        if threading.current_thread() is threading.main_thread():  # handlers: main thread only
+            for name in signals:
+                signum = getattr(signal, name)
+                if signum not in self.handlers:
+                    self.handlers[signum] = signal.signal(signum, self._on_signal)
+        if self.watch is None:
+            self.watch = threading.Thread(target=self._watch_loop, name="shardwise-watch", daemon=True)
+            self.watch.start()
+        if self.previous_hook is None:
+            self.previous_hook = sys.excepthook
+            sys.excepthook = self._excepthook
+
+    def _excepthook(self, kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
+        """An uncaught collective timeout ends the process with its one line; others as before."""
+        if isinstance(err, CollectiveTimeout) or is_timeout(err):
+            message = str(err) if isinstance(err, CollectiveTimeout) or self.guard is None else self.guard.describe_timeout()
+            print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
+            os._exit(1)
+        (self.previous_hook or sys.__excepthook__)(kind, err, tb)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.preempted:  # the second time: what the signal would do without shardwise
+            previous = self.handlers.get(signum, signal.SIG_DFL)
+            signal.signal(signum, previous if callable(previous) or previous == signal.SIG_IGN else signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.preempted, self.since = signum, time.monotonic()
+
+    def _watch_loop(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if not self.launcher_gone and os.getppid() != self.parent:
+                self.launcher_gone, self.since = True, time.monotonic()
+                log.warning("rank %d: the launcher (pid %d) is gone; stopping at the next step boundary",
+                            self.rank, self.parent)
+            waiting = (self.preempted or self.launcher_gone) and not self.at_boundary
+            if waiting and time.monotonic() - self.since > self.grace:
+                code = 128 + (self.preempted or signal.SIGTERM)
+                print(f"shardwise: rank {self.rank}: no step boundary within preempt_grace_s={self.grace:g} s of "
+                      f"{self.why()}; exiting ({code}) without a checkpoint", file=sys.stderr, flush=True)
+                os._exit(code)
+
+    def why(self) -> str:
+        return signal.Signals(self.preempted).name if self.preempted else "the launcher's exit"
+
+
+PROCESS = _Process()
+
+
+class Guard:
+    """The step heartbeat, the boundary agreement and timeout reports of one Engine."""
+
+    def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+        self.last_save = time.monotonic()
+        self.last_step = -1  # the step of the newest boundary handled
+        self.step_in_progress = 0
+        self._progress = 0  # heartbeats sent: every process sends the same sequence
+        PROCESS.install(cfg.preempt_signals, cfg.preempt_grace_s, info.rank)
+        PROCESS.guard = self
+        self._store: Any = None
+        with contextlib.suppress(Exception):  # a store the heartbeats can use (absent: no names)
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._store = _get_default_store()
+
+    # -- the boundary -----------------------------------------------------------------------
+    def at_boundary(self, step: int, save: Callable[[str], None]) -> None:
+        """After optimizer step `step`: heartbeat, agree, checkpoint by policy, stop if asked."""
+        if step == self.last_step:
+            return
+        self.last_step, self.step_in_progress = step, step + 1
+        self.heartbeat("at the start")
+        flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone), float(self._time_due())])
+        if self.info.world_size > 1:
+            with self.timeouts():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, gone, due = (bool(x) for x in flags.tolist())
+        every = self.cfg.checkpoint_every_steps
+        if stop or gone:
+            PROCESS.at_boundary = True
+            reason = (PROCESS.why() if PROCESS.preempted else "a signal to another process") if stop else "the launcher is gone"
+            save(reason)
+            say(self.info, f"stopped after step {step} ({reason}); exit code {PREEMPTED_EXIT}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(PREEMPTED_EXIT)
+        if (every and step > 0 and step % every == 0) or due:
+            save("every step" if not due else "every seconds")
+            self.last_save = time.monotonic()
+
+    def _time_due(self) -> bool:
+        every = self.cfg.checkpoint_every_seconds
+        return bool(every) and self.info.is_main and time.monotonic() - self.last_save >= float(every or 0)
+
+    def heartbeat(self, where: str) -> None:
+        """Record this process's progress (`where` in the step in progress) in the store."""
+        self._progress += 1
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.set(f"shardwise/progress/{self.info.rank}", f"{self._progress}|{self.step_in_progress}|{where}")
+
+    # -- timeouts -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def timeouts(self) -> Iterator[None]:
+        """Inside: a collective's timeout comes out as one `CollectiveTimeout` line."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, CollectiveTimeout) or not is_timeout(err):
+                raise
+            raise CollectiveTimeout(self.describe_timeout()) from None
+
+    def describe_timeout(self) -> str:
+        behind = self._behind()
+        who = f"; {behind} did not arrive" if behind else ""
+        return (f"rank {self.info.rank}: step {self.step_in_progress}: a collective did not complete within "
+                f"collective_timeout_s={self.cfg.collective_timeout_s:g} s{who}. The run stops; restart it "
+                "(shardwise launch --max-restarts N) to resume from the newest checkpoint")
+
+    def _behind(self) -> str:
+        """The processes whose progress is behind this one's (read from the store)."""
+        if self._store is None:
+            return ""
+        late = []
+        with contextlib.suppress(Exception):
+            self._store.set_timeout(datetime.timedelta(seconds=2))
+            for r in range(self.info.world_size):
+                key = f"shardwise/progress/{r}"
+                if not self._store.check([key]):
+                    late.append(f"rank {r} (no step yet)")
+                    continue
+                count, step, where = self._store.get(key).decode().split("|", 2)
+                if int(count) < self._progress:
+                    late.append(f"rank {r} (last seen in step {step}, {where})")
+        return ", ".join(late)

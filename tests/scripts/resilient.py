@@ -1,0 +1,95 @@
+"""A training run written to survive: two lines make it resume and checkpoint by itself.
+
+    engine.load_state()                   # the newest complete checkpoint, or None on a fresh start
+    checkpoint_every_steps: 2             # in the config: saves at step boundaries, no line in the loop
+
+tests/test_resilience.py runs it under `shardwise launch` with faults injected through the
+environment (SHARDWISE_TEST_FAULT), and in-process for the uninterrupted reference. Process 0
+appends one JSON line per optimizer step (step, loss, attempt) to <folder>/losses.jsonl and, at
+the end, the gathered weights to <folder>/final.pt.
+  kill:STEP:RANK   on the first attempt, RANK SIGKILLs itself after optimizer step STEP
+  hang:STEP:RANK   RANK sleeps forever inside optimizer step STEP (before its backward)
+  slow:SECONDS     every step sleeps (so a test can send a signal at a chosen step)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import workloads as W
+
+STEPS = 8
+SAMPLES = 48  # 2 epochs of 24 at a global batch of 4: resumes cross an epoch
+
+
+def _fault() -> tuple[str, float, int]:
+    spec = os.environ.get("SHARDWISE_TEST_FAULT", "")
+    if not spec:
+        return "", 0.0, -1
+    kind, *rest = spec.split(":")
+    return kind, float(rest[0]), int(rest[1]) if len(rest) > 1 else -1
+
+
+def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
+    import shardwise
+
+    out = Path(folder)
+    engine = shardwise.Engine()  # strategy, checkpoint policy, timeouts: all from the config file
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kind, at, who = _fault()
+    model = W.build("tiny")
+    opt = W.make_optimizer(model)
+    loader = DataLoader(W.Tokens(SAMPLES // 2), batch_size=4 // engine.num_processes // engine.config.grad_accum_steps,
+                        shuffle=True)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    resumed = engine.load_state()
+    if engine.is_main_process:
+        print(f"attempt {attempt}: starting at step {resumed or 0}", flush=True)
+    while engine.step < steps:
+        for ids in loader:
+            with engine.accumulate(model):
+                step = engine.step + 1  # the optimizer step this micro-step belongs to
+                if kind == "hang" and step == at and engine.process_index == who:
+                    time.sleep(10**6)
+                if kind == "slow":
+                    time.sleep(at)
+                loss = W.lm_loss(model, ids)
+                engine.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            value = engine.reduce(loss.detach(), "mean").item()
+            if engine.sync_gradients and engine.is_main_process:
+                with open(out / "losses.jsonl", "a") as f:
+                    f.write(json.dumps({"step": engine.step, "loss": value, "attempt": attempt}) + "\n")
+            if kind == "kill" and attempt == 0 and engine.step == at and engine.process_index == who:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if engine.step >= steps:
+                break
+    state = engine.get_state_dict(model)
+    if engine.is_main_process:
+        torch.save(state, out / "final.pt")
+    engine.end_training()
+    return {"state": state}
+
+
+def read_losses(folder: Path) -> dict[int, float]:
+    """The newest loss recorded for each step (a restarted run recomputes the lost ones)."""
+    losses: dict[int, float] = {}
+    for line in (folder / "losses.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        losses[row["step"]] = row["loss"]
+    return dict(sorted(losses.items()))
+
+
+if __name__ == "__main__":
+    train(sys.argv[1])

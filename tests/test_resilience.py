@@ -1,0 +1,214 @@
+"""Training that survives failures, proven end to end under `shardwise launch` (torchrun).
+
+tests/scripts/resilient.py is an ordinary loop plus two lines (`engine.load_state()` at its start,
+`checkpoint_every_steps` in its config). Faults are injected through SHARDWISE_TEST_FAULT:
+- a worker SIGKILLs itself after step 5 (first attempt only), launched with --max-restarts 1:
+  the run ends bit-identical (fp32) to an uninterrupted one, under zero3, ddp and DeepSpeed;
+- SIGTERM to `shardwise launch` at step 3: the workers checkpoint at the next boundary and exit
+  75; a relaunch finishes bit-identical to the uninterrupted run;
+- a rank hangs inside step 2: with collective_timeout_s 15 every process has exited within 60 s,
+  the error names the step and the rank that did not arrive, and the newest checkpoint is the
+  last complete one;
+- elastic world size: saved at 4 processes with train_batch_size 8, resumed at 2 with the
+  accumulation doubled, within the equivalence tolerances of the uninterrupted 4-process run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import workloads as W
+import yaml
+from spawn import GLOO_ABORT, spawn
+
+SCRIPT = Path(__file__).parent / "scripts" / "resilient.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from resilient import read_losses  # noqa: E402
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def _config(folder: Path, **settings: Any) -> Path:
+    cfg = {"cpu": True, "seed": W.SEED, "checkpoint_dir": str(folder / "checkpoints"),
+           "launch": {"num_processes": 2}, **settings}
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _command(config: Path, folder: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "shardwise", "launch", "--config", str(config), *flags, str(SCRIPT), str(folder)]
+
+
+def _env(fault: str = "") -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "SHARDWISE_TEST_FAULT": fault}
+    env.pop("SHARDWISE_CONFIG", None)
+    return env
+
+
+def _run(config: Path, folder: Path, *flags: str, fault: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """A launch; once more if gloo aborted while connecting (an infrastructure flake, see spawn)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        proc = subprocess.run(_command(config, folder, *flags), check=False, capture_output=True, text=True,
+                              env=_env(fault), timeout=timeout, cwd=folder)
+        if not (proc.returncode != 0 and GLOO_ABORT in proc.stderr and "starting at step" not in proc.stdout):
+            return proc
+    return proc
+
+
+def _result(folder: Path) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    return read_losses(folder), torch.load(folder / "final.pt", weights_only=True)
+
+
+def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- a worker dies: torchrun restarts the group, the run resumes from the newest checkpoint -------
+KILL_CASES = [{"strategy": "zero3"}, {"strategy": "ddp"}]
+if HAS_DEEPSPEED:
+    KILL_CASES.append({"strategy": "zero3", "backend": "deepspeed"})
+
+
+@pytest.mark.parametrize("settings", KILL_CASES, ids=lambda s: "+".join(s.values()))
+def test_sigkilled_worker_costs_at_most_the_checkpoint_interval(settings: dict[str, str], tmp_path: Path) -> None:
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    killed.mkdir()
+    ref = _run(_config(straight, checkpoint_every_steps=2, **settings), straight)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = _run(_config(killed, checkpoint_every_steps=2, **settings), killed, "--max-restarts", "1", fault="kill:5:1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = run.stdout + run.stderr
+    assert "attempt 0: starting at step 0" in log and "attempt 1: starting at step 4" in log
+    assert "the worker group was restarted (1 restart(s) so far)" in log
+    assert f"resumed from {killed / 'checkpoints' / 'step_4'} at step 4" in log
+    ref_losses, ref_state = _result(straight)
+    losses, state = _result(killed)
+    assert list(losses) == list(range(1, 9)) and losses == ref_losses  # every step, bit for bit
+    assert _identical(state, ref_state)
+
+
+# -- SIGTERM to the launcher: a checkpoint at the next boundary, a documented exit, a relaunch -----
+def test_sigterm_to_the_launcher_loses_no_step(tmp_path: Path) -> None:
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    straight.mkdir()
+    stopped.mkdir()
+    config = _config(stopped, strategy="zero3")
+    ref = _run(_config(straight, strategy="zero3"), straight)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    proc = subprocess.Popen(_command(config, stopped), env=_env("slow:0.4"), cwd=stopped,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    losses = stopped / "losses.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (losses.is_file() and len(losses.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM" in err
+    steps = sorted(int(p.name.split("_")[1]) for p in (stopped / "checkpoints").glob("step_*"))
+    assert steps and steps[-1] in (3, 4), steps
+    assert f"stopped after step {steps[-1]} (SIGTERM); exit code 75" in out + err
+    again = _run(config, stopped)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"starting at step {steps[-1]}" in again.stdout
+    ref_losses, ref_state = _result(straight)
+    got_losses, state = _result(stopped)
+    assert got_losses == ref_losses and _identical(state, ref_state)
+
+
+# -- a rank hangs: the collective times out, every process ends, the checkpoint is whole -----------
+def test_a_hung_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> None:
+    from shardwise.checkpoint import newest, verify
+
+    config = _config(tmp_path, strategy="zero3", checkpoint_every_steps=1, collective_timeout_s=15, preempt_grace_s=5)
+    t0 = time.monotonic()
+    run = _run(config, tmp_path, fault="hang:2:1", timeout=120)
+    took = time.monotonic() - t0
+    assert run.returncode != 0
+    assert took < 60, took
+    err = run.stderr
+    assert "shardwise: error: rank 0: step 2: a collective did not complete within collective_timeout_s=15 s" in err, err[-3000:]
+    assert "rank 1 (last seen in step 2" in err and "did not arrive" in err
+    assert "shardwise launch: rank 0 (local rank 0" in err  # the launcher names who failed
+    assert newest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
+    assert len(verify(tmp_path / "checkpoints" / "step_1")) >= 5
+    leftover = subprocess.run(["pgrep", "-f", str(SCRIPT)], check=False, capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", leftover.stdout  # no process left behind
+
+
+# -- elastic world size: the global batch is kept ---------------------------------------------------
+def _elastic(folder: str, phase: str) -> dict[str, Any]:
+    from torch.utils.data import DataLoader
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, train_batch_size=8,
+                              checkpoint_dir=f"{folder}/checkpoints")
+    model = W.build("tiny")
+    opt = W.make_optimizer(model)
+    model, opt, loader = engine.prepare(model, opt, DataLoader(W.Tokens(32), batch_size=2, shuffle=True))
+    start = engine.load_state() if phase == "resume" else None
+    losses: dict[int, list[float]] = {}
+    while engine.step < 4:
+        for ids in loader:
+            with engine.accumulate(model):
+                loss = W.lm_loss(model, ids)
+                engine.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            losses.setdefault(engine.step if engine.sync_gradients else engine.step + 1, []).append(
+                engine.reduce(loss.detach(), "mean").item())
+            if phase == "save" and engine.step == 2 and engine.sync_gradients:
+                engine.save_state()
+            if engine.step == 4:
+                break
+    return {"start": start, "accum": engine.config.grad_accum_steps, "state": engine.get_state_dict(model),
+            "losses": {k: sum(v) / len(v) for k, v in losses.items()}}
+
+
+def test_a_checkpoint_at_4_processes_resumes_at_2_keeping_the_global_batch(tmp_path: Path) -> None:
+    four = spawn(_elastic, 4, str(tmp_path), "save")[0]
+    two = spawn(_elastic, 2, str(tmp_path), "resume")[0]
+    assert four["accum"] == 1 and two["accum"] == 2 and two["start"] == 2
+    assert sorted(two["losses"]) == [3, 4]
+    assert W.close([two["losses"][k] for k in (3, 4)], [four["losses"][k] for k in (3, 4)]) < 1e-5
+    assert W.max_diff(two["state"], four["state"]) < 2e-5
+    assert W.max_diff(two["state"], W.build("tiny").state_dict()) > 1e-3
+
+
+# -- the launcher is SIGKILLed: its workers stop at a boundary, after a checkpoint ------------------
+def test_workers_stop_when_their_launcher_dies(tmp_path: Path) -> None:
+    config = _config(tmp_path, strategy="zero2")
+    proc = subprocess.Popen(_command(config, tmp_path), env=_env("slow:0.4"), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    losses = tmp_path / "losses.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (losses.is_file() and len(losses.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+
+    def workers() -> list[str]:
+        found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {tmp_path}"], check=False, capture_output=True, text=True)
+        return [pid for pid in found.stdout.split() if int(pid) != proc.pid]
+
+    assert len(workers()) == 2
+    proc.kill()  # the launcher dies without a word, as under the OOM killer
+    proc.communicate()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30 and workers():
+        time.sleep(0.2)
+    gone_after = time.monotonic() - t0
+    assert gone_after < 10, gone_after  # within seconds: the watch polls every second, a step takes 0.4 s
+    steps = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert steps and steps[-1] >= 2  # they stopped at a boundary, after a checkpoint
