@@ -231,6 +231,7 @@ def measure(make: Callable[[], Peer], batches: list[torch.Tensor], warmup: int) 
         "peer": peer.name,
         "ran": peer.ran,
         "median_step_s": statistics.median(times),
+        "step_times": times,
         "final_loss": losses[-1],
         "state_mib": round(state / 2**20, 2),
         "activations_mib": round(saved / 2**20, 2),

@@ -1,19 +1,24 @@
-"""shardwise's two engines side by side: backend="torch" (FSDP2 / DDP + our ZeRO-1) against
+"""shardwise's two backends side by side: backend="torch" (FSDP2 / DDP + our ZeRO-1) against
 backend="deepspeed" (DeepSpeed ZeRO), the same loop and model, each stage, in one run.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/engines.py
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/engines.py --models 4m 100m
 
-For each stage (and offload setting) both engines train the same GPT (same seed, data, AdamW,
-clipping) through the same shardwise script; only `backend=` differs. Reported per rank: the
-median step time, tokens/s, tensor memory counted the same way for both (compare.py's census:
-every live tensor storage after a step, plus what autograd saves for backward), the final loss,
-and the ratios deepspeed / torch. Results go to benchmarks/results/engines-<hw>-<date>.{json,md}.
+Models: "4m" (GPT d256, 4 layers, vocab 4096, block 128, batch 4 per process) and "100m" (GPT
+d768, 12 layers, vocab 32000, block 256, batch 1 per process), where compute dominates. For each
+model and stage (and offload setting) both backends train the same GPT (same seed, data, AdamW,
+clipping) through the same shardwise script; only `backend=` differs. Rounds alternate which
+backend goes first; each round times --steps steps after --warmup. Reported per rank: the median
+step time over all rounds, the spread (lowest and highest per-round median), tokens/s, tensor
+memory counted the same way for both (compare.py's census: every live tensor storage after a
+step, plus what autograd saves for backward), the final loss, and the ratios deepspeed / torch.
+Results go to benchmarks/results/engines-<hw>-<date>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,10 @@ from compare import MODEL, Peer, measure, shardwise_peer
 import shardwise
 
 SETUPS = ["zero1", "zero2", "zero3", "zero2+optimizer", "zero3+optimizer", "zero3+params"]
+MODELS = {  # name -> (GPT sizes, batch per process)
+    "4m": ({"vocab": 4096, "d": 256, "layers": 4, "heads": 4, "block": 128}, 4),
+    "100m": ({"vocab": 32000, "d": 768, "layers": 12, "heads": 12, "block": 256}, 1),
+}
 
 
 def engine_peer(backend: str, setup: str) -> Peer:
@@ -40,40 +49,55 @@ def engine_peer(backend: str, setup: str) -> Peer:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["4m"])
     ap.add_argument("--setups", nargs="+", default=SETUPS, help="strategy[+offload] per row")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating which backend goes first")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    shardwise.Engine(seed=0)  # joins the process group both engines share
+    shardwise.Engine(seed=0)  # joins the process group both backends share
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    g = torch.Generator().manual_seed(1000 + rank)
-    batches = [torch.randint(0, MODEL["vocab"], (args.batch_size, MODEL["block"] + 1), generator=g).to(device)
-               for _ in range(args.steps)]
-    tokens = args.batch_size * MODEL["block"] * world
     rows = []
-    for setup in args.setups:
-        pair = {b: measure(lambda b=b: engine_peer(b, setup), batches, args.warmup) for b in ("torch", "deepspeed")}
-        t, d = pair["torch"], pair["deepspeed"]
-        row = {
-            "setup": setup,
-            "torch_ms": round(t["median_step_s"] * 1e3, 1), "deepspeed_ms": round(d["median_step_s"] * 1e3, 1),
-            "time_ratio": round(d["median_step_s"] / t["median_step_s"], 3),
-            "torch_tokens_per_s": round(tokens / t["median_step_s"]), "deepspeed_tokens_per_s": round(tokens / d["median_step_s"]),
-            "torch_mib": t["tensor_mib"], "deepspeed_mib": d["tensor_mib"],
-            "torch_state_mib": t["state_mib"], "deepspeed_state_mib": d["state_mib"],
-            "memory_ratio": round(d["tensor_mib"] / t["tensor_mib"], 3),
-            "torch_loss": t["final_loss"], "deepspeed_loss": d["final_loss"],
-        }
-        rows.append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
+    for name in args.models:
+        sizes, batch = MODELS[name]
+        MODEL.clear()
+        MODEL.update(sizes)  # what compare's peers build
+        g = torch.Generator().manual_seed(1000 + rank)
+        n = args.warmup + args.steps + 1  # + the memory-census step
+        batches = [torch.randint(0, MODEL["vocab"], (batch, MODEL["block"] + 1), generator=g).to(device) for _ in range(n)]
+        tokens = batch * MODEL["block"] * world
+        for setup in args.setups:
+            runs: dict[str, list[dict[str, Any]]] = {"torch": [], "deepspeed": []}
+            for r in range(args.rounds):
+                for b in (("torch", "deepspeed") if r % 2 == 0 else ("deepspeed", "torch")):
+                    runs[b].append(measure(lambda b=b: engine_peer(b, setup), batches, args.warmup))
+            rows.append(_row(name, setup, runs, tokens))
+            if rank == 0:
+                print(json.dumps(rows[-1]), flush=True)
     if rank == 0:
         _write(rows, args, world)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _row(model: str, setup: str, runs: dict[str, list[dict[str, Any]]], tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": model, "setup": setup}
+    med = {}
+    for b, rs in runs.items():
+        steps = [t for r in rs for t in r["step_times"]]
+        med[b] = statistics.median(steps)
+        per_round = [statistics.median(r["step_times"]) for r in rs]
+        out[f"{b}_ms"] = round(med[b] * 1e3, 1)
+        out[f"{b}_spread_ms"] = [round(min(per_round) * 1e3, 1), round(max(per_round) * 1e3, 1)]
+        out[f"{b}_tokens_per_s"] = round(tokens / med[b])
+        out[f"{b}_mib"] = rs[0]["tensor_mib"]
+        out[f"{b}_state_mib"] = rs[0]["state_mib"]
+        out[f"{b}_loss"] = rs[0]["final_loss"]
+    out["time_ratio"] = round(med["deepspeed"] / med["torch"], 3)  # > 1: the torch backend is faster
+    out["memory_ratio"] = round(out["deepspeed_mib"] / out["torch_mib"], 3)
+    return out
 
 
 def _write(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
@@ -83,13 +107,16 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
     path = write_report("engines", {
         "command": f"python -m torch.distributed.run --standalone --nproc-per-node {world} benchmarks/engines.py "
                    + " ".join(sys.argv[1:]),
-        "world_size": world, "model": f"GPT {MODEL}", "batch_per_rank": args.batch_size,
-        "steps": args.steps, "warmup": args.warmup, "rows": rows,
+        "world_size": world, "models": {m: MODELS[m] for m in args.models}, "steps": args.steps,
+        "warmup": args.warmup, "rounds": args.rounds, "rows": rows,
     }, args.out)
-    lines = ["| setup | torch ms/step | deepspeed ms/step | time ratio ds/torch | torch MiB/rank (state) | "
-             "deepspeed MiB/rank (state) | memory ratio | final loss torch / ds |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | setup | torch ms/step (spread) | deepspeed ms/step (spread) | ds/torch time | torch MiB/rank "
+             "(state) | deepspeed MiB/rank (state) | memory ratio | final loss torch / ds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['setup']} | {r['torch_ms']:.0f} | {r['deepspeed_ms']:.0f} | {r['time_ratio']:.2f} | "
+        ts, ds = r["torch_spread_ms"], r["deepspeed_spread_ms"]
+        lines.append(f"| {r['model']} | {r['setup']} | {r['torch_ms']:.0f} ({ts[0]:.0f}-{ts[1]:.0f}) | "
+                     f"{r['deepspeed_ms']:.0f} ({ds[0]:.0f}-{ds[1]:.0f}) | {r['time_ratio']:.2f} | "
                      f"{r['torch_mib']} ({r['torch_state_mib']}) | {r['deepspeed_mib']} ({r['deepspeed_state_mib']}) | "
                      f"{r['memory_ratio']:.2f} | {r['torch_loss']:.4f} / {r['deepspeed_loss']:.4f} |")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")

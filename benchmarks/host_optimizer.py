@@ -126,8 +126,8 @@ def main() -> None:
                 gc.collect()
         rows = {w: {"ms": round(best[w] * 1e3, 1), "elements_per_s": round(numel / best[w] / 1e6, 1)} for w in best}
         if "ds_cpu_adam" in best:
-            for w in rows:
-                rows[w]["vs_ds_cpu_adam"] = round(best["ds_cpu_adam"] / best[w], 2)
+            for w, row in rows.items():
+                row["vs_ds_cpu_adam"] = round(best["ds_cpu_adam"] / best[w], 2)
         results[f"{size}M"] = {"numel": numel, "ways": rows}
         print(f"{numel / 1e6:.0f}M elements, {threads} thread(s), best of {args.rounds} rounds:")
         for w, row in rows.items():

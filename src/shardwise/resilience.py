@@ -88,7 +88,9 @@ class _Process:
                 signum = getattr(signal, name)
                 if signum not in self.handlers:
                     self.handlers[signum] = signal.signal(signum, self._on_signal)
-        if self.watch is None:
+        # the launcher watch: only under torchrun (a launcher to outlive); a thread in every
+        # process would also make fork() (multiprocessing pools) unsafe there
+        if self.watch is None and "TORCHELASTIC_RUN_ID" in os.environ:
             self.watch = threading.Thread(target=self._watch_loop, name="shardwise-watch", daemon=True)
             self.watch.start()
         if self.previous_hook is None:

@@ -233,16 +233,18 @@ def _replay(
     events: list[Event], window: tuple[int, int], role_of: Callable[[int], str], host_of: Callable[[int], bool]
 ) -> tuple[dict[str, SegmentPeak], dict[str, SegmentPeak], dict[str, float]]:
     """Per segment: the peak of all live bytes, of device bytes (with role breakdowns), of host
-    bytes. Bytes count from the first event; segments only for marks inside `window`."""
+    bytes, and the trajectories (see `SegmentPeak`). Bytes count from the first event; segments
+    only for marks inside `window`. Live bytes by role are recorded once per event, each
+    segment keeping the indices of its events; peaks are taken over those at the end."""
+    import numpy as np
+
     size: dict[int, int] = {}
     roles = dict.fromkeys(ROLES, 0)
     dev_roles = dict.fromkeys(ROLES, 0)
     host = 0
     keys: tuple[str, ...] = ()
-    best_total: dict[str, SegmentPeak] = {}
-    best_dev: dict[str, SegmentPeak] = {}
-    best_host: dict[str, float] = {}
-    paths: dict[str, tuple[list[list[int]], list[list[int]]]] = {}  # segment -> (total, device) roles per event
+    snaps: list[list[int]] = []  # roles (all live bytes), then roles (device bytes), then host
+    members: dict[str, list[int]] = {}  # segment -> indices into snaps
     for i, entry in enumerate(events):
         if entry[0] == "mark":
             keys = entry[1] if window[0] <= i < window[1] else ()
@@ -258,25 +260,24 @@ def _replay(
             dev_roles[r] += delta
         if not keys:
             continue
-        total = sum(roles.values())
-        now = [roles[x] for x in ROLES]
-        now_dev = [dev_roles[x] for x in ROLES]
+        snaps.append([*roles.values(), *dev_roles.values(), host])
         for k in keys:
-            path = paths.setdefault(k, ([], []))
-            path[0].append(now)
-            path[1].append(now_dev)
-            if k not in best_total or total > best_total[k].total:
-                best_total[k] = SegmentPeak(float(total), {x: float(v) for x, v in roles.items()})
-            dev = total - host
-            if k not in best_dev or dev > best_dev[k].total:
-                best_dev[k] = SegmentPeak(float(dev), {x: float(v) for x, v in dev_roles.items()})
-            if host > best_host.get(k, -1.0):
-                best_host[k] = float(host)
-    import numpy as np
-
-    for k, (tot, dev_path) in paths.items():
-        best_total[k] = SegmentPeak(best_total[k].total, best_total[k].roles, np.asarray(tot, dtype=np.float64))
-        best_dev[k] = SegmentPeak(best_dev[k].total, best_dev[k].roles, np.asarray(dev_path, dtype=np.float64))
+            members.setdefault(k, []).append(len(snaps) - 1)
+    best_total: dict[str, SegmentPeak] = {}
+    best_dev: dict[str, SegmentPeak] = {}
+    best_host: dict[str, float] = {}
+    if not snaps:
+        return best_total, best_dev, best_host
+    table = np.asarray(snaps, dtype=np.float64)
+    nr = len(ROLES)
+    for k, idx in members.items():
+        rows = table[np.asarray(idx)]
+        tot, dev = rows[:, :nr], rows[:, nr : 2 * nr]
+        t, d = tot.sum(axis=1), tot.sum(axis=1) - rows[:, 2 * nr]
+        i_t, i_d = int(t.argmax()), int(d.argmax())
+        best_total[k] = SegmentPeak(float(t[i_t]), {x: float(tot[i_t, j]) for j, x in enumerate(ROLES)}, tot)
+        best_dev[k] = SegmentPeak(float(d[i_d]), {x: float(dev[i_d, j]) for j, x in enumerate(ROLES)}, dev)
+        best_host[k] = float(rows[:, 2 * nr].max())
     return best_total, best_dev, best_host
 
 

@@ -27,6 +27,7 @@ from ..dist import DistInfo
 from ..materialize import Place, allocate, materialize
 from ..precision import Precision
 from ..weights import Reader, copy_into, full_shapes
+from .host_step import threads
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,16 @@ class OptimizerRunner(ABC):
 class InPlaceRunner(OptimizerRunner):
     """The user's optimizer steps the (possibly sharded) model parameters directly."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, host_threads: int | None = None) -> None:
         self.optimizer = optimizer
+        self.host_threads = host_threads  # parameters on the host (offload): step with these threads
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.host_threads is None:
+            self.optimizer.step()
+            return
+        with threads(self.host_threads):
+            self.optimizer.step()
 
     def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
         # initialises a fresh optimizer's state, so it can serve as a template to load into

@@ -56,6 +56,7 @@ class DDPStrategy(Strategy):
             host=self.cfg.offload == "optimizer",
             device=self.info.device,
             bucket_numel=self.cfg.offload_bucket_numel,
+            local_world_size=self.info.local_world_size,
         )
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -45,6 +45,7 @@ from ..dist import DistInfo
 from ..precision import Precision
 from ..weights import Reader
 from .base import EmptyModel, OptimizerRunner, StepResult, Strategy, zero_step
+from .host_step import host_threads, threads, use_fused
 
 log = logging.getLogger("shardwise")
 # Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
@@ -176,8 +177,11 @@ class DeepSpeedRunner(OptimizerRunner):
         self.group_names = names  # parameter names per group, as the user made them
         self.clip = float(self.ds_engine.optimizer.clip_grad)  # the config's bound (0: none)
 
+    host_threads: int | None = None  # offload: the host step's threads
+
     def step(self) -> None:
-        self.ds_engine.step()  # on the boundary: reduce (stage 1), clip, step, zero the grads
+        with threads(self.host_threads) if self.host_threads else contextlib.nullcontext():
+            self.ds_engine.step()  # on the boundary: reduce (stage 1), clip, step, zero the grads
 
     def params(self) -> list[torch.Tensor]:
         return list(self.model.module.parameters())
@@ -335,9 +339,11 @@ class DeepSpeedStrategy(Strategy):
         names = {id(p): n for n, p in model.module.named_parameters()}
         group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         self.initialize(model, optimizer)
-        if self.cfg.offload != "none":
-            log.info("deepspeed: %s steps on the host (DeepSpeedCPUAdam not substituted)", type(optimizer).__name__)
-        return DeepSpeedRunner(optimizer, model, group_names)
+        runner = DeepSpeedRunner(optimizer, model, group_names)
+        if self.cfg.offload != "none":  # the user's optimizer steps DeepSpeed's fp32 partitions on the host
+            use_fused(optimizer)
+            runner.host_threads = host_threads(self.info.local_world_size)
+        return runner
 
     def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None, finite: bool | None) -> StepResult:
         """DeepSpeed's step: it reduces (stage 1), clips to the bound in force (the script's, set

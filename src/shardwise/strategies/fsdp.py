@@ -35,6 +35,7 @@ from ..config import EngineConfig
 from ..dist import DistInfo, device_mesh
 from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
 from .blocks import find_blocks
+from .host_step import host_threads, use_fused
 from .sharded_optim import ShardedOptimizer
 
 
@@ -127,6 +128,9 @@ class FSDPStrategy(Strategy):
             model.set_requires_gradient_sync(True)
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
+        if self.cfg.offload == "params":  # shards on the host: the user's optimizer steps there
+            use_fused(optimizer, dtensors=True)
+            return InPlaceRunner(optimizer, host_threads=host_threads(self.info.local_world_size))
         if self.cfg.offload != "optimizer":
             return InPlaceRunner(optimizer)
         return ShardedOptimizer(
@@ -135,6 +139,7 @@ class FSDPStrategy(Strategy):
             host=True,
             device=self.info.device,
             bucket_numel=self.cfg.offload_bucket_numel,
+            local_world_size=self.info.local_world_size,
         )
 
     def rebind_state(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

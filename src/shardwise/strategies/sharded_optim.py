@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .base import OptimizerRunner, zero_step
+from .host_step import IMPLEMENTATION_KEYS, host_threads, threads, use_fused
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
@@ -90,6 +91,7 @@ class ShardedOptimizer(OptimizerRunner):
         host: bool,
         device: torch.device,
         bucket_numel: int,
+        local_world_size: int = 1,
     ) -> None:
         self.optimizer = optimizer
         self.partition = partition
@@ -111,6 +113,7 @@ class ShardedOptimizer(OptimizerRunner):
                 master, host_grad = nn.Parameter(view), None  # aliases the parameter's storage
             self._segments.append(_Segment(p, gi, start, end, master, host_grad))
         self._buckets = self._make_buckets(bucket_numel if host else None)
+        self._threads = host_threads(local_world_size) if host else torch.get_num_threads()
         self._inner = [self._build_inner(bucket) for bucket in self._buckets]
         optimizer.state.clear()  # its state now lives, sliced, in the inner optimizers
         self._copy_stream = torch.cuda.Stream(device) if pin else None
@@ -155,6 +158,8 @@ class ShardedOptimizer(OptimizerRunner):
             inner = cls(groups, **self.optimizer.defaults)
         except TypeError:  # `defaults` holds keys the constructor does not take
             inner = cls(groups)
+        if self.host:
+            use_fused(inner)  # host masters: torch's fused CPU kernel where the class has one
         inner._shardwise_groups = self_map
         for seg in bucket:  # carry over state the user's optimizer already had, sliced
             old = self.optimizer.state.get(seg.param)
@@ -174,7 +179,9 @@ class ShardedOptimizer(OptimizerRunner):
     def _sync_hyperparams(self) -> None:
         for inner in self._inner:
             for group, gi in zip(inner.param_groups, inner._shardwise_groups):  # type: ignore[attr-defined]
-                group.update(_hyper(self.optimizer.param_groups[gi]))
+                # hyperparameters follow the user's groups (schedulers); how it steps stays ours
+                group.update({k: v for k, v in _hyper(self.optimizer.param_groups[gi]).items()
+                              if not (self.host and k in IMPLEMENTATION_KEYS)})
 
     @torch.no_grad()
     def step(self) -> None:
@@ -210,7 +217,8 @@ class ShardedOptimizer(OptimizerRunner):
         for inner, bucket, event in zip(self._inner, self._buckets, landed):
             if event is not None:
                 event.synchronize()  # this bucket's gradients are on the host
-            inner.step()  # host compute, overlapping the copies of the other buckets
+            with threads(self._threads):
+                inner.step()  # host compute, overlapping the copies of the other buckets
             with ctx:
                 for seg in bucket:
                     local_flat(seg.param)[seg.start : seg.end].copy_(seg.master, non_blocking=True)
