@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks of a session lent a GPU machine (torch and CUDA preinstalled, no network):
-# the wheels shardwise needs beyond that image travel in .whl/ (pydantic and its parts, hjson,
+# The GPU checks of a session lent a GPU machine (torch and CUDA preinstalled, no network), in
+# about 8 minutes of an H200: the CUDA tests, the planner check, the largest batch of GPT-2 Large
+# and XL under a 24 GB cap, and GPT-2 XL tokens/s with ZeRO-3 + offload against DeepSpeed.
+# (gpu_capacity.py and offload_gpu.py have CPU dry runs in tests/test_benchmarks.py.) The wheels shardwise needs beyond that image travel in .whl/ (pydantic and its parts, hjson,
 # the deepspeed sdist). Writes its logs and JSON to $OUT.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore
@@ -11,5 +13,9 @@ export PYTHONPATH=$PWD/src:$PWD/tests:/tmp/site
     --no-cache-dir --target /tmp/site "$OLDPWD"/.whl/deepspeed-*.tar.gz ) > "$OUT/deepspeed_install.log" 2>&1 \
     || echo "deepspeed did not install (see deepspeed_install.log): its CUDA cases skip"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout "${PLAN_S:-330}" python3 benchmarks/plan_gpu.py --out "$OUT" 2>&1 | tee "$OUT/plan_gpu.log" | grep -v "^    "
-timeout "${CUDA_S:-170}" python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -45
+timeout "${PLAN_S:-130}" python3 benchmarks/plan_gpu.py --out "$OUT" 2>&1 | tee "$OUT/plan_gpu.log" | grep -v "^    "
+timeout "${CUDA_S:-110}" python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -45
+timeout "${CAP_S:-130}" python3 benchmarks/gpu_capacity.py --budget-gb 24 --models gpt2-large gpt2-xl \
+    --timed-steps 2 --out "$OUT" 2>&1 | tee "$OUT/gpu_capacity.log" | tail -12
+timeout "${OFFLOAD_S:-100}" python3 benchmarks/offload_gpu.py --model gpt2-xl --batch 8 --seq 512 --rounds 2 \
+    --steps 2 --out "$OUT" 2>&1 | tee "$OUT/offload_gpu.log" | tail -6

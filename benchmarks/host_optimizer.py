@@ -106,6 +106,10 @@ def main() -> None:
     ap.add_argument("--ways", nargs="+", default=WAYS)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    # one process, as torchrun would describe it (DeepSpeed insists on LOCAL_RANK)
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
+        os.environ.setdefault(k, v)
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     results: dict[str, Any] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +39,11 @@ def raw_model(strategy: str, device: torch.device) -> tuple[torch.nn.Module, tor
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def shardwise_model(strategy: str) -> tuple[shardwise.Engine, torch.nn.Module, torch.optim.Optimizer]:
-    engine = shardwise.Engine(strategy=strategy, seed=0)
+def shardwise_model(strategy: str, metrics: bool) -> tuple[shardwise.Engine, torch.nn.Module, torch.optim.Optimizer]:
+    # metrics on (the default): the engine keeps its loss/throughput/memory records and writes
+    # them to a JSONL tracker every 10 steps, as a user's run would
+    extra = {"log_with": "jsonl", "project_dir": tempfile.mkdtemp(prefix="shardwise-bench-"), "log_every_steps": 10} if metrics else {}
+    engine = shardwise.Engine(strategy=strategy, seed=0, progress=False, **extra)
     torch.manual_seed(0)
     model = GPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -63,11 +67,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round and loop")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--no-metrics", action="store_true", help="switch off the engine's metrics records")
     args = ap.parse_args()
 
     results = {}
     for strategy in args.strategies:
-        engine, sw_model, sw_opt = shardwise_model(strategy)
+        engine, sw_model, sw_opt = shardwise_model(strategy, not args.no_metrics)
         raw, raw_opt = raw_model(strategy, engine.device)
         g = torch.Generator().manual_seed(engine.process_index)
         batches = [torch.randint(0, 4096, (args.batch_size, 129), generator=g).to(engine.device) for _ in range(args.steps)]

@@ -110,11 +110,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="per-process batch")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--run-dir", default="runs/demo", help="where the metrics and their report go")
     args = ap.parse_args()
 
     engine = shardwise.Engine(
-        strategy=args.strategy, offload=args.offload, precision=args.precision, seed=0
+        strategy=args.strategy, offload=args.offload, precision=args.precision, seed=0,
+        log_with="jsonl", project_dir=args.run_dir, log_every_steps=10,  # metrics.jsonl for `shardwise report`
     )
+    engine.init_trackers("demo", config=vars(args))
     model = ByteGPT(block=args.block_size)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -161,7 +164,13 @@ def main() -> None:
             print(f"rank {rank} holds: {report}", flush=True)
         engine.wait_for_everyone()
     engine.print(f"done: {step} steps in {time.perf_counter() - t0:.1f} s")
-    engine.end_training()
+    engine.end_training()  # writes the last metrics record
+    if engine.is_main_process:  # loss, tokens/s and memory per process over the run, as a PNG
+        from shardwise.report import report as make_report
+
+        png, text = make_report(Path(args.run_dir) / "logs" / "demo")
+        print(text)
+        print(f"wrote {png}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""The GPU capacity benchmark's search, and its CPU dry run (the GPU run itself needs a GPU)."""
+"""The GPU benchmarks' logic and their CPU dry runs (the GPU runs themselves need a GPU)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,3 +44,19 @@ def test_gpu_capacity_dry_run_writes_one_json(tmp_path: Path) -> None:
     rows = {r["strategy"]: r for r in data["rows"]}
     assert set(rows) == {"ddp", "zero2", "zero3"}
     assert all(1 <= r["max_batch"] < 16 and r["tokens_per_s"] > 0 for r in rows.values())
+
+
+def test_offload_gpu_dry_run_compares_the_same_training(tmp_path: Path) -> None:
+    """The GPU offload benchmark's CPU dry run: both peers train the same model on the same batch
+    (same first loss), and one JSON comes out with tokens/s for each."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "offload_gpu.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), "--dry-run", "--rounds", "2", "--steps", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.iterdir()
+    rows = json.loads(path.read_text())["rows"]
+    assert set(rows) == {"shardwise", "deepspeed"}
+    assert rows["shardwise"]["first_loss"] == pytest.approx(rows["deepspeed"]["first_loss"], rel=1e-6)
+    assert all(r["tokens_per_s"] > 0 for r in rows.values()) and rows["shardwise"]["vs_deepspeed"] > 0
+    assert "x DeepSpeed" in proc.stdout

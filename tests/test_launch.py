@@ -50,7 +50,8 @@ def reference() -> dict[str, Any]:
 @pytest.mark.parametrize("settings", STRATEGIES, ids=lambda s: "+".join(s.values()))
 def test_each_strategy_from_yaml_matches_the_reference(settings: dict, reference: dict, tmp_path: Path) -> None:
     cfg = tmp_path / "shardwise.yaml"
-    cfg.write_text(yaml.safe_dump({**settings, "grad_accum_steps": 2, "cpu": True, "launch": {"num_processes": 2}}))
+    cfg.write_text(yaml.safe_dump({**settings, "grad_accum_steps": 2, "cpu": True, "seed": W.SEED,
+                                  "launch": {"num_processes": 2}}))
     out = tmp_path / "result.pt"
     proc = _run(shardwise_cmd("launch", "--config", str(cfg), str(TRAIN), "--out", str(out)))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -70,7 +71,7 @@ def _two_nodes(out: Path) -> tuple[list[int | None], list[str]]:
             shardwise_cmd(
                 "launch", "--num-nodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
                 "--main-address", "127.0.0.1", "--main-port", port, "--strategy", "zero3",
-                "--grad-accum-steps", "2", "--cpu", str(TRAIN), "--out", str(out / f"node{rank}.pt"),
+                "--grad-accum-steps", "2", "--seed", str(W.SEED), "--cpu", str(TRAIN), "--out", str(out / f"node{rank}.pt"),
             ),
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )

@@ -21,15 +21,17 @@ def _torchrun(*args: str) -> str:
     return proc.stdout
 
 
-def test_demo_trains_under_zero3_and_reports_memory() -> None:
-    out = _torchrun("examples/demo.py", "--steps", "20")
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+def test_demo_trains_under_zero3_and_reports_memory(tmp_path: Path) -> None:
+    out = _torchrun("examples/demo.py", "--steps", "20", "--run-dir", str(tmp_path))
+    losses = [float(x) for x in re.findall(r"step +\d+  loss (\d+\.\d+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0] - 0.3, out
     held = re.findall(r"rank (\d) holds: params ([\d.]+) MiB", out)
     assert sorted(r for r, _ in held) == ["0", "1"]
     full = float(re.search(r"would hold ([\d.]+) MiB", out).group(1))
     assert all(abs(float(mib) - full / 2) / full < 0.05 for _, mib in held)
     assert "tokens/s" in out
+    # it ends with the run's report: the summary, and the PNG next to the metrics
+    assert "20 steps, 2 records" in out and (tmp_path / "logs" / "demo" / "report.png").stat().st_size > 10_000
 
 
 def test_compare_benchmark_runs_and_reports_what_ran(tmp_path: Path) -> None:

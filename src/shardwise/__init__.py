@@ -1,7 +1,14 @@
 """shardwise: train PyTorch models that do not fit on one device, from an ordinary loop."""
 
+from .accelerator import (
+    Accelerator,
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
 from .config import ConfigError, EngineConfig, LossScaleConfig
-from .engine import Accelerator, Engine, set_seed
+from .engine import Engine, set_seed
 from .memory import MemoryReport, tensor_memory
 
 __version__ = "0.1.0"
@@ -9,10 +16,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
     "ConfigError",
+    "DataLoaderConfiguration",
+    "DistributedType",
     "Engine",
     "EngineConfig",
+    "GradientAccumulationPlugin",
     "LossScaleConfig",
     "MemoryReport",
+    "ProjectConfiguration",
     "__version__",
     "set_seed",
     "tensor_memory",

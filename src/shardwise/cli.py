@@ -454,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check a checkpoint or an exported model against the checksums recorded at save")
     ver.add_argument("path", help="a checkpoint folder (or one holding `latest`), or a folder written by save_model/export")
     _plan_parser(sub)
+    rep = sub.add_parser("report", help="plot a run's metrics.jsonl (loss, tokens/s, MFU, memory) into report.png")
+    rep.add_argument("run_dir", help="the folder a log_with='jsonl' run wrote (<project_dir>/logs/<run name>)")
     sub.add_parser("env", help="versions, devices and backends, for a bug report")
     return parser
 
@@ -473,6 +475,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_plan(ns)
         if ns.command == "verify":
             return _cmd_verify(ns)
+        if ns.command == "report":
+            from .report import report
+
+            png, text = report(Path(ns.run_dir))
+            print(text)
+            print(f"wrote {png}")
+            return 0
         return _cmd_env(ns)
     except (ConfigError, _checkpoint_error()) as err:
         print(f"shardwise: error: {err}", file=sys.stderr)

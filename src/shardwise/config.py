@@ -228,8 +228,10 @@ class EngineConfig:
     max_grad_norm: float | None = None
     """Clip the global gradient norm to this value at every optimizer step (None: only when
     the script calls clip_grad_norm_)."""
-    seed: int = 0
-    """Seeds python, numpy and torch on every process, and the DataLoader shuffling."""
+    seed: int | None = None
+    """Seeds python, numpy and torch on every process, and the DataLoader shuffling. None: the
+    engine seeds nothing (a script's own `set_seed` stands) and a shuffled DataLoader's order
+    comes from its generator, or from one draw of the global torch generator, as Accelerate's."""
     cpu: bool = False
     """Run on CPU processes (gloo) even when GPUs are present."""
     wrap: tuple[str | type, ...] = ()
@@ -267,6 +269,19 @@ class EngineConfig:
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
     of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
+    log_with: tuple[str, ...] = ()
+    """Trackers for `log()` and the engine's own metrics: jsonl, tensorboard, wandb (main process)."""
+    project_dir: str | None = None
+    """Where trackers write (`<project_dir>/logs/<run>/`) and Accelerator's automatic checkpoints go."""
+    log_every_steps: int = 10
+    """Make a metrics record (loss, tokens/s, MFU, memory per process) every this many optimizer
+    steps: one small all-gather each, no per-step sync (0: no records)."""
+    progress: bool | None = None
+    """A progress bar on the main process (None: when stderr is a terminal and not under CI)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU (None: a table of known GPUs; no MFU on CPU)."""
+    flops_per_token: float | None = None
+    """Model FLOPs per trained token (None: 6 x parameters, plus attention for transformers)."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """How `shardwise launch` starts the workers."""
     deepspeed_config: str | None = None
@@ -279,8 +294,8 @@ class EngineConfig:
         _choice("offload", self.offload, OFFLOADS)
         if isinstance(self.grad_accum_steps, bool) or not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
-        if not isinstance(self.seed, int):
-            raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed={self.seed!r} must be an integer (or None: the engine seeds nothing)")
         if self.max_grad_norm is not None:
             _positive("max_grad_norm", self.max_grad_norm, minimum=1e-12)
         for name in ("micro_batch_size", "train_batch_size"):
@@ -296,6 +311,17 @@ class EngineConfig:
         if self.checkpoint_every_seconds is not None:
             _positive("checkpoint_every_seconds", self.checkpoint_every_seconds, minimum=1e-3)
         _positive("collective_timeout_s", self.collective_timeout_s, minimum=1e-3)
+        from .trackers import check_log_with
+
+        try:
+            self.log_with = check_log_with(self.log_with)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if isinstance(self.log_every_steps, bool) or not isinstance(self.log_every_steps, int) or self.log_every_steps < 0:
+            raise ConfigError(f"log_every_steps={self.log_every_steps!r} must be an integer >= 0 (0: no records)")
+        for name in ("peak_tflops", "flops_per_token"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name), minimum=1e-12)
         _positive("preempt_grace_s", self.preempt_grace_s, minimum=0)
         if isinstance(self.preempt_signals, str):
             self.preempt_signals = (self.preempt_signals,)

@@ -3,9 +3,11 @@
 A prepared loader's `batch_size` is the per-process batch B; a global batch is W*B samples.
 Global batch k is samples [k*W*B, (k+1)*W*B) of the epoch's order, and process r takes the
 r-th slice of it, so one process with batch W*B sees exactly the same global batches. The order
-is a permutation drawn from (seed, epoch): identical on every process, new each epoch.
-A final incomplete global batch of L samples is split into W slices of ceil(L/W), the missing
-ones taken again from the start of the epoch; `Engine.gather_for_metrics` drops them again.
+is identical on every process and new each epoch; `_EpochOrder` says where it comes from (the
+user's sampler and generator are honoured).
+A final incomplete global batch of L samples is split into W slices of ceil(L/W) (`Engine`), or
+into full batches of B (`Accelerator`, as Accelerate's even_batches), the missing ones taken
+again from the start of the epoch; `Engine.gather_for_metrics` drops them again.
 """
 
 from __future__ import annotations
@@ -15,28 +17,97 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import (
     DataLoader,
     IterableDataset,
     RandomSampler,
     Sampler,
-    SequentialSampler,
 )
+
+_END = object()
+
+
+def _draw_seed() -> int:
+    """The seed torch's RandomSampler draws from the global generator for a pass."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def _sync_generator(g: torch.Generator, world: int) -> None:
+    """Process 0's generator state on every process (as Accelerate's synchronized generator)."""
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        state = g.get_state()
+        dist.broadcast(state, src=0)
+        g.set_state(state)
 
 
 class _EpochOrder:
-    """The epoch's sample order: a seeded permutation, the identity, or the user's sampler."""
+    """The sample order of each pass, identical on every process. Which rule applies:
 
-    def __init__(self, sampler: Sampler[int], seed: int) -> None:
-        self.sampler, self.seed = sampler, seed
+    seeded     a RandomSampler without a generator of its own, and the engine was given a seed:
+               the permutation torch.randperm(n, seed + epoch).
+    generator  a sampler with a `generator` (the DataLoader's `generator=`, or one made at
+               prepare on several processes from one draw of the global torch generator, as
+               Accelerate does): process 0's generator state is sent to all at each pass, then
+               the user's sampler is iterated as is, so the order is the user's.
+    drawn      one process, RandomSampler without a generator: what torch does, a seed drawn
+               from the global torch generator at each pass.
+    as is      any other sampler (SequentialSampler, the user's own): iterated as is, after
+               `set_epoch(epoch)` where it has one.
+    What decided a pass's order (generator state or drawn seed) is kept in the loader's state,
+    so a mid-epoch resume continues the same order without drawing again.
+    """
+
+    def __init__(self, sampler: Sampler[int], seed: int | None, world: int, *, seedable: bool = False) -> None:
+        self.sampler, self.seed, self.world = sampler, seed, world
+        self.source: Any = None  # what decided the current pass's order (checkpointed)
+        self.resume: Any = None  # that, from a checkpoint, for the next pass
+        generator = getattr(sampler, "generator", "absent")
+        if seedable and isinstance(sampler, RandomSampler) and not sampler.replacement:
+            # Accelerate's use_seedable_sampler: randperm(n, data_seed + epoch) whatever the generator
+            self.seed = seed if seed is not None else torch.initial_seed()
+            self.mode = "seeded"
+        elif isinstance(sampler, RandomSampler) and generator is None and seed is not None and not sampler.replacement:
+            self.mode = "seeded"
+        elif isinstance(generator, torch.Generator):
+            self.mode = "generator"
+        elif isinstance(sampler, RandomSampler) and generator is None and world > 1:
+            sampler.generator = torch.Generator()
+            sampler.generator.manual_seed(_draw_seed())
+            self.mode = "generator"
+        elif isinstance(sampler, RandomSampler) and generator is None:
+            self.mode = "drawn"
+        else:
+            self.mode = "as is"
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]  # every sampler a DataLoader takes has one
 
     def indices(self, epoch: int) -> list[int]:
-        if isinstance(self.sampler, RandomSampler) and not self.sampler.replacement:
+        resume, self.resume = self.resume, None
+        if self.mode == "seeded":
+            assert self.seed is not None
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
-            return torch.randperm(len(self.sampler.data_source), generator=g).tolist()
-        if isinstance(self.sampler, SequentialSampler):
-            return list(range(len(self.sampler.data_source)))
+            self.source = None
+            return torch.randperm(len(cast(RandomSampler, self.sampler).data_source), generator=g).tolist()
+        if self.mode == "generator":
+            g = cast(torch.Generator, getattr(self.sampler, "generator"))  # noqa: B009
+            if resume is not None:
+                g.set_state(resume)
+            else:
+                _sync_generator(g, self.world)
+            self.source = g.get_state()
+            return list(self.sampler)
+        if self.mode == "drawn":
+            sampler = cast(RandomSampler, self.sampler)
+            self.source = seed = int(resume) if resume is not None else _draw_seed()
+            sampler.generator = torch.Generator()
+            sampler.generator.manual_seed(seed)
+            try:
+                return list(sampler)
+            finally:
+                sampler.generator = None
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
         return list(self.sampler)
@@ -45,12 +116,14 @@ class _EpochOrder:
 class _RankBatchSampler(Sampler[list[int]]):
     """Yields this rank's slice of each global batch (see the module docstring)."""
 
-    def __init__(self, order: _EpochOrder, batch_size: int, world: int, rank: int, drop_last: bool) -> None:
+    def __init__(self, order: _EpochOrder, batch_size: int, world: int, rank: int, drop_last: bool,
+                 *, tail: str = "split") -> None:
         self.order, self.batch_size, self.world, self.rank = order, batch_size, world, rank
         self.drop_last = drop_last
+        self.tail = tail  # the last incomplete global batch: "split", "full" or "uneven"
         self.epoch = 0
         self.start = 0  # samples of this epoch already consumed (a resumed run skips them)
-        self.num_samples = len(order.indices(0))
+        self.num_samples = len(order)
 
     def __iter__(self) -> Iterator[list[int]]:
         idx = self.order.indices(self.epoch)
@@ -61,13 +134,27 @@ class _RankBatchSampler(Sampler[list[int]]):
             if len(chunk) < g:
                 if self.drop_last:
                     return
-                per = math.ceil(len(chunk) / self.world)
-                chunk = chunk + [idx[i % len(idx)] for i in range(per * self.world - len(chunk))]
+                if self.tail == "uneven":  # Accelerate's even_batches=False: what is there
+                    mine = chunk[self.rank * per : (self.rank + 1) * per]
+                    if mine:
+                        yield mine
+                    return
+                if self.tail == "split":
+                    per = math.ceil(len(chunk) / self.world)
+                # "full": every process a full batch, the missing samples taken again from the
+                # start of the epoch (Accelerate's even_batches=True)
+                pad = per * self.world - len(chunk)
+                chunk = chunk + [idx[i % len(idx)] for i in range(pad)]
             yield chunk[self.rank * per : (self.rank + 1) * per]
 
     def __len__(self) -> int:
         g = self.batch_size * self.world
-        return self.num_samples // g if self.drop_last else math.ceil(self.num_samples / g)
+        if self.drop_last:
+            return self.num_samples // g
+        if self.tail == "uneven" and self.num_samples % g:
+            full, rest = divmod(self.num_samples, g)
+            return full + (1 if rest > self.rank * self.batch_size else 0)
+        return math.ceil(self.num_samples / g)
 
     def remainder(self) -> int:
         """Real samples in the last global batch (0 when it is full or dropped)."""
@@ -139,16 +226,26 @@ class PreparedDataLoader(DataLoader[Any]):
         *,
         world: int,
         rank: int,
-        seed: int,
+        seed: int | None,
         device: torch.device,
-        on_batch: Callable[[PreparedDataLoader, bool], None],
+        on_batch: Callable[[PreparedDataLoader, bool, Any], None],
+        tail: str = "split",
+        split_batches: bool = False,
+        seedable: bool = False,
     ) -> None:
         if base.batch_size is None:
             raise TypeError(
                 "prepare() needs a DataLoader built with batch_size=...; a custom batch_sampler "
                 "cannot be split into per-process shares"
             )
-        self.per_process_batch = base.batch_size
+        batch_size = base.batch_size
+        if split_batches:  # Accelerate's split_batches: the loader's batch is the global one
+            if batch_size % world:
+                raise ValueError(f"split_batches: the DataLoader's batch_size={batch_size} must be a multiple "
+                                 f"of the {world} processes")
+            batch_size //= world
+        self.per_process_batch = batch_size
+        self.tail = tail
         self.device = device
         self._on_batch = on_batch
         self._epoch: int | None = None
@@ -176,20 +273,24 @@ class PreparedDataLoader(DataLoader[Any]):
                     "stream yourself and skip preparing the loader"
                 )
             self._shard: _IterableShard | None = _IterableShard(
-                dataset, base.batch_size, world, rank, base.drop_last
+                dataset, batch_size, world, rank, base.drop_last
             )
             self._batches: _RankBatchSampler | None = None
-            super().__init__(self._shard, batch_size=base.batch_size, drop_last=False, **kwargs)
+            super().__init__(self._shard, batch_size=batch_size, drop_last=False, **kwargs)
         else:
-            order = _EpochOrder(cast(Sampler[int], base.sampler), seed)
-            self._batches = _RankBatchSampler(order, base.batch_size, world, rank, base.drop_last)
+            order = _EpochOrder(cast(Sampler[int], base.sampler), seed, world, seedable=seedable)
+            self._batches = _RankBatchSampler(order, batch_size, world, rank, base.drop_last, tail=tail)
             self._shard = None
             super().__init__(dataset, batch_sampler=self._batches, **kwargs)
-        self.total_batch_size = base.batch_size * world
+        self.total_batch_size = batch_size * world
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for `epoch` (otherwise each new pass over the loader advances the epoch)."""
         self._epoch = epoch
+
+    def skip_first_batches(self, num_batches: int) -> None:
+        """The next pass starts after its first `num_batches` batches (of this process)."""
+        self._resume_at = num_batches * self.total_batch_size
 
     def remainder(self) -> int:
         """Real samples in the last global batch; 0 when it is full."""
@@ -198,9 +299,11 @@ class PreparedDataLoader(DataLoader[Any]):
         assert self._shard is not None
         return self._shard.last_real
 
-    def state_dict(self) -> dict[str, int | None]:
-        """Where the loader stands: its epoch, and the samples of that epoch already served."""
-        return {"iteration": self._iteration, "epoch": self._epoch, "samples": self._served}
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: its epoch, the samples of that epoch already served, and
+        what decided the epoch's order (a generator state or a drawn seed; see _EpochOrder)."""
+        order = self._batches.order.source if self._batches is not None and self._served else None
+        return {"iteration": self._iteration, "epoch": self._epoch, "samples": self._served, "order": order}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at that position: the next pass continues the epoch with the next batch.
@@ -208,6 +311,8 @@ class PreparedDataLoader(DataLoader[Any]):
         self._iteration = int(state["iteration"])
         self._epoch = None if state["epoch"] is None else int(state["epoch"])
         self._resume_at = int(state["samples"])
+        if self._batches is not None:
+            self._batches.order.resume = state.get("order")
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # yields batches, as DataLoader's iterator does
         epoch = self._iteration if self._epoch is None else self._epoch
@@ -220,20 +325,26 @@ class PreparedDataLoader(DataLoader[Any]):
             assert self._shard is not None
             self._shard.set_epoch(epoch)
             self._shard.start = start
-        it = super().__iter__()
-        try:
-            current = next(it)
-        except StopIteration:
+        if start:
+            # a resumed pass: the uninterrupted run drew the iterator's base seed from the global
+            # generator at the epoch's start, before the checkpoint's RNG state; drawing it again
+            # here would shift every later random draw (dropout) of the resumed run
+            with torch.random.fork_rng(devices=[]):
+                it = super().__iter__()
+        else:
+            it = super().__iter__()
+        current = next(it, _END)
+        if current is _END:
             return
         while True:  # look one batch ahead to know which batch is the last
             try:
                 upcoming = next(it)
             except StopIteration:
-                self._on_batch(self, True)
+                self._on_batch(self, True, current)
                 self._served += self.total_batch_size
                 yield move_to_device(current, self.device)
                 break
-            self._on_batch(self, False)
+            self._on_batch(self, False, current)
             self._served += self.total_batch_size
             yield move_to_device(current, self.device)
             current = upcoming

@@ -36,12 +36,14 @@ from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
 from .materialize import init_empty
 from .memory import MemoryReport, tensor_memory
+from .observe import Observer
 from .optim import PreparedOptimizer, PreparedScheduler, build_optimizer, build_scheduler
 from .precision import check_device_supports
 from .resilience import Guard, say
 from .session import PRETRAINED, Session, check_optimizer
 from .storage import CheckpointError, agree, os_error_line
 from .strategies import make_strategy
+from .trackers import check_log_with
 from .weights import check_source
 
 log = logging.getLogger("shardwise")
@@ -79,6 +81,8 @@ class Engine:
             kwargs.setdefault("precision", _ACCELERATE_PRECISION[mp])
         if "gradient_accumulation_steps" in kwargs:
             kwargs.setdefault("grad_accum_steps", kwargs.pop("gradient_accumulation_steps"))
+        if "log_with" in kwargs:  # a name, a list of names or Accelerate's LoggerType members
+            kwargs["log_with"] = check_log_with(kwargs["log_with"])
         if config is not None and kwargs:
             raise ConfigError("pass either config= or keywords to Engine(), not both")
         conflicts: list[str] = []
@@ -96,7 +100,8 @@ class Engine:
         if cfg.strategy != "auto":
             self._session = Session(cfg, make_strategy(cfg, self._info))
         self.plan: Any = None  # strategy="auto": the plan the choice came from
-        set_seed(cfg.seed)
+        if cfg.seed is not None:  # only a seed the user gave: a script's own set_seed() stands
+            set_seed(cfg.seed)
         self._loader: PreparedDataLoader | None = None  # the loader that yielded the last batch
         self._loader_at_end = False
         self._loaders: list[PreparedDataLoader] = []
@@ -106,6 +111,8 @@ class Engine:
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
         self._guard = Guard(cfg, self._info)  # checkpoints by policy, preemption, timeouts
+        self._observer = Observer(cfg, self._info)  # metrics, trackers, progress
+        self._pass: tuple[int, int] | None = None  # the training loader's pass the progress bar shows
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restarts:
             say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
@@ -199,6 +206,8 @@ class Engine:
             self._session = Session(self.config, make_strategy(self.config, self._info))
         session = self._session
         session.init_rng = self._init_rng
+        for model in of["model"]:
+            self._observer.watch(model)
         prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
         for model in of["model"]:  # the heartbeat that says who did not arrive if a collective hangs
             prepared[id(model)].register_forward_pre_hook(self._forward_started, prepend=True)
@@ -207,9 +216,9 @@ class Engine:
                 loader,
                 world=self.num_processes,
                 rank=self.process_index,
-                seed=self.config.seed,
                 device=self.device,
                 on_batch=self._on_batch,
+                **{"seed": self.config.seed, **self._loader_options()},
             )
             self._loaders.append(prepared[id(loader)])
         if of["model"] and not of["optimizer"] and not session.optimizers and self.config.optimizer:
@@ -217,6 +226,10 @@ class Engine:
             self._build_from_config(prepared[id(of["model"][0])], loaders[0] if loaders else None)
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
+
+    def _loader_options(self) -> dict[str, Any]:
+        """How prepared DataLoaders end an epoch (`shardwise.data`); `Accelerator` follows Accelerate."""
+        return {}
 
     def _build_from_config(self, model: nn.Module, loader: PreparedDataLoader | None) -> None:
         """The optimizer (and schedule) the config describes, for a script that passes none;
@@ -265,15 +278,20 @@ class Engine:
         )
 
     # -- the step ---------------------------------------------------------------------------
-    def _on_batch(self, loader: PreparedDataLoader, last: bool) -> None:
+    def _on_batch(self, loader: PreparedDataLoader, last: bool, batch: Any) -> None:
         self._boundary()  # before the batch counts as served: a checkpoint here resumes with it
         self._loader, self._loader_at_end = loader, last
+        self._observer.on_batch(batch)
 
     def _boundary(self) -> None:
         """Once per optimizer step, before the next one's work: heartbeat, agreement on
         preemption, checkpoints by policy (`shardwise.resilience`). Every process gets here."""
         if self._session is not None and self._session.models:
+            self._observer.at_boundary(self.step, self._memory_or_none)
             self._guard.at_boundary(self.step, self._policy_save)
+
+    def _memory_or_none(self) -> MemoryReport | None:
+        return self.memory_report() if self._session is not None and self._session.models else None
 
     def _forward_started(self, module: nn.Module, args: Any) -> None:
         self._guard.heartbeat("in its forward")
@@ -297,6 +315,13 @@ class Engine:
             raise RuntimeError("backward() before prepare(): prepare the model (and its optimizer) first, "
                                "then compute the loss with the prepared model")
         self._guard.heartbeat("in its backward")
+        loader = self._loader
+        if loader is not None and (id(loader), loader._iteration) != self._pass:  # a new training pass
+            self._pass = (id(loader), loader._iteration)
+            self._observer.epoch = loader._iteration if loader._epoch is None else loader._epoch
+            self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
+        self._observer.at_boundary(self.step, self._memory_or_none)  # loops without accumulate() or loaders
+        self._observer.on_backward(loss)
         with self._guard.timeouts():
             self.session.backward(loss, **kwargs)
 
@@ -330,7 +355,7 @@ class Engine:
         """`gather`, minus the samples repeated to even out the last batch of the loader."""
         gathered = self.gather(data)
         loader = self._loader
-        if loader is None or not self._loader_at_end or loader.remainder() == 0:
+        if loader is None or not self._loader_at_end or loader.remainder() == 0 or loader.tail == "uneven":
             return gathered
         keep = loader.remainder()
         return map_tensors(gathered, lambda t: t[:keep])
@@ -539,8 +564,24 @@ class Engine:
         session = self.session
         return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()])
 
+    # -- what the run shows -------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the `log_with` trackers (main process) for a run named `project_name`."""
+        self._observer.init_trackers(project_name, config, init_kwargs)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Send `values` to every tracker (main process; a no-op elsewhere)."""
+        self._observer.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker called `name` (its underlying object with unwrap=True)."""
+        return self._observer.get_tracker(name, unwrap)
+
     def end_training(self) -> None:
-        """Leave the process group (call once, at the end of the script)."""
+        """Write the last metrics record, close the trackers and leave the process group
+        (call once, at the end of the script)."""
+        self._observer.close(self.step if self._session is not None else 0, self._memory_or_none)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -557,5 +598,3 @@ def _config_with_code(kwargs: dict[str, Any]) -> tuple[EngineConfig, list[str]]:
     ]
     return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts
 
-
-Accelerator = Engine

@@ -126,23 +126,36 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 
 class PreparedScheduler:
-    """Steps the user's LR scheduler once per real optimizer step.
+    """Steps the user's LR scheduler on real optimizer steps only (not inside an accumulation,
+    not after an fp16 overflow), `steps_per_call` times each.
 
-    Unlike Accelerate, it does not step `num_processes` times per optimizer step: the schedule
-    counts optimizer steps, as it would in a single-process run.
+    The rule, in one place: `Engine` steps it once per optimizer step (`steps_per_call=1`): the
+    schedule counts optimizer steps, as in a single-process run. `Accelerator` steps it once
+    per process per optimizer step (`steps_per_call=num_processes`, 1 with `split_batches`), as
+    Accelerate does, so schedules sized for Accelerate end where they end there.
     """
 
-    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], state: StepState) -> None:
+    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], state: StepState,
+                 steps_per_call: int = 1) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self._step_state = state
+        self.steps_per_call = steps_per_call
+        self.step_with_optimizer = True  # Accelerator(step_scheduler_with_optimizer=False): every call steps
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
         if not self._step_state.sync:
             return
         if self.optimizers and all(o.step_was_skipped for o in self.optimizers):
             return  # fp16 overflow: the weights did not move, neither does the schedule
-        self.scheduler.step(*args, **kwargs)
+        for _ in range(self.steps_per_call):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR: never past its end
+            if isinstance(total, int) and getattr(self.scheduler, "_step_count", 0) > total:
+                return
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return list(self.scheduler.get_last_lr())

@@ -113,6 +113,8 @@ class Session:
         empty = None
         if is_empty(model):  # built on the meta device: the strategy allocates it as it lays it out
             empty = EmptyModel(empty_places(model), self._agreed_rng(), frozenset(found))
+        else:
+            self._agree_weights(model)
         wrapped = self.strategy.setup_model(model, empty)
         self.strategy.precision.apply_to(self.strategy.unwrap(wrapped))  # low-dtype compute, fp32 weights
         self.models.append(wrapped)
@@ -120,6 +122,25 @@ class Session:
         if source is not None:
             self.load_weights(wrapped, source, found)
         return wrapped
+
+    @torch.no_grad()
+    def _agree_weights(self, model: nn.Module) -> None:
+        """Every process starts from process 0's weights and buffers (as DDP does), one
+        broadcast per tensor before sharding: a model built on unseeded processes would
+        otherwise be sharded from different initializations."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        device = self.strategy.info.device
+        via = device if dist.get_backend() == "nccl" else None  # NCCL moves device tensors only
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_meta:
+                continue
+            buf = t.data
+            if via is not None or not buf.is_contiguous():
+                buf = buf.to(via if via is not None else buf.device).contiguous()
+            dist.broadcast(buf, src=0)
+            if buf is not t.data:
+                t.data.copy_(buf)
 
     def _agreed_rng(self) -> torch.Tensor:
         """The generator state an empty model's initializers start from, rank 0's on every

@@ -47,6 +47,11 @@ def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False)
 def use_fused(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None, *,
               dtensors: bool = False) -> bool:
     """Switch `optimizer`'s groups (or the given ones) to the fused kernel where it has one."""
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    if first is not None and _is_fake(first):
+        # the planner's fake-tensor trace: fused CPU kernels have no fake implementation (torch
+        # would run them on real tensors of the full size), and they hold no more state than the loop
+        return False
     extra = fused_overrides(optimizer, dtensors=dtensors)
     if not extra:
         return False
@@ -56,6 +61,12 @@ def use_fused(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | N
     if hasattr(optimizer, "_step_supports_amp_scaling"):
         optimizer._step_supports_amp_scaling = True
     return True
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t)) or t.device.type == "meta"
 
 
 def host_threads(local_world_size: int) -> int:

@@ -55,6 +55,7 @@ class _Segment:
     end: int
     master: nn.Parameter  # what the inner optimizer updates
     host_grad: torch.Tensor | None  # host gradient buffer (offload only)
+    alias: bool = False  # the master is the parameter's own storage (fp32 on a CPU device)
 
 
 @dataclass(slots=True)
@@ -104,6 +105,11 @@ class ShardedOptimizer(OptimizerRunner):
         self._segments: list[_Segment] = []
         for gi, p, start, end in self._ranges(owned):
             view = local_flat(p)[start:end]
+            if host and device.type == "cpu" and view.dtype == torch.float32:
+                # a CPU device's memory is the host's: the fp32 shard is its own master, and its
+                # gradient its own host gradient; copies there and back would only cost time
+                self._segments.append(_Segment(p, gi, start, end, nn.Parameter(view), None, alias=True))
+                continue
             if host:
                 master = nn.Parameter(view.to("cpu", torch.float32, copy=True))
                 host_grad = torch.empty_like(master, pin_memory=pin)
@@ -210,6 +216,9 @@ class ShardedOptimizer(OptimizerRunner):
             for bucket in self._buckets:
                 for seg in bucket:
                     g = seg.param.grad
+                    if seg.alias:
+                        seg.master.grad = None if g is None else local_flat(g)[seg.start : seg.end]
+                        continue
                     seg.master.grad = None if g is None else seg.host_grad
                     if g is not None and seg.host_grad is not None:
                         seg.host_grad.copy_(local_flat(g)[seg.start : seg.end], non_blocking=True)
@@ -221,7 +230,10 @@ class ShardedOptimizer(OptimizerRunner):
                 inner.step()  # host compute, overlapping the copies of the other buckets
             with ctx:
                 for seg in bucket:
-                    local_flat(seg.param)[seg.start : seg.end].copy_(seg.master, non_blocking=True)
+                    if seg.alias:
+                        seg.master.grad = None  # drop the alias, or zero_grad could not free the grad
+                    else:
+                        local_flat(seg.param)[seg.start : seg.end].copy_(seg.master, non_blocking=True)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
 
@@ -324,7 +336,8 @@ class ShardedOptimizer(OptimizerRunner):
     def reload_params(self) -> None:
         if self.host:
             for seg in self._segments:
-                seg.master.data.copy_(local_flat(seg.param)[seg.start : seg.end])
+                if not seg.alias:
+                    seg.master.data.copy_(local_flat(seg.param)[seg.start : seg.end])
 
     # -- bookkeeping ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

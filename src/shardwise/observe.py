@@ -1,0 +1,109 @@
+"""The engine's eyes: its `Meter`, the trackers (`init_trackers`/`log`/`get_tracker`) and the
+progress bar, behind one object the engine delegates to (`shardwise.metrics`,
+`shardwise.trackers`). Records are made on every process (one all-gather each) and written on
+the main process only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import EngineConfig
+from .dist import DistInfo
+from .memory import MemoryReport
+from .metrics import Meter, Progress, model_shape, progress_wanted
+from .trackers import Tracker, check_log_with, make_trackers
+
+log = logging.getLogger("shardwise")
+
+
+class Observer:
+    def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+        self.names = check_log_with(cfg.log_with)
+        self.trackers: list[Tracker] = []
+        self.started = False
+        self.meter = Meter(info, max(1, cfg.log_every_steps), peak=cfg.peak_tflops, flops_per_token=cfg.flops_per_token)
+        show = progress_wanted(cfg.progress, info.is_main)
+        if info.world_size > 1 and dist.is_initialized():  # every process must agree to make records
+            flag = torch.tensor([int(show)], device=info.device)
+            dist.broadcast(flag, src=0)
+            show_any = bool(flag.item())
+        else:
+            show_any = show
+        self.progress = Progress() if show else None
+        self.active = cfg.log_every_steps > 0 and (bool(self.names) or show_any)
+        self.epoch = 0
+
+    # -- trackers (Accelerate's verbs) ------------------------------------------------------
+    @property
+    def logging_dir(self) -> Path:
+        return Path(self.cfg.project_dir or ".") / "logs"
+
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        self.started = True
+        if self.info.is_main and self.names:
+            self.trackers = make_trackers(self.names, project_name, self.logging_dir, config, init_kwargs or {})
+
+    def log(self, values: dict[str, Any], step: int | None, log_kwargs: dict[str, Any] | None = None) -> None:
+        if not self.started and self.names:
+            self.init_trackers("shardwise")
+        for t in self.trackers:
+            t.log(values, step)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        for t in self.trackers:
+            if t.name == name:
+                return t.tracker if unwrap else t
+        if self.info.is_main and name in self.names:
+            raise ValueError(f"tracker {name!r} has not started: call init_trackers() first")
+        return None  # other processes hold no tracker (as in Accelerate, a no-op stand-in there)
+
+    # -- the engine's own metrics -----------------------------------------------------------
+    def watch(self, model: nn.Module) -> None:
+        """The first prepared model is the one whose FLOPs MFU counts (sized before sharding)."""
+        if self.meter.shape is None:
+            self.meter.shape = model_shape(model)
+
+    def start_epoch(self, steps: int | None) -> None:
+        if self.progress is not None:
+            self.progress.start(steps)
+
+    def on_batch(self, batch: Any) -> None:
+        if self.active:
+            self.meter.on_batch(batch)
+
+    def on_backward(self, loss: torch.Tensor) -> None:
+        if self.active:
+            self.meter.on_backward(loss)
+
+    def at_boundary(self, step: int, memory: Any, *, final: bool = False) -> None:
+        """Called by every process between optimizer steps; makes a record when one is due."""
+        if not self.active:
+            return
+        before = self.meter.last_step
+        due = self.meter.due(step)
+        if self.progress is not None and step > before:
+            self.progress.advance(step - before)
+        if not (due or (final and self.meter._steps)):
+            return
+        report: MemoryReport | None = memory()
+        record = self.meter.record(step, report, {"epoch": self.epoch})
+        if self.progress is not None:
+            self.progress.show(record)
+        self.log(record, step)
+
+    def close(self, step: int, memory: Any) -> None:
+        self.at_boundary(step, memory, final=True)
+        if self.progress is not None:
+            self.progress.close()
+        for t in self.trackers:
+            t.finish()
+        self.trackers = []

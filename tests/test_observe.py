@@ -1,0 +1,238 @@
+"""What a run shows (metrics records, trackers, report) and the rules Accelerate's scripts rely on
+(scheduler steps, data order, seeding, resume with dropout), on 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import workloads as W
+from spawn import spawn
+from torch import nn
+from torch.utils.data import DataLoader
+
+STEPS = 4
+
+
+def _tracked_run(out: str) -> dict[str, Any]:
+    """zero3, log_with jsonl and tensorboard, a record every step; the script's own mean losses."""
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", seed=W.SEED, cpu=True, log_with=["jsonl", "tensorboard", "wandb"],
+                              project_dir=out, log_every_steps=1, peak_tflops=1.0, progress=False)
+    engine.init_trackers("run", config={"lr": 1e-3})
+    model = W.build("gpt2")
+    opt = W.make_optimizer(model)
+    loader = DataLoader(W.Tokens(engine.num_processes * 2 * STEPS), batch_size=2, shuffle=True)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    losses = []
+    for ids in loader:
+        loss = W.lm_loss(model, ids)
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(engine.reduce(loss.detach(), "mean").item())
+    engine.log({"script_metric": 1.5}, step=engine.step)
+    # a model built on processes seeded differently is sharded from process 0's weights
+    torch.manual_seed(100 + engine.process_index)
+    lin = nn.Linear(8, 8)
+    init = {k: v.clone() for k, v in lin.state_dict().items()}
+    full = engine.get_state_dict(engine.prepare(lin))
+    engine.end_training()
+    return {"losses": losses, "init": init, "full": full}
+
+
+def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path) -> None:
+    results = spawn(_tracked_run, 2, str(tmp_path))
+    r0, r1 = results
+    assert not torch.equal(r0["init"]["weight"], r1["init"]["weight"])
+    assert all(torch.equal(r0["full"][k], r0["init"][k]) for k in r0["init"])  # process 0's, not a mix
+    path = tmp_path / "logs" / "run" / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    records = [x for x in lines if "tokens_per_s" in x]
+    assert [x["step"] for x in records] == list(range(1, STEPS + 1))  # one line per logged step
+    for rec, loss in zip(records, results[0]["losses"]):
+        assert rec["loss"] == pytest.approx(loss, rel=1e-6, abs=1e-6)  # what the script computed
+        assert rec["tokens_per_s"] > 0 and rec["samples_per_s"] > 0 and rec["step_time_s"] > 0
+        assert 0 < rec["mfu"] < 1 and rec["tflops_per_s"] > 0
+        assert [m["rank"] for m in rec["memory"]] == [0, 1]
+        assert all(m["params"] > 0 and m["optimizer"] > 0 and m["peak"] > 0 for m in rec["memory"])
+    assert [x["script_metric"] for x in lines if "script_metric" in x] == [1.5]
+    # rank 0 only: one writer, one file, and nothing else under logs/
+    assert sorted(p.name for p in (tmp_path / "logs" / "run").iterdir() if p.suffix in (".jsonl", ".json")) == [
+        "config.json", "metrics.jsonl"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "logs" / "run"))
+    events.Reload()
+    tb_loss = [e.value for e in events.Scalars("loss")]
+    assert tb_loss == pytest.approx(results[0]["losses"], rel=1e-5)
+    assert "memory/rank1/params" in events.Tags()["scalars"]
+    # wandb, offline: one run whose record file holds the per-rank keys and the losses
+    (record,) = (tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    assert b"memory/rank1/params" in data and b"tokens_per_s" in data
+    assert all(json.dumps(x).encode() in data for x in (records[0]["loss"], records[-1]["loss"]))
+    # shardwise report: a PNG and a summary from the JSONL
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "report", str(tmp_path / "logs" / "run")],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "logs" / "run" / "report.png").stat().st_size > 10_000
+    assert "tokens/s" in proc.stdout and f"{STEPS} steps" in proc.stdout
+
+
+class _Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = W.build("tiny")
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.inner(input_ids))
+
+
+def _rules(out: str) -> dict[str, Any]:
+    """The rules Accelerate's scripts depend on, measured on 2 processes."""
+    import shardwise
+
+    res: dict[str, Any] = {}
+    # seeding: Engine() without a seed leaves the script's seeding alone
+    torch.manual_seed(42)
+    expected = torch.rand(3)
+    torch.manual_seed(42)
+    engine = shardwise.Accelerator(cpu=True, mixed_precision=None)
+    res["rand_after_engine"] = torch.allclose(torch.rand(3), expected)
+    res["distributed_type"] = engine.distributed_type
+    res["mixed_precision"] = engine.mixed_precision
+    # data order: the loader's own generator decides it, as in plain torch
+    data = list(range(24))
+    loader = engine.prepare(DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5)))
+    res["epochs"] = [torch.cat(engine.gather(list(loader))).tolist() for _ in range(2)]
+    # the scheduler: once per process per optimizer step under Accelerator
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = engine.prepare(model, opt, sched)
+    for _ in range(3):
+        engine.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    res["lr_accelerator"] = sched.get_last_lr()[0]
+    # reduce max/min
+    res["max"] = engine.reduce(torch.tensor([float(engine.process_index)]), "max").item()
+    res["min"] = engine.reduce(torch.tensor([float(engine.process_index)]), "min").item()
+    # triggers
+    if engine.process_index == 1:
+        engine.set_trigger()
+    res["trigger"] = engine.check_trigger()
+    res["trigger_again"] = engine.check_trigger()
+    res["last"] = engine.on_last_process(lambda: engine.process_index)()
+    engine.end_training()
+    return res
+
+
+def _resume_with_dropout(out: str, phase: str) -> dict[str, Any]:
+    """8 steps with dropout straight, or 4 + save (mid-epoch) then, in new processes, load + 4."""
+    import shardwise
+
+    torch.manual_seed(3)
+    engine = shardwise.Engine(strategy="zero2", cpu=True, checkpoint_dir=out, progress=False)
+    model = _Dropout()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(W.Tokens(2 * 2 * 12), batch_size=2, shuffle=True)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    if phase == "second":
+        engine.load_state()
+    losses = []
+    for ids in loader:
+        loss = nn.functional.cross_entropy(model(ids)[:, :-1].reshape(-1, W.VOCAB), ids[:, 1:].reshape(-1))
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(engine.reduce(loss.detach(), "mean").item())
+        if phase == "first" and engine.step == 4:
+            engine.save_state()
+            break
+        if engine.step == 8:
+            break
+    return {"losses": losses}
+
+
+def test_accelerate_rules_on_two_processes(tmp_path: Path) -> None:
+    r0, r1 = spawn(_rules, 2, str(tmp_path))
+    assert r0["rand_after_engine"] and r1["rand_after_engine"]  # the script's set_seed stands
+    assert r0["distributed_type"] == "MULTI_CPU" and r0["mixed_precision"] == "no"
+    # data order: the generator's, exactly what plain torch gives one process for the same loader
+    g = torch.Generator().manual_seed(5)
+    plain = DataLoader(list(range(24)), batch_size=3, shuffle=True, generator=g)
+    expect = [[int(i) for b in plain for i in b] for _ in range(2)]
+
+    for epoch in range(2):
+        # gathered batch k is [rank 0's k-th batch, rank 1's]: global batch k of the epoch's order
+        assert r0["epochs"][epoch] == expect[epoch]
+    # 3 optimizer steps x 2 processes scheduler steps: lr = 1/(1+6)
+    assert r0["lr_accelerator"] == pytest.approx(1 / 7)
+    assert (r0["max"], r0["min"]) == (1.0, 0.0)
+    assert r0["trigger"] and r1["trigger"] and not r0["trigger_again"]
+    assert (r0["last"], r1["last"]) == (None, 1)
+
+
+def test_mid_epoch_resume_is_bit_exact_with_dropout(tmp_path: Path) -> None:
+    straight = spawn(_resume_with_dropout, 2, str(tmp_path / "a"), "straight")[0]["losses"]
+    first = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "first")[0]["losses"]
+    second = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "second")[0]["losses"]
+    assert len(straight) == 8
+    assert first + second == straight  # bit for bit
+
+
+def _engine_scheduler(out: str) -> float:
+    import shardwise
+
+    engine = shardwise.Engine(cpu=True, progress=False)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = engine.prepare(model, opt, sched)
+    for _ in range(3):
+        engine.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return float(sched.get_last_lr()[0])
+
+
+def test_engine_keeps_its_scheduler_rule(tmp_path: Path) -> None:
+    assert spawn(_engine_scheduler, 2, str(tmp_path)) == [pytest.approx(1 / 4)] * 2
+
+
+PROGRESS_SCRIPT = """
+import torch, shardwise, workloads as W
+from torch.utils.data import DataLoader
+engine = shardwise.Engine(cpu=True, seed=0, progress=True, log_every_steps=1)
+model = W.build("tiny")
+opt = W.make_optimizer(model)
+model, opt, loader = engine.prepare(model, opt, DataLoader(W.Tokens(6), batch_size=2, shuffle=True))
+for ids in loader:
+    engine.backward(W.lm_loss(model, ids))
+    opt.step()
+    opt.zero_grad()
+engine.end_training()
+"""
+
+
+def test_progress_bar_shows_step_loss_and_eta(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", PROGRESS_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bar = proc.stderr.replace("\r", "\n")
+    assert "3/3" in bar and "loss=" in bar and "step" in bar  # steps of the epoch, with the loss
+    assert re.search(r"\[\d\d:\d\d<\d\d:\d\d", bar)  # elapsed<remaining: the ETA
