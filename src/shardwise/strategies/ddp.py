@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import EngineConfig
 from ..dist import DistInfo
 from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
+from .host_step import host_threads, use_fused
 from .sharded_optim import ShardedOptimizer
 
 
@@ -49,7 +50,10 @@ class DDPStrategy(Strategy):
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
         if not self.shard_optimizer:
-            return InPlaceRunner(optimizer)
+            if self.info.device.type != "cpu":
+                return InPlaceRunner(optimizer)
+            use_fused(optimizer, quiet=True)  # a CPU device's step is a host step (see host_step)
+            return InPlaceRunner(optimizer, host_threads=host_threads(self.info.local_world_size))
         return ShardedOptimizer(
             optimizer,
             partition="flat",

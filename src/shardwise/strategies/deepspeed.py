@@ -340,8 +340,9 @@ class DeepSpeedStrategy(Strategy):
         group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         self.initialize(model, optimizer)
         runner = DeepSpeedRunner(optimizer, model, group_names)
-        if self.cfg.offload != "none":  # the user's optimizer steps DeepSpeed's fp32 partitions on the host
-            use_fused(optimizer)
+        if self.cfg.offload != "none" or self.info.device.type == "cpu":
+            # the user's optimizer steps DeepSpeed's fp32 partitions on the host
+            use_fused(optimizer, quiet=self.cfg.offload == "none")
             runner.host_threads = host_threads(self.info.local_world_size)
         return runner
 

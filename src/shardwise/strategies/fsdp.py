@@ -18,7 +18,6 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -68,15 +67,6 @@ def apply_fsdp(
     )
 
 
-@torch.no_grad()
-def _sync_module_states(model: nn.Module) -> None:
-    """Broadcast rank 0's parameters and buffers: every rank must shard the same model."""
-    if dist.get_world_size() == 1:
-        return
-    for t in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(t.data, src=0)
-
-
 class FSDPStrategy(Strategy):
     """ZeRO stage 2 or 3 on FSDP2."""
 
@@ -87,10 +77,9 @@ class FSDPStrategy(Strategy):
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         offload_params = self.cfg.offload == "params"
-        if empty is None:
-            if not offload_params:
-                model.to(self.info.device)
-            _sync_module_states(model)
+        # every process holds process 0's weights already (Session._agree_weights)
+        if empty is None and not offload_params:
+            model.to(self.info.device)
         blocks = find_blocks(model, self.cfg.wrap)
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         if self.param_dtype is torch.float32:
@@ -128,8 +117,10 @@ class FSDPStrategy(Strategy):
             model.set_requires_gradient_sync(True)
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
-        if self.cfg.offload == "params":  # shards on the host: the user's optimizer steps there
-            use_fused(optimizer, dtensors=True)
+        if self.cfg.offload == "params" or (self.cfg.offload == "none" and self.info.device.type == "cpu"):
+            # the shards live on the host (offloaded, or a CPU device): the user's optimizer steps
+            # them there, with the fused kernel where its class has one (see host_step)
+            use_fused(optimizer, dtensors=True, quiet=self.cfg.offload == "none")
             return InPlaceRunner(optimizer, host_threads=host_threads(self.info.local_world_size))
         if self.cfg.offload != "optimizer":
             return InPlaceRunner(optimizer)

@@ -8,6 +8,10 @@ user's class with `fused=True` (same update, rounded within the equivalence tole
 every CPU this process may use (its affinity mask shared among the local processes) instead of
 the one thread torchrun gives each worker. A class without a fused kernel keeps its own path,
 with one log line saying so.
+
+On a CPU device every optimizer step is a host step, offload or not: there the strategies use
+the same kernels (quietly: the warning is for offload runs), so a step over many small sharded
+(DTensor) parameters costs a few fused calls instead of a Python loop of dispatches per tensor.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")  # ho
 _SAID: set[str] = set()
 
 
-def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False) -> dict[str, Any]:
+def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False, quiet: bool = False) -> dict[str, Any]:
     """The group settings that select the fused CPU kernel for `optimizer`'s class ({} when it
     has none, or when the user's settings rule it out: differentiable, capturable). `dtensors`:
     the parameters are DTensor shards, whose dispatch knows fused Adam and AdamW only."""
@@ -37,7 +41,7 @@ def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False)
     if isinstance(optimizer, classes) and not d.get("differentiable") and not d.get("capturable"):
         return {"fused": True, "foreach": None}
     name = type(optimizer).__name__
-    if name not in _SAID:
+    if not quiet and name not in _SAID:
         _SAID.add(name)
         log.warning("host step: %s has no fused CPU kernel in torch%s; it runs its own loop (slower)", name,
                     " for sharded (DTensor) parameters" if dtensors else "")
@@ -45,14 +49,14 @@ def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False)
 
 
 def use_fused(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None, *,
-              dtensors: bool = False) -> bool:
+              dtensors: bool = False, quiet: bool = False) -> bool:
     """Switch `optimizer`'s groups (or the given ones) to the fused kernel where it has one."""
     first = next((p for g in optimizer.param_groups for p in g["params"]), None)
     if first is not None and _is_fake(first):
         # the planner's fake-tensor trace: fused CPU kernels have no fake implementation (torch
         # would run them on real tensors of the full size), and they hold no more state than the loop
         return False
-    extra = fused_overrides(optimizer, dtensors=dtensors)
+    extra = fused_overrides(optimizer, dtensors=dtensors, quiet=quiet)
     if not extra:
         return False
     for group in groups if groups is not None else optimizer.param_groups:

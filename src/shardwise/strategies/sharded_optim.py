@@ -119,7 +119,9 @@ class ShardedOptimizer(OptimizerRunner):
                 master, host_grad = nn.Parameter(view), None  # aliases the parameter's storage
             self._segments.append(_Segment(p, gi, start, end, master, host_grad))
         self._buckets = self._make_buckets(bucket_numel if host else None)
-        self._threads = host_threads(local_world_size) if host else torch.get_num_threads()
+        on_host = host or device.type == "cpu"  # a CPU device's step is a host step too
+        self._threads = host_threads(local_world_size) if on_host else torch.get_num_threads()
+        self._fused = False  # the inner optimizers run the fused kernel (set by _build_inner)
         self._inner = [self._build_inner(bucket) for bucket in self._buckets]
         optimizer.state.clear()  # its state now lives, sliced, in the inner optimizers
         self._copy_stream = torch.cuda.Stream(device) if pin else None
@@ -164,8 +166,8 @@ class ShardedOptimizer(OptimizerRunner):
             inner = cls(groups, **self.optimizer.defaults)
         except TypeError:  # `defaults` holds keys the constructor does not take
             inner = cls(groups)
-        if self.host:
-            use_fused(inner)  # host masters: torch's fused CPU kernel where the class has one
+        if self.host or self.device.type == "cpu":  # host masters: torch's fused CPU kernel where it has one
+            self._fused = use_fused(inner, quiet=not self.host)
         inner._shardwise_groups = self_map
         for seg in bucket:  # carry over state the user's optimizer already had, sliced
             old = self.optimizer.state.get(seg.param)
@@ -187,7 +189,7 @@ class ShardedOptimizer(OptimizerRunner):
             for group, gi in zip(inner.param_groups, inner._shardwise_groups):  # type: ignore[attr-defined]
                 # hyperparameters follow the user's groups (schedulers); how it steps stays ours
                 group.update({k: v for k, v in _hyper(self.optimizer.param_groups[gi]).items()
-                              if not (self.host and k in IMPLEMENTATION_KEYS)})
+                              if not (self._fused and k in IMPLEMENTATION_KEYS)})
 
     @torch.no_grad()
     def step(self) -> None:
@@ -198,8 +200,9 @@ class ShardedOptimizer(OptimizerRunner):
             for seg in self._segments:
                 g = seg.param.grad
                 seg.master.grad = None if g is None else local_flat(g)[seg.start : seg.end]
-            for inner in self._inner:
-                inner.step()
+            with threads(self._threads):
+                for inner in self._inner:
+                    inner.step()
             for seg in self._segments:
                 seg.master.grad = None  # drop the alias, or zero_grad could not free the grad
         if self.partition == "flat" and self.world > 1:  # alone, this rank updated every element
