@@ -32,10 +32,11 @@ def _tracked_run(out: str) -> dict[str, Any]:
     opt = W.make_optimizer(model)
     loader = DataLoader(W.Tokens(engine.num_processes * 2 * STEPS), batch_size=2, shuffle=True)
     model, opt, loader = engine.prepare(model, opt, loader)
-    losses = []
+    losses, norms = [], []
     for ids in loader:
         loss = W.lm_loss(model, ids)
         engine.backward(loss)
+        norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
         losses.append(engine.reduce(loss.detach(), "mean").item())
@@ -46,7 +47,7 @@ def _tracked_run(out: str) -> dict[str, Any]:
     init = {k: v.clone() for k, v in lin.state_dict().items()}
     full = engine.get_state_dict(engine.prepare(lin))
     engine.end_training()
-    return {"losses": losses, "init": init, "full": full}
+    return {"losses": losses, "norms": norms, "init": init, "full": full}
 
 
 def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path) -> None:
@@ -64,6 +65,8 @@ def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path
         assert 0 < rec["mfu"] < 1 and rec["tflops_per_s"] > 0
         assert [m["rank"] for m in rec["memory"]] == [0, 1]
         assert all(m["params"] > 0 and m["optimizer"] > 0 and m["peak"] > 0 for m in rec["memory"])
+        assert rec["skipped_steps"] == 0 and "loss_scale" not in rec  # fp32: no scaler
+    assert [r["grad_norm"] for r in records] == pytest.approx(results[0]["norms"], rel=1e-6)
     assert [x["script_metric"] for x in lines if "script_metric" in x] == [1.5]
     # rank 0 only: one writer, one file, and nothing else under logs/
     assert sorted(p.name for p in (tmp_path / "logs" / "run").iterdir() if p.suffix in (".jsonl", ".json")) == [

@@ -36,7 +36,7 @@ from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
 from .materialize import init_empty
 from .memory import MemoryReport, tensor_memory
-from .observe import Observer
+from .observe import Observer, TrackerVerbs
 from .optim import PreparedOptimizer, PreparedScheduler, build_optimizer, build_scheduler
 from .precision import check_device_supports
 from .resilience import Guard, say
@@ -64,7 +64,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Engine:
+class Engine(TrackerVerbs):
     """Runs a PyTorch training loop under ddp, zero1, zero2 or zero3 on one or many processes.
 
     Keywords fill an `EngineConfig` (see its fields for the meaning of each); Accelerate's
@@ -287,11 +287,17 @@ class Engine:
         """Once per optimizer step, before the next one's work: heartbeat, agreement on
         preemption, checkpoints by policy (`shardwise.resilience`). Every process gets here."""
         if self._session is not None and self._session.models:
-            self._observer.at_boundary(self.step, self._memory_or_none)
+            self._observer.at_boundary(self.step, self._probe)
             self._guard.at_boundary(self.step, self._policy_save)
 
-    def _memory_or_none(self) -> MemoryReport | None:
-        return self.memory_report() if self._session is not None and self._session.models else None
+    def _probe(self) -> tuple[MemoryReport | None, dict[str, Any]]:
+        """What a metrics record takes from the engine: memory by role, skipped steps, loss scale."""
+        if self._session is None or not self._session.models:
+            return None, {}
+        extra: dict[str, Any] = {"skipped_steps": self._session.step_state.skipped_steps}
+        if self.config.precision == "fp16":
+            extra["loss_scale"] = self.loss_scale
+        return self.memory_report(), extra
 
     def _forward_started(self, module: nn.Module, args: Any) -> None:
         self._guard.heartbeat("in its forward")
@@ -320,7 +326,7 @@ class Engine:
             self._pass = (id(loader), loader._iteration)
             self._observer.epoch = loader._iteration if loader._epoch is None else loader._epoch
             self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
-        self._observer.at_boundary(self.step, self._memory_or_none)  # loops without accumulate() or loaders
+        self._observer.at_boundary(self.step, self._probe)  # loops without accumulate() or loaders
         self._observer.on_backward(loss)
         with self._guard.timeouts():
             self.session.backward(loss, **kwargs)
@@ -339,7 +345,9 @@ class Engine:
             raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): the bound must be a number > 0 "
                              "(a negative bound would scale gradients by a negative factor)")
         with self._guard.timeouts():
-            return self.session.clip_grad_norm(parameters, max_norm, norm_type)
+            norm = self.session.clip_grad_norm(parameters, max_norm, norm_type)
+        self._observer.on_clip(norm)
+        return norm
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The compute-dtype context of this run (prepared models already run inside it)."""
@@ -564,24 +572,10 @@ class Engine:
         session = self.session
         return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()])
 
-    # -- what the run shows -------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
-                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
-        """Start the `log_with` trackers (main process) for a run named `project_name`."""
-        self._observer.init_trackers(project_name, config, init_kwargs)
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
-        """Send `values` to every tracker (main process; a no-op elsewhere)."""
-        self._observer.log(values, step, log_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called `name` (its underlying object with unwrap=True)."""
-        return self._observer.get_tracker(name, unwrap)
-
     def end_training(self) -> None:
         """Write the last metrics record, close the trackers and leave the process group
         (call once, at the end of the script)."""
-        self._observer.close(self.step if self._session is not None else 0, self._memory_or_none)
+        self._observer.close(self.step if self._session is not None else 0, self._probe)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -9,7 +9,9 @@ collective (an all-gather of 8 float64 numbers per process) and hands one record
   samples_per_s, tokens_per_s, step_time_s (wall time per optimizer step over the interval),
   tflops_per_s and mfu (model FLOPs per token x tokens/s, against `peak_tflops` per process),
   memory: per process, tensor bytes by role (as `memory_report()` counts) and the peak (CUDA:
-  the allocator's; CPU: the process high-water mark, ru_maxrss).
+  the allocator's; CPU: the process high-water mark, ru_maxrss),
+  grad_norm (the last clipped step's global norm, when the run clips), skipped_steps (fp16
+  overflows so far) and loss_scale (fp16), from the engine.
 
 Model FLOPs per token: `flops_per_token` when given, else 6 N (N trainable parameters: forward
 and backward) plus, for a transformers model, 12 x layers x hidden x sequence (attention scores).
@@ -104,6 +106,7 @@ class Meter:
         self._tokens = 0
         self._seq: int | None = None
         self._pending: tuple[int, int, int | None] = (0, 0, None)
+        self.grad_norm: torch.Tensor | None = None  # the last clipped step's norm (device tensor)
         self._since = time.perf_counter()
         self._steps = 0  # optimizer steps in this interval
         self.last_step = 0
@@ -161,6 +164,8 @@ class Meter:
             out["mfu"] = out["tflops_per_s"] / (self.peak * self.info.world_size) if self.peak else None
         else:
             out["tflops_per_s"] = out["mfu"] = None
+        out["grad_norm"] = float(self.grad_norm) if self.grad_norm is not None else None  # this process's copy
+        self.grad_norm = None
         out["memory"] = [
             {"rank": r, "params": int(row[4]), "grads": int(row[5]), "optimizer": int(row[6]), "peak": int(row[7])}
             for r, row in enumerate(table.tolist())

@@ -7,6 +7,7 @@ the main process only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,15 @@ class Observer:
         if self.active:
             self.meter.on_backward(loss)
 
-    def at_boundary(self, step: int, memory: Any, *, final: bool = False) -> None:
-        """Called by every process between optimizer steps; makes a record when one is due."""
+    def on_clip(self, norm: torch.Tensor | None) -> None:
+        """The gradient norm of a clipped step (kept as a tensor: read at the next record)."""
+        if self.active and norm is not None:
+            self.meter.grad_norm = norm.detach()
+
+    def at_boundary(self, step: int, probe: Callable[[], tuple[MemoryReport | None, dict[str, Any]]],
+                    *, final: bool = False) -> None:
+        """Called by every process between optimizer steps; makes a record when one is due.
+        `probe` gives the engine's side of it: memory by role and extra figures."""
         if not self.active:
             return
         before = self.meter.last_step
@@ -94,16 +102,35 @@ class Observer:
             self.progress.advance(step - before)
         if not (due or (final and self.meter._steps)):
             return
-        report: MemoryReport | None = memory()
-        record = self.meter.record(step, report, {"epoch": self.epoch})
+        report, extra = probe()
+        record = self.meter.record(step, report, {"epoch": self.epoch, **extra})
         if self.progress is not None:
             self.progress.show(record)
         self.log(record, step)
 
-    def close(self, step: int, memory: Any) -> None:
-        self.at_boundary(step, memory, final=True)
+    def close(self, step: int, probe: Callable[[], tuple[MemoryReport | None, dict[str, Any]]]) -> None:
+        self.at_boundary(step, probe, final=True)
         if self.progress is not None:
             self.progress.close()
         for t in self.trackers:
             t.finish()
         self.trackers = []
+
+
+class TrackerVerbs:
+    """Accelerate's tracker verbs, for the engine (which holds the `Observer`)."""
+
+    _observer: Observer
+
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the `log_with` trackers (main process) for a run named `project_name`."""
+        self._observer.init_trackers(project_name, config, init_kwargs)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Send `values` to every tracker (main process; a no-op elsewhere)."""
+        self._observer.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker called `name` (its underlying object with unwrap=True)."""
+        return self._observer.get_tracker(name, unwrap)

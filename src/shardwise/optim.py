@@ -106,6 +106,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         clip = None if state.clipped else self._max_grad_norm  # each optimizer clips its own parameters
         result = self._strategy.optimizer_step(self.runner, clip=clip, finite=finite)
         self.step_was_skipped = not result.applied
+        state.skipped_steps += int(not result.applied and len(state._stepped) == 1)  # once per boundary
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._step_state.sync:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from .config import EngineConfig
 from .materialize import empty_places, is_empty
@@ -133,6 +134,8 @@ class Session:
         device = self.strategy.info.device
         via = device if dist.get_backend() == "nccl" else None  # NCCL moves device tensors only
         tensors = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
+        if any(is_fake(t) for t in tensors[:1]):
+            return  # the planner's fake-tensor trace: nothing to agree on
         # a fingerprint first (two float64 sums, one all-gather): processes that built the same
         # weights, the usual seeded case, skip the broadcast of the whole model
         weighted, squares = 0.0, 0.0

@@ -44,6 +44,8 @@ class StepState:
     """The script clipped this step's gradients itself (the config's bound is not applied)."""
     optimizer_steps: int = 0
     """Accumulation boundaries at which an optimizer stepped (restored by `load_state`)."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped so far (fp16 overflow), for the metrics."""
     _stepped: set[int] = field(default_factory=set)  # optimizers that stepped on this boundary
 
     def begin_micro_step(self, loader_at_end: bool) -> None:
