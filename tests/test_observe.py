@@ -119,16 +119,7 @@ def _rules(out: str) -> dict[str, Any]:
     loader = engine.prepare(DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5)))
     res["epochs"] = [torch.cat(engine.gather(list(loader))).tolist() for _ in range(2)]
     # the scheduler: once per process per optimizer step under Accelerator
-    model = nn.Linear(2, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    model, opt, sched = engine.prepare(model, opt, sched)
-    for _ in range(3):
-        engine.backward(model(torch.ones(1, 2)).sum())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    res["lr_accelerator"] = sched.get_last_lr()[0]
+    res["lr_accelerator"] = _lr_after_three_steps(engine)
     # reduce max/min
     res["max"] = engine.reduce(torch.tensor([float(engine.process_index)]), "max").item()
     res["min"] = engine.reduce(torch.tensor([float(engine.process_index)]), "min").item()
@@ -140,6 +131,20 @@ def _rules(out: str) -> dict[str, Any]:
     res["last"] = engine.on_last_process(lambda: engine.process_index)()
     engine.end_training()
     return res
+
+
+def _lr_after_three_steps(engine: Any) -> float:
+    """A LambdaLR 1/(1+s) prepared with its optimizer, after 3 optimizer steps."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = engine.prepare(model, opt, sched)
+    for _ in range(3):
+        engine.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return float(sched.get_last_lr()[0])
 
 
 def _resume_with_dropout(out: str, phase: str) -> dict[str, Any]:
@@ -199,17 +204,7 @@ def test_mid_epoch_resume_is_bit_exact_with_dropout(tmp_path: Path) -> None:
 def _engine_scheduler(out: str) -> float:
     import shardwise
 
-    engine = shardwise.Engine(cpu=True, progress=False)
-    model = nn.Linear(2, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    model, opt, sched = engine.prepare(model, opt, sched)
-    for _ in range(3):
-        engine.backward(model(torch.ones(1, 2)).sum())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return float(sched.get_last_lr()[0])
+    return _lr_after_three_steps(shardwise.Engine(cpu=True, progress=False))
 
 
 def test_engine_keeps_its_scheduler_rule(tmp_path: Path) -> None:
