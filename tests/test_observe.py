@@ -129,6 +129,24 @@ def _rules(out: str) -> dict[str, Any]:
     res["trigger"] = engine.check_trigger()
     res["trigger_again"] = engine.check_trigger()
     res["last"] = engine.on_last_process(lambda: engine.process_index)()
+    # no_sync keeps gradients local; trigger_sync_in_backward all-reduces one backward anyway (DDP)
+    torch.manual_seed(0)
+    net = engine.prepare(nn.Linear(2, 1, bias=False))
+    x = torch.tensor([[1.0 + engine.process_index, 2.0]])
+    with engine.no_sync(net):
+        engine.backward(net(x).sum())
+    res["no_sync_grad"] = net.module.weight.grad.clone()
+    net.module.weight.grad = None
+    with engine.no_sync(net), engine.trigger_sync_in_backward(net):
+        engine.backward(net(x).sum())
+    res["triggered_grad"] = net.module.weight.grad.clone()
+    # even_batches=False: the last batch as it is; split_batches: the loader's batch is the global one
+    uneven = shardwise.Accelerator(cpu=True, dataloader_config=shardwise.DataLoaderConfiguration(even_batches=False))
+    res["uneven"] = [b.tolist() for b in uneven.prepare(DataLoader(list(range(10)), batch_size=3))]
+    split = shardwise.Accelerator(cpu=True, dataloader_config=shardwise.DataLoaderConfiguration(split_batches=True))
+    res["split"] = [b.tolist() for b in split.prepare(DataLoader(list(range(8)), batch_size=4))]
+    res["state"] = (engine.use_distributed, engine.state.num_processes, engine.gradient_state.sync_gradients,
+                    engine.free_memory(net, x), engine.is_last_process)
     engine.end_training()
     return res
 
@@ -191,6 +209,12 @@ def test_accelerate_rules_on_two_processes(tmp_path: Path) -> None:
     assert (r0["max"], r0["min"]) == (1.0, 0.0)
     assert r0["trigger"] and r1["trigger"] and not r0["trigger_again"]
     assert (r0["last"], r1["last"]) == (None, 1)
+    assert not torch.equal(r0["no_sync_grad"], r1["no_sync_grad"])  # each its own x
+    assert torch.equal(r0["triggered_grad"], r1["triggered_grad"])  # averaged in that backward
+    assert torch.allclose(r0["triggered_grad"], (r0["no_sync_grad"] + r1["no_sync_grad"]) / 2)
+    assert (r0["uneven"], r1["uneven"]) == ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9]])
+    assert (r0["split"], r1["split"]) == ([[0, 1], [4, 5]], [[2, 3], [6, 7]])
+    assert r0["state"] == (True, 2, True, (None, None), False) and r1["state"][4] is True
 
 
 def test_mid_epoch_resume_is_bit_exact_with_dropout(tmp_path: Path) -> None:
