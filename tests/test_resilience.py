@@ -74,6 +74,17 @@ def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _start_slow(config: Path, folder: Path, *, steps: int) -> subprocess.Popen[str]:
+    """The script launched slowed down (0.4 s a step), once it has logged `steps` losses."""
+    proc = subprocess.Popen(_command(config, folder), env=_env("slow:0.4"), cwd=folder,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    losses = folder / "losses.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (losses.is_file() and len(losses.read_text().splitlines()) >= steps):
+        time.sleep(0.05)
+    return proc
+
+
 # -- a worker dies: torchrun restarts the group, the run resumes from the newest checkpoint -------
 KILL_CASES = [{"strategy": "zero3"}, {"strategy": "ddp"}]
 if HAS_DEEPSPEED:
@@ -107,12 +118,7 @@ def test_sigterm_to_the_launcher_loses_no_step(tmp_path: Path) -> None:
     config = _config(stopped, strategy="zero3")
     ref = _run(_config(straight, strategy="zero3"), straight)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    proc = subprocess.Popen(_command(config, stopped), env=_env("slow:0.4"), cwd=stopped,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    losses = stopped / "losses.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (losses.is_file() and len(losses.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
+    proc = _start_slow(config, stopped, steps=3)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -191,12 +197,7 @@ def test_a_checkpoint_at_4_processes_resumes_at_2_keeping_the_global_batch(tmp_p
 # -- the launcher is SIGKILLed: its workers stop at a boundary, after a checkpoint ------------------
 def test_workers_stop_when_their_launcher_dies(tmp_path: Path) -> None:
     config = _config(tmp_path, strategy="zero2")
-    proc = subprocess.Popen(_command(config, tmp_path), env=_env("slow:0.4"), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    losses = tmp_path / "losses.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (losses.is_file() and len(losses.read_text().splitlines()) >= 2):
-        time.sleep(0.05)
+    proc = _start_slow(config, tmp_path, steps=2)
 
     def workers() -> list[str]:
         found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {tmp_path}"], check=False, capture_output=True, text=True)

@@ -476,12 +476,11 @@ class Accelerator(Engine):
         if self.num_processes == 1:
             return input_data
         parts: list[Any] = [None] * self.num_processes
-        dist.all_gather_object(parts, input_data)
+        with self._guard.timeouts():
+            dist.all_gather_object(parts, input_data)
         flat = [x for part in parts for x in (part if isinstance(part, list) else [part])]
-        loader = self._loader
-        if loader is not None and self._loader_at_end and loader.remainder() and loader.tail != "uneven":
-            flat = flat[: loader.remainder()]
-        return flat
+        keep = self._real_in_last_batch()
+        return flat if keep is None else flat[:keep]
 
     # -- checkpoints with Accelerate's automatic naming -----------------------------------------
     def _checkpoints(self) -> Path:

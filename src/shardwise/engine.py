@@ -362,11 +362,16 @@ class Engine(TrackerVerbs):
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the samples repeated to even out the last batch of the loader."""
         gathered = self.gather(data)
+        keep = self._real_in_last_batch()
+        return gathered if keep is None else map_tensors(gathered, lambda t: t[:keep])
+
+    def _real_in_last_batch(self) -> int | None:
+        """At the last batch of a loader that evened it out with repeated samples: how many of
+        the gathered items are real (None: all are)."""
         loader = self._loader
         if loader is None or not self._loader_at_end or loader.remainder() == 0 or loader.tail == "uneven":
-            return gathered
-        keep = loader.remainder()
-        return map_tensors(gathered, lambda t: t[:keep])
+            return None
+        return loader.remainder()
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """Sum, mean, max or min of tensors across processes."""

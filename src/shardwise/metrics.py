@@ -108,7 +108,7 @@ class Meter:
         self._pending: tuple[int, int, int | None] = (0, 0, None)
         self.grad_norm: torch.Tensor | None = None  # the last clipped step's norm (device tensor)
         self._since = time.perf_counter()
-        self._steps = 0  # optimizer steps in this interval
+        self.steps_since_record = 0  # optimizer steps since the last record
         self.last_step = 0
         self.shape: tuple[int, int | None, int | None] | None = None  # the model's, before sharding
 
@@ -131,7 +131,7 @@ class Meter:
         """Optimizer steps were taken since the last call; True when a record is due."""
         if step <= self.last_step:
             return False
-        self._steps += step - self.last_step
+        self.steps_since_record += step - self.last_step
         self.last_step = step
         return step % self.every == 0
 
@@ -150,7 +150,7 @@ class Meter:
         else:
             table = mine.cpu().unsqueeze(0)
         loss_sum, losses, samples, tokens = (float(table[:, i].sum()) for i in range(4))
-        steps = max(1, self._steps)
+        steps = max(1, self.steps_since_record)
         out: dict[str, Any] = {"step": step, **extra}
         out["loss"] = loss_sum / losses if losses else None
         out["samples_per_s"] = samples / seconds if seconds > 0 else None
@@ -171,7 +171,7 @@ class Meter:
             for r, row in enumerate(table.tolist())
         ]
         self._loss.zero_()
-        self._losses = self._samples = self._tokens = self._steps = 0
+        self._losses = self._samples = self._tokens = self.steps_since_record = 0
         self._since = time.perf_counter()
         return out
 

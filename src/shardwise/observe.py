@@ -19,7 +19,7 @@ from .config import EngineConfig
 from .dist import DistInfo
 from .memory import MemoryReport
 from .metrics import Meter, Progress, model_shape, progress_wanted
-from .trackers import Tracker, check_log_with, make_trackers
+from .trackers import Tracker, make_trackers
 
 log = logging.getLogger("shardwise")
 
@@ -27,7 +27,7 @@ log = logging.getLogger("shardwise")
 class Observer:
     def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
-        self.names = check_log_with(cfg.log_with)
+        self.names = cfg.log_with  # checked and normalized by the config
         self.trackers: list[Tracker] = []
         self.started = False
         self.meter = Meter(info, max(1, cfg.log_every_steps), peak=cfg.peak_tflops, flops_per_token=cfg.flops_per_token)
@@ -100,7 +100,7 @@ class Observer:
         due = self.meter.due(step)
         if self.progress is not None and step > before:
             self.progress.advance(step - before)
-        if not (due or (final and self.meter._steps)):
+        if not (due or (final and self.meter.steps_since_record)):
             return
         report, extra = probe()
         record = self.meter.record(step, report, {"epoch": self.epoch, **extra})

@@ -100,13 +100,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
         state = self._step_state
         if not state.sync:
             return  # a micro-step inside accumulate(): gradients keep accumulating
-        state.record_step(id(self))
+        first = state.record_step(id(self))
         self.unscale_gradients()
         finite, self._finite = self._finite, None
         clip = None if state.clipped else self._max_grad_norm  # each optimizer clips its own parameters
         result = self._strategy.optimizer_step(self.runner, clip=clip, finite=finite)
         self.step_was_skipped = not result.applied
-        state.skipped_steps += int(not result.applied and len(state._stepped) == 1)  # once per boundary
+        state.skipped_steps += int(first and not result.applied)  # once per boundary
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._step_state.sync:

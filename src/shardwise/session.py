@@ -134,7 +134,7 @@ class Session:
         device = self.strategy.info.device
         via = device if dist.get_backend() == "nccl" else None  # NCCL moves device tensors only
         tensors = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
-        if any(is_fake(t) for t in tensors[:1]):
+        if tensors and is_fake(tensors[0]):
             return  # the planner's fake-tensor trace: nothing to agree on
         # a fingerprint first (two float64 sums, one all-gather): processes that built the same
         # weights, the usual seeded case, skip the broadcast of the whole model

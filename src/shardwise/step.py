@@ -57,13 +57,16 @@ class StepState:
         if loader_at_end:
             self.micro_step = 0
 
-    def record_step(self, optimizer_id: int) -> None:
-        """An optimizer steps on a boundary: the first of a boundary counts one optimizer step.
-        (Without `accumulate()`, the same optimizer stepping again starts a new boundary.)"""
-        if not self._stepped or optimizer_id in self._stepped:
+    def record_step(self, optimizer_id: int) -> bool:
+        """An optimizer steps on a boundary: the first of a boundary counts one optimizer step
+        (returns True). (Without `accumulate()`, the same optimizer stepping again starts a new
+        boundary.)"""
+        first = not self._stepped or optimizer_id in self._stepped
+        if first:
             self.optimizer_steps += 1
             self._stepped.clear()
         self._stepped.add(optimizer_id)
+        return first
 
     def end_step(self) -> None:
         """The gradients were dropped (`zero_grad` on the boundary)."""

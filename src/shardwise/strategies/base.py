@@ -130,9 +130,6 @@ class InPlaceRunner(OptimizerRunner):
         self.host_threads = host_threads  # parameters on the host (offload): step with these threads
 
     def step(self) -> None:
-        if self.host_threads is None:
-            self.optimizer.step()
-            return
         with threads(self.host_threads):
             self.optimizer.step()
 

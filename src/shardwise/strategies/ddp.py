@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import EngineConfig
 from ..dist import DistInfo
 from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
-from .host_step import host_threads, use_fused
+from .host_step import step_on_host
 from .sharded_optim import ShardedOptimizer
 
 
@@ -50,10 +50,9 @@ class DDPStrategy(Strategy):
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
         if not self.shard_optimizer:
-            if self.info.device.type != "cpu":
-                return InPlaceRunner(optimizer)
-            use_fused(optimizer, quiet=True)  # a CPU device's step is a host step (see host_step)
-            return InPlaceRunner(optimizer, host_threads=host_threads(self.info.local_world_size))
+            # a CPU device's step is a host step (see host_step)
+            on_host = step_on_host(optimizer, self.info.device, self.info.local_world_size, offloaded=False)
+            return InPlaceRunner(optimizer, host_threads=on_host)
         return ShardedOptimizer(
             optimizer,
             partition="flat",

@@ -45,7 +45,7 @@ from ..dist import DistInfo
 from ..precision import Precision
 from ..weights import Reader
 from .base import EmptyModel, OptimizerRunner, StepResult, Strategy, zero_step
-from .host_step import host_threads, threads, use_fused
+from .host_step import step_on_host, threads
 
 log = logging.getLogger("shardwise")
 # Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
@@ -180,7 +180,7 @@ class DeepSpeedRunner(OptimizerRunner):
     host_threads: int | None = None  # offload: the host step's threads
 
     def step(self) -> None:
-        with threads(self.host_threads) if self.host_threads else contextlib.nullcontext():
+        with threads(self.host_threads):
             self.ds_engine.step()  # on the boundary: reduce (stage 1), clip, step, zero the grads
 
     def params(self) -> list[torch.Tensor]:
@@ -340,10 +340,9 @@ class DeepSpeedStrategy(Strategy):
         group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         self.initialize(model, optimizer)
         runner = DeepSpeedRunner(optimizer, model, group_names)
-        if self.cfg.offload != "none" or self.info.device.type == "cpu":
-            # the user's optimizer steps DeepSpeed's fp32 partitions on the host
-            use_fused(optimizer, quiet=self.cfg.offload == "none")
-            runner.host_threads = host_threads(self.info.local_world_size)
+        # with offload (or on a CPU device) the user's optimizer steps DeepSpeed's fp32 partitions on the host
+        runner.host_threads = step_on_host(optimizer, self.info.device, self.info.local_world_size,
+                                           offloaded=self.cfg.offload != "none")
         return runner
 
     def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None, finite: bool | None) -> StepResult:

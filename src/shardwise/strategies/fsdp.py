@@ -34,7 +34,7 @@ from ..config import EngineConfig
 from ..dist import DistInfo, device_mesh
 from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
 from .blocks import find_blocks
-from .host_step import host_threads, use_fused
+from .host_step import step_on_host
 from .sharded_optim import ShardedOptimizer
 
 
@@ -117,13 +117,12 @@ class FSDPStrategy(Strategy):
             model.set_requires_gradient_sync(True)
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
-        if self.cfg.offload == "params" or (self.cfg.offload == "none" and self.info.device.type == "cpu"):
-            # the shards live on the host (offloaded, or a CPU device): the user's optimizer steps
-            # them there, with the fused kernel where its class has one (see host_step)
-            use_fused(optimizer, dtensors=True, quiet=self.cfg.offload == "none")
-            return InPlaceRunner(optimizer, host_threads=host_threads(self.info.local_world_size))
         if self.cfg.offload != "optimizer":
-            return InPlaceRunner(optimizer)
+            # the user's optimizer steps the shards in place; where they live on the host
+            # (offloaded, or a CPU device) with the fused kernel where its class has one
+            on_host = step_on_host(optimizer, self.info.device, self.info.local_world_size,
+                                   offloaded=self.cfg.offload == "params", dtensors=True)
+            return InPlaceRunner(optimizer, host_threads=on_host)
         return ShardedOptimizer(
             optimizer,
             partition="local",

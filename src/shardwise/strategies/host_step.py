@@ -48,9 +48,8 @@ def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False,
     return {}
 
 
-def use_fused(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None, *,
-              dtensors: bool = False, quiet: bool = False) -> bool:
-    """Switch `optimizer`'s groups (or the given ones) to the fused kernel where it has one."""
+def use_fused(optimizer: torch.optim.Optimizer, *, dtensors: bool = False, quiet: bool = False) -> bool:
+    """Switch `optimizer`'s groups to the fused kernel where it has one."""
     first = next((p for g in optimizer.param_groups for p in g["params"]), None)
     if first is not None and _is_fake(first):
         # the planner's fake-tensor trace: fused CPU kernels have no fake implementation (torch
@@ -59,7 +58,7 @@ def use_fused(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | N
     extra = fused_overrides(optimizer, dtensors=dtensors, quiet=quiet)
     if not extra:
         return False
-    for group in groups if groups is not None else optimizer.param_groups:
+    for group in optimizer.param_groups:
         group.update(extra)
     optimizer.defaults.update(extra)
     if hasattr(optimizer, "_step_supports_amp_scaling"):
@@ -83,11 +82,22 @@ def host_threads(local_world_size: int) -> int:
     return max(1, cpus // max(1, local_world_size))
 
 
+def step_on_host(optimizer: torch.optim.Optimizer, device: torch.device, local_world_size: int, *,
+                 offloaded: bool, dtensors: bool = False) -> int | None:
+    """For a runner that steps `optimizer` in place: where its parameters live on the host
+    (offloaded, or a CPU device), switch it to the fused kernel and return the threads its step
+    gets; None elsewhere (a GPU's step keeps the optimizer as the user made it)."""
+    if not offloaded and device.type != "cpu":
+        return None
+    use_fused(optimizer, dtensors=dtensors, quiet=not offloaded)  # the warning is for offload runs
+    return host_threads(local_world_size)
+
+
 @contextlib.contextmanager
-def threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to `n` for the block (restored after)."""
+def threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block (restored after); None: unchanged."""
     before = torch.get_num_threads()
-    if n == before:
+    if n is None or n == before:
         yield
         return
     torch.set_num_threads(n)
