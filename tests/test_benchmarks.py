@@ -60,3 +60,24 @@ def test_offload_gpu_dry_run_compares_the_same_training(tmp_path: Path) -> None:
     assert rows["shardwise"]["first_loss"] == pytest.approx(rows["deepspeed"]["first_loss"], rel=1e-6)
     assert all(r["tokens_per_s"] > 0 for r in rows.values()) and rows["shardwise"]["vs_deepspeed"] > 0
     assert "x DeepSpeed" in proc.stdout
+
+
+def test_host_optimizer_runs_every_way_and_reports_ratios(tmp_path: Path) -> None:
+    """benchmarks/host_optimizer.py on a small size: every way steps (DeepSpeed's included), and
+    the JSON holds each way's median, spread and the ratios the README quotes."""
+    pytest.importorskip("deepspeed")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "host_optimizer.py"
+    env = {**os.environ, "MASTER_PORT": "29631"}
+    proc = subprocess.run([sys.executable, str(script), "--sizes", "0.25", "--rounds", "2", "--steps", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.iterdir()
+    (size,) = json.loads(path.read_text())["results"].values()
+    ways = size["ways"]
+    assert set(ways) == {"plain", "foreach", "fused", "ds_cpu_adam", "shardwise", "shardwise_dsk", "shardwise_ds",
+                         "deepspeed"}
+    for row in ways.values():
+        lo, hi = row["spread_ms"]
+        assert row["elements_per_s"] > 0 and 0 < lo <= row["ms"] <= hi
+        assert row["vs_ds_cpu_adam"] > 0 and row["vs_deepspeed"] > 0
+    assert ways["ds_cpu_adam"]["vs_ds_cpu_adam"] == 1.0 and "x DeepSpeedCPUAdam" in proc.stdout

@@ -111,6 +111,41 @@ CROSS = [
 ]
 
 
+# host_kernel="deepspeed": DeepSpeed's CPUAdam steps every host step, on either backend
+KERNEL_CONFIGS: list[dict[str, str]] = [
+    {"backend": "torch", "strategy": "zero2", "offload": "optimizer"},
+    {"backend": "torch", "strategy": "zero3", "offload": "params"},
+    {"backend": "torch", "strategy": "zero1"},  # a CPU device's step is a host step too
+    {"backend": "torch", "strategy": "ddp"},
+    {"backend": "deepspeed", "strategy": "zero2", "offload": "optimizer"},
+    {"backend": "deepspeed", "strategy": "zero3", "offload": "params"},
+]
+
+
+def _kernel_runs() -> dict[str, dict[str, Any]]:
+    """Each KERNEL_CONFIGS run, with the number of DeepSpeed kernel calls it made."""
+    from shardwise.strategies.host_step import DeepSpeedAdam
+
+    calls = []
+    step = DeepSpeedAdam.step
+
+    def counted(self: DeepSpeedAdam, optimizer: torch.optim.Optimizer) -> None:
+        calls.append(sum(getattr(p, "_local_tensor", p).numel() for g in optimizer.param_groups
+                         for p in g["params"] if p.grad is not None))
+        step(self, optimizer)
+
+    DeepSpeedAdam.step = counted  # type: ignore[method-assign]
+    try:
+        out = {}
+        for cfg in KERNEL_CONFIGS:
+            before = len(calls)
+            out[_key(cfg)] = W.train_engine("gpt2", {"cpu": True, "host_kernel": "deepspeed", **cfg}, **RUN)
+            out[_key(cfg)]["kernel_elements"] = sum(calls[before:])  # elements the kernel stepped
+    finally:
+        DeepSpeedAdam.step = step  # type: ignore[method-assign]
+    return out
+
+
 def _everything(folder: str) -> dict[str, Any]:
     """All DeepSpeed runs of this file in one pair of processes (DeepSpeed starts slowly)."""
     out: dict[str, Any] = {}
@@ -127,6 +162,7 @@ def _everything(folder: str) -> dict[str, Any]:
     )
     for strategy in ("zero2", "zero3"):
         out[("clip once", strategy)] = EQ.clip_once_runs({"cpu": True, "backend": "deepspeed", "strategy": strategy})
+    out["kernel"] = _kernel_runs()
     out["two_models"] = _two_models("deepspeed", "zero3")
     out["save_model"] = _save_model_zero3(f"{folder}/export")
     saved = {src: CK._train(_engine(src), 4, save=f"{folder}/{src}") for src, _ in CROSS}
@@ -140,7 +176,7 @@ def _everything(folder: str) -> dict[str, Any]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("ds")
     BM.save_pretrained_gpt2(folder)
-    both = spawn(_everything, 2, str(folder))
+    both = spawn(_everything, 2, str(folder), timeout=1200)  # a fresh machine first builds two DeepSpeed ops
     out = both[0]
     out["careless"] = [rank["careless"] for rank in both]
     out["folder"] = folder
@@ -150,6 +186,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def refs() -> dict[str, dict[str, Any]]:
     return {name: W.reference(name, world=2, **RUN) for name in MODELS}
+
+
+@pytest.mark.parametrize("cfg", KERNEL_CONFIGS, ids=_key)
+def test_deepspeed_host_kernel_matches_single_process(runs: dict, refs: dict, cfg: dict[str, str]) -> None:
+    """host_kernel="deepspeed" trains the plain process's model on both backends, and it is
+    DeepSpeed's kernel that stepped: in each of the 4 steps at least this process's half of the
+    model's elements (all of them under ddp)."""
+    run, ref = runs["kernel"][_key(cfg)], refs["gpt2"]
+    numel = sum(p.numel() for p in W.build("gpt2").parameters())
+    share = numel if cfg["strategy"] == "ddp" else numel // 2
+    assert run["kernel_elements"] >= 4 * share
+    assert W.close(run["losses"], ref["losses"]) < 1e-5
+    assert W.close(run["norms"], ref["norms"]) < 1e-5 * max(ref["norms"])
+    assert W.max_diff(run["state"], ref["state"]) < 2e-5
+    assert W.max_diff(run["state"], W.build("gpt2").state_dict()) > 1e-3
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_key)
@@ -290,3 +341,57 @@ def test_without_deepspeed_one_clear_error(tmp_path: Path) -> None:
     assert "ERR backend='deepspeed' needs DeepSpeed" in proc.stdout
     assert "pip install 'shardwise[deepspeed]'" in proc.stdout
     assert "OK FSDPLinear" in proc.stdout  # zero2 on the torch engine
+
+
+def test_deepspeed_host_kernel_is_adam_in_torch_state() -> None:
+    """DeepSpeedAdam steps a torch AdamW/Adam as torch does (two groups, weight decay decoupled
+    or L2, a scheduler), keeps torch's state layout (torch's kernel can take over from it), runs
+    the optimizer's step hooks, and refuses what it cannot do in one line."""
+    from shardwise.strategies.host_step import DeepSpeedAdam, host_kernel
+
+    for cls, wd in ((torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.05)):
+        torch.manual_seed(0)
+        params = [torch.randn(64, 32), torch.randn(32)]
+        mine = [p.clone().requires_grad_() for p in params]
+        theirs = [p.clone().requires_grad_() for p in params]
+
+        def make(ps: list[torch.Tensor], cls: Any = cls, wd: float = wd) -> torch.optim.Optimizer:
+            return cls([{"params": [ps[0]], "weight_decay": wd}, {"params": [ps[1]], "lr": 3e-3}], lr=1e-2)
+
+        opt, ref = make(mine), make(theirs)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref, 2, gamma=0.5)
+        kernel = DeepSpeedAdam.for_optimizer(opt)
+        assert kernel is not None
+        seen = []
+        opt.register_step_pre_hook(lambda o, a, k: seen.append("pre"))
+        opt.register_step_post_hook(lambda o, a, k: seen.append("post"))
+        for i in range(6):
+            grads = [torch.randn_like(p) for p in params]
+            for p, q, g in zip(mine, theirs, grads, strict=True):
+                p.grad, q.grad = g.clone(), g.clone()
+            if i == 3:  # torch's kernel takes over for one step from the state the kernel wrote
+                opt.step()
+            else:
+                kernel.step(opt)
+            ref.step()
+            sched.step()
+            ref_sched.step()
+        assert seen == ["pre", "post"] * 6 and kernel.steps == 5
+        for p, q, p0 in zip(mine, theirs, params, strict=True):
+            assert (p - q).abs().max().item() < 1e-5 and (p - p0).abs().max().item() > 1e-3
+        st, rst = opt.state[mine[0]], ref.state[theirs[0]]
+        assert sorted(st) == sorted(rst) and st["step"].dtype == rst["step"].dtype and float(st["step"]) == 6
+        assert (st["exp_avg_sq"] - rst["exp_avg_sq"]).abs().max().item() < 1e-6
+
+    with pytest.raises(ValueError, match="steps Adam and AdamW only, and the optimizer is SGD: use host_kernel='torch'"):
+        DeepSpeedAdam.for_optimizer(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
+    with pytest.raises(ValueError, match=r"cannot step AdamW\(amsgrad=True\)"):
+        DeepSpeedAdam.for_optimizer(torch.optim.AdamW([torch.zeros(2, requires_grad=True)], amsgrad=True))
+    with pytest.raises(ValueError, match="this run steps on cuda with offload='none': set offload, or host_kernel='torch'"):
+        host_kernel(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]), "deepspeed", on_host=False,
+                    device=torch.device("cuda"))
+    from shardwise.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="host_kernel"):
+        EngineConfig(host_kernel="cuda")  # type: ignore[arg-type]

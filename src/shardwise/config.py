@@ -20,6 +20,7 @@ StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "auto"]
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 OffloadName = Literal["none", "optimizer", "params"]
 BackendName = Literal["torch", "deepspeed"]
+HostKernelName = Literal["torch", "deepspeed"]
 Rendezvous = Literal["c10d", "static"]
 OptimizerType = Literal["AdamW", "Adam", "SGD"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
@@ -269,6 +270,12 @@ class EngineConfig:
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
     of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
+    host_kernel: HostKernelName = "torch"
+    """The kernel of host optimizer steps (offload, or a CPU device): torch (torch's fused CPU
+    kernel where the optimizer class has one: Adam, AdamW, SGD, Adagrad) or deepspeed
+    (DeepSpeed's CPUAdam, for Adam/AdamW; needs deepspeed and, on first use, a C++ compiler).
+    Either way the script's optimizer object, its state and checkpoints stay torch's. torch is
+    the default: it measured at least as fast (benchmarks/host_optimizer.py)."""
     log_with: tuple[str, ...] = ()
     """Trackers for `log()` and the engine's own metrics: jsonl, tensorboard, wandb (main process)."""
     project_dir: str | None = None
@@ -304,6 +311,7 @@ class EngineConfig:
                 _positive(name, value, allow_auto=True)
         check_strategy(self.strategy, self.offload, self.backend)
         _positive("offload_bucket_numel", self.offload_bucket_numel)
+        _choice("host_kernel", self.host_kernel, get_args(HostKernelName))
         for name in ("checkpoint_every_steps", "keep_last"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -27,7 +27,7 @@ from ..dist import DistInfo
 from ..materialize import Place, allocate, materialize
 from ..precision import Precision
 from ..weights import Reader, copy_into, full_shapes
-from .host_step import threads
+from .host_step import DeepSpeedAdam, threads
 
 
 @dataclass(frozen=True)
@@ -125,13 +125,19 @@ class OptimizerRunner(ABC):
 class InPlaceRunner(OptimizerRunner):
     """The user's optimizer steps the (possibly sharded) model parameters directly."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, host_threads: int | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *,
+                 host: tuple[int | None, DeepSpeedAdam | None] = (None, None)) -> None:
         self.optimizer = optimizer
-        self.host_threads = host_threads  # parameters on the host (offload): step with these threads
+        # parameters on the host (offload, a CPU device): the step's threads, and the kernel of
+        # host_kernel="deepspeed" (None: the optimizer's own step)
+        self.host_threads, self.kernel = host
 
     def step(self) -> None:
         with threads(self.host_threads):
-            self.optimizer.step()
+            if self.kernel is not None:
+                self.kernel.step(self.optimizer)
+            else:
+                self.optimizer.step()
 
     def checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
         # initialises a fresh optimizer's state, so it can serve as a template to load into

@@ -51,8 +51,9 @@ class DDPStrategy(Strategy):
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
         if not self.shard_optimizer:
             # a CPU device's step is a host step (see host_step)
-            on_host = step_on_host(optimizer, self.info.device, self.info.local_world_size, offloaded=False)
-            return InPlaceRunner(optimizer, host_threads=on_host)
+            host = step_on_host(optimizer, self.info.device, self.info.local_world_size, offloaded=False,
+                                kernel=self.cfg.host_kernel)
+            return InPlaceRunner(optimizer, host=host)
         return ShardedOptimizer(
             optimizer,
             partition="flat",
@@ -60,6 +61,7 @@ class DDPStrategy(Strategy):
             device=self.info.device,
             bucket_numel=self.cfg.offload_bucket_numel,
             local_world_size=self.info.local_world_size,
+            kernel=self.cfg.host_kernel,
         )
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

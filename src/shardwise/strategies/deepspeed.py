@@ -45,7 +45,7 @@ from ..dist import DistInfo
 from ..precision import Precision
 from ..weights import Reader
 from .base import EmptyModel, OptimizerRunner, StepResult, Strategy, zero_step
-from .host_step import step_on_host, threads
+from .host_step import DeepSpeedAdam, step_on_host, threads
 
 log = logging.getLogger("shardwise")
 # Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
@@ -167,6 +167,26 @@ class DeepSpeedPrecision(Precision):
         return
 
 
+class _KernelStep:
+    """The optimizer DeepSpeed's ZeRO optimizer steps under host_kernel="deepspeed": the user's
+    own object, whose `step()` runs DeepSpeed's CPUAdam kernel over its groups and state. Every
+    other attribute (param_groups, which DeepSpeed narrows to one group around each step, state,
+    state_dict) reads and writes the user's object."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kernel: DeepSpeedAdam) -> None:
+        object.__setattr__(self, "_user", optimizer)
+        object.__setattr__(self, "_kernel", kernel)
+
+    def step(self, closure: Any = None) -> None:
+        self._kernel.step(self._user)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._user, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._user, name, value)
+
+
 class DeepSpeedRunner(OptimizerRunner):
     """One prepared optimizer = one DeepSpeed engine's optimizer step."""
 
@@ -178,6 +198,7 @@ class DeepSpeedRunner(OptimizerRunner):
         self.clip = float(self.ds_engine.optimizer.clip_grad)  # the config's bound (0: none)
 
     host_threads: int | None = None  # offload: the host step's threads
+    kernel: DeepSpeedAdam | None = None  # host_kernel="deepspeed": what steps the host partitions
 
     def step(self) -> None:
         with threads(self.host_threads):
@@ -341,8 +362,12 @@ class DeepSpeedStrategy(Strategy):
         self.initialize(model, optimizer)
         runner = DeepSpeedRunner(optimizer, model, group_names)
         # with offload (or on a CPU device) the user's optimizer steps DeepSpeed's fp32 partitions on the host
-        runner.host_threads = step_on_host(optimizer, self.info.device, self.info.local_world_size,
-                                           offloaded=self.cfg.offload != "none")
+        runner.host_threads, kernel = step_on_host(optimizer, self.info.device, self.info.local_world_size,
+                                                   offloaded=self.cfg.offload != "none", kernel=self.cfg.host_kernel)
+        if kernel is not None:  # DeepSpeed's ZeRO optimizer steps the user's object through the kernel
+            zero = model.ds_engine.optimizer
+            zero.optimizer = _KernelStep(zero.optimizer, kernel)
+            runner.kernel = kernel
         return runner
 
     def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None, finite: bool | None) -> StepResult:

@@ -120,9 +120,9 @@ class FSDPStrategy(Strategy):
         if self.cfg.offload != "optimizer":
             # the user's optimizer steps the shards in place; where they live on the host
             # (offloaded, or a CPU device) with the fused kernel where its class has one
-            on_host = step_on_host(optimizer, self.info.device, self.info.local_world_size,
-                                   offloaded=self.cfg.offload == "params", dtensors=True)
-            return InPlaceRunner(optimizer, host_threads=on_host)
+            host = step_on_host(optimizer, self.info.device, self.info.local_world_size,
+                                offloaded=self.cfg.offload == "params", dtensors=True, kernel=self.cfg.host_kernel)
+            return InPlaceRunner(optimizer, host=host)
         return ShardedOptimizer(
             optimizer,
             partition="local",
@@ -130,6 +130,7 @@ class FSDPStrategy(Strategy):
             device=self.info.device,
             bucket_numel=self.cfg.offload_bucket_numel,
             local_world_size=self.info.local_world_size,
+            kernel=self.cfg.host_kernel,
         )
 
     def rebind_state(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -12,17 +12,28 @@ with one log line saying so.
 On a CPU device every optimizer step is a host step, offload or not: there the strategies use
 the same kernels (quietly: the warning is for offload runs), so a step over many small sharded
 (DTensor) parameters costs a few fused calls instead of a Python loop of dispatches per tensor.
+
+`host_kernel="deepspeed"` steps Adam/AdamW with DeepSpeed's CPUAdam op instead (`DeepSpeedAdam`),
+on either backend. It writes the optimizer's own state under torch's keys, so the object the
+script holds, its checkpoints and its schedulers are the same whichever kernel ran. torch's
+kernel is the default because it measured at least as fast on this project's machines
+(benchmarks/host_optimizer.py). Both compute Adam's update; they differ in float rounding.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.optim import optimizer as torch_optimizer
+
+from ..config import HostKernelName as HostKernel
 
 log = logging.getLogger("shardwise")
 
@@ -82,15 +93,130 @@ def host_threads(local_world_size: int) -> int:
     return max(1, cpus // max(1, local_world_size))
 
 
+
+
 def step_on_host(optimizer: torch.optim.Optimizer, device: torch.device, local_world_size: int, *,
-                 offloaded: bool, dtensors: bool = False) -> int | None:
+                 offloaded: bool, dtensors: bool = False,
+                 kernel: HostKernel = "torch") -> tuple[int | None, DeepSpeedAdam | None]:
     """For a runner that steps `optimizer` in place: where its parameters live on the host
-    (offloaded, or a CPU device), switch it to the fused kernel and return the threads its step
-    gets; None elsewhere (a GPU's step keeps the optimizer as the user made it)."""
-    if not offloaded and device.type != "cpu":
+    (offloaded, or a CPU device), the threads its step gets and, for host_kernel="deepspeed",
+    the kernel that steps it; otherwise switch it to torch's fused kernel. (None, None) elsewhere:
+    a GPU's step keeps the optimizer as the user made it."""
+    on_host = offloaded or device.type == "cpu"
+    kernel_ = host_kernel(optimizer, kernel, on_host=on_host, device=device)
+    if not on_host:
+        return None, None
+    if kernel_ is None:
+        use_fused(optimizer, dtensors=dtensors, quiet=not offloaded)  # the warning is for offload runs
+    return host_threads(local_world_size), kernel_
+
+
+def host_kernel(optimizer: torch.optim.Optimizer, kernel: HostKernel, *, on_host: bool,
+                device: torch.device) -> DeepSpeedAdam | None:
+    """The DeepSpeed kernel that steps `optimizer` for host_kernel="deepspeed" (None for torch's
+    own step); refused in one line where no step runs on the host."""
+    if kernel == "torch":
         return None
-    use_fused(optimizer, dtensors=dtensors, quiet=not offloaded)  # the warning is for offload runs
-    return host_threads(local_world_size)
+    if not on_host:
+        raise ValueError(
+            f"host_kernel={kernel!r} steps optimizers whose parameters live on the host, and this "
+            f"run steps on {device.type} with offload='none': set offload, or host_kernel='torch'"
+        )
+    return DeepSpeedAdam.for_optimizer(optimizer)
+
+
+class DeepSpeedAdam:
+    """Steps a torch Adam/AdamW over host tensors with DeepSpeed's CPUAdam op (the kernel
+    DeepSpeed's own offload swaps in). The same update as torch's, in the optimizer's own state
+    under torch's keys (`step` as a float tensor, `exp_avg`, `exp_avg_sq`, each shaped like its
+    parameter, a DTensor for a DTensor), so `state_dict`, checkpoints and a later switch back to
+    torch's kernel read it unchanged. Sharded (DTensor) tensors are stepped through their local
+    shards: the update is elementwise."""
+
+    _ids = itertools.count(0x5A17)
+
+    def __init__(self, op: Any, adamw: bool) -> None:
+        self.op = op
+        self.id = next(self._ids)
+        self.steps = 0  # calls so far (DeepSpeed makes one per param group); tests read it
+        # the op keeps per-id settings; every update passes the group's own hyperparameters
+        op.create_adam(self.id, 1e-3, 0.9, 0.999, 1e-8, 0.0, adamw, False)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.op.destroy_adam(self.id)
+
+    @classmethod
+    def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> DeepSpeedAdam | None:
+        """The kernel for `optimizer`, or a one-line error naming what rules it out. None for the
+        planner's fake-tensor trace (no kernel runs there)."""
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        if first is not None and _is_fake(first):
+            return None
+        name = type(optimizer).__name__
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(  # noqa: TRY004 -- a setting rules out this optimizer
+                f"host_kernel='deepspeed' steps Adam and AdamW only, and the optimizer is {name}: "
+                "use host_kernel='torch'")
+        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if any(g.get(key) for g in optimizer.param_groups):
+                raise ValueError(f"host_kernel='deepspeed' cannot step {name}({key}=True): DeepSpeed's CPUAdam "
+                                 "has no such mode; use host_kernel='torch'")
+        adamw = isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay"))
+        return cls(_cpu_adam_op(), adamw)
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One step of every parameter of `optimizer` that has a gradient, as its own `step()`
+        would, the optimizer's step hooks included."""
+        hooks = torch_optimizer._global_optimizer_pre_hooks
+        for pre in itertools.chain(hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
+            if pre(optimizer, (), {}) is not None:
+                raise ValueError("host_kernel='deepspeed': an optimizer step pre-hook that changes the step's "
+                                 "arguments is not supported; use host_kernel='torch'")
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = optimizer.state[p]
+                if not st:  # torch's layout, so torch's kernel could take over from it
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                self.op.adam_update(self.id, int(st["step"].item()), lr, beta1, beta2, eps, wd, True,
+                                    _local(p), _local(p.grad), _local(st["exp_avg"]), _local(st["exp_avg_sq"]))
+        for post in itertools.chain(torch_optimizer._global_optimizer_post_hooks.values(),
+                          optimizer._optimizer_step_post_hooks.values()):
+            post(optimizer, (), {})
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # LR-scheduler bookkeeping
+        self.steps += 1
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the op writes: a DTensor's local shard (contiguous, as FSDP2 keeps it)."""
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    if not local.is_contiguous() or local.device.type != "cpu" or local.dtype != torch.float32:
+        raise ValueError(f"host_kernel='deepspeed' steps contiguous fp32 host tensors; got {local.dtype} on "
+                         f"{local.device}: use host_kernel='torch'")
+    return local
+
+
+def _cpu_adam_op() -> Any:
+    """DeepSpeed's CPUAdam op, built on first use (DeepSpeed's JIT build, cached on disk)."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except ImportError as e:
+        raise ValueError("host_kernel='deepspeed' needs DeepSpeed: pip install 'shardwise[deepspeed]', "
+                         f"or host_kernel='torch' ({e})") from None
+    try:
+        return CPUAdamBuilder().load(verbose=False)
+    except (ImportError, OSError, RuntimeError, subprocess.SubprocessError) as e:  # a compiler missing, say
+        raise ValueError(f"host_kernel='deepspeed': DeepSpeed's CPUAdam op did not build or load ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); it needs a C++ compiler on the first use. "
+                         "Use host_kernel='torch'") from None
 
 
 @contextlib.contextmanager

@@ -37,8 +37,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ..config import HostKernelName
 from .base import OptimizerRunner, zero_step
-from .host_step import IMPLEMENTATION_KEYS, host_threads, threads, use_fused
+from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, threads, use_fused
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
@@ -93,6 +94,7 @@ class ShardedOptimizer(OptimizerRunner):
         device: torch.device,
         bucket_numel: int,
         local_world_size: int = 1,
+        kernel: HostKernelName = "torch",
     ) -> None:
         self.optimizer = optimizer
         self.partition = partition
@@ -118,10 +120,13 @@ class ShardedOptimizer(OptimizerRunner):
             else:
                 master, host_grad = nn.Parameter(view), None  # aliases the parameter's storage
             self._segments.append(_Segment(p, gi, start, end, master, host_grad))
-        self._buckets = self._make_buckets(bucket_numel if host else None)
+        # buckets pipeline the copies to and from a device; on a CPU device there is nothing to
+        # overlap, and one inner optimizer steps every segment in one fused call
+        self._buckets = self._make_buckets(bucket_numel if host and device.type != "cpu" else None)
         on_host = host or device.type == "cpu"  # a CPU device's step is a host step too
         self._threads = host_threads(local_world_size) if on_host else torch.get_num_threads()
-        self._fused = False  # the inner optimizers run the fused kernel (set by _build_inner)
+        self._kernel = host_kernel(optimizer, kernel, on_host=on_host, device=device)  # host_kernel="deepspeed"
+        self._fused = False  # the inner optimizers run torch's fused kernel (set by _build_inner)
         self._inner = [self._build_inner(bucket) for bucket in self._buckets]
         optimizer.state.clear()  # its state now lives, sliced, in the inner optimizers
         self._copy_stream = torch.cuda.Stream(device) if pin else None
@@ -166,7 +171,8 @@ class ShardedOptimizer(OptimizerRunner):
             inner = cls(groups, **self.optimizer.defaults)
         except TypeError:  # `defaults` holds keys the constructor does not take
             inner = cls(groups)
-        if self.host or self.device.type == "cpu":  # host masters: torch's fused CPU kernel where it has one
+        if (self.host or self.device.type == "cpu") and self._kernel is None:
+            # host masters: torch's fused CPU kernel where it has one
             self._fused = use_fused(inner, quiet=not self.host)
         inner._shardwise_groups = self_map
         for seg in bucket:  # carry over state the user's optimizer already had, sliced
@@ -202,7 +208,7 @@ class ShardedOptimizer(OptimizerRunner):
                 seg.master.grad = None if g is None else local_flat(g)[seg.start : seg.end]
             with threads(self._threads):
                 for inner in self._inner:
-                    inner.step()
+                    self._step_inner(inner)
             for seg in self._segments:
                 seg.master.grad = None  # drop the alias, or zero_grad could not free the grad
         if self.partition == "flat" and self.world > 1:  # alone, this rank updated every element
@@ -230,7 +236,7 @@ class ShardedOptimizer(OptimizerRunner):
             if event is not None:
                 event.synchronize()  # this bucket's gradients are on the host
             with threads(self._threads):
-                inner.step()  # host compute, overlapping the copies of the other buckets
+                self._step_inner(inner)  # host compute, overlapping the copies of the other buckets
             with ctx:
                 for seg in bucket:
                     if seg.alias:
@@ -239,6 +245,12 @@ class ShardedOptimizer(OptimizerRunner):
                         local_flat(seg.param)[seg.start : seg.end].copy_(seg.master, non_blocking=True)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _step_inner(self, inner: torch.optim.Optimizer) -> None:
+        if self._kernel is not None:
+            self._kernel.step(inner)
+        else:
+            inner.step()
 
     def _all_gather_params(self) -> None:
         """Give every rank the ranges the others updated (zero1): one all-gather per dtype."""
