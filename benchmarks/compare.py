@@ -71,8 +71,10 @@ def storages() -> dict[tuple[str, int], int]:
 class Peer:
     """One training setup: `step(ids) -> loss`, plus what it really is."""
 
-    def __init__(self, name: str, step: Callable[[torch.Tensor], torch.Tensor], ran: str, params: Callable[[], Any]) -> None:
+    def __init__(self, name: str, step: Callable[[torch.Tensor], torch.Tensor], ran: str, params: Callable[[], Any],
+                 close: Callable[[], Any] | None = None) -> None:
         self.name, self.step, self.ran, self.params = name, step, ran, params
+        self.close = close  # what releases the peer beyond dropping it (DeepSpeed's engines)
 
 
 def _model() -> torch.nn.Module:
@@ -100,7 +102,8 @@ def shardwise_peer(strategy: str, offload: str, backend: str = "torch") -> Peer:
         return engine.unwrap_model(model).parameters()
 
     ran = f"{type(engine.unwrap_model(model)).__name__ if strategy.startswith('zero') and strategy != 'zero1' else type(model).__name__}"
-    return Peer("shardwise", step, f"{strategy}{'+' + offload if offload != 'none' else ''} ({ran})", params)
+    return Peer("shardwise", step, f"{strategy}{'+' + offload if offload != 'none' else ''} ({ran})", params,
+                close=engine.free_memory)
 
 
 def raw_peer(strategy: str, device: torch.device) -> Peer:
@@ -185,7 +188,8 @@ def deepspeed_peer(strategy: str, offload: str, batch: int) -> Peer:
         engine.step()
         return loss
 
-    return Peer("deepspeed", step, f"ZeRO stage {zero['stage']}{' + offload ' + offload if offload != 'none' else ''}", engine.module.parameters)
+    return Peer("deepspeed", step, f"ZeRO stage {zero['stage']}{' + offload ' + offload if offload != 'none' else ''}",
+                engine.module.parameters, close=engine.destroy)
 
 
 def weights_agree(params: Any) -> bool:
@@ -227,6 +231,8 @@ def measure(make: Callable[[], Peer], batches: list[torch.Tensor], warmup: int) 
             times.append(elapsed)
         losses.append(loss.item())
     synced = weights_agree(list(peer.params()))
+    if peer.close is not None:
+        peer.close()
     result = {
         "peer": peer.name,
         "ran": peer.ran,

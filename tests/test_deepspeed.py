@@ -363,9 +363,9 @@ def test_deepspeed_host_kernel_is_adam_in_torch_state() -> None:
         ref_sched = torch.optim.lr_scheduler.StepLR(ref, 2, gamma=0.5)
         kernel = DeepSpeedAdam.for_optimizer(opt)
         assert kernel is not None
-        seen = []
-        opt.register_step_pre_hook(lambda o, a, k: seen.append("pre"))
-        opt.register_step_post_hook(lambda o, a, k: seen.append("post"))
+        seen: list[str] = []
+        opt.register_step_pre_hook(lambda o, a, k, seen=seen: seen.append("pre"))
+        opt.register_step_post_hook(lambda o, a, k, seen=seen: seen.append("post"))
         for i in range(6):
             grads = [torch.randn_like(p) for p in params]
             for p, q, g in zip(mine, theirs, grads, strict=True):
@@ -395,3 +395,4 @@ def test_deepspeed_host_kernel_is_adam_in_torch_state() -> None:
 
     with pytest.raises(ConfigError, match="host_kernel"):
         EngineConfig(host_kernel="cuda")  # type: ignore[arg-type]
+

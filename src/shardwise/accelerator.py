@@ -437,16 +437,9 @@ class Accelerator(Engine):
         out[tuple(index)] = tensor
         return out
 
-    def free_memory(self, *objects: Any) -> tuple[Any, ...]:
-        """Drop references and empty the device cache (objects come back as None)."""
-        import gc
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return tuple(None for _ in objects)
-
-    clear = free_memory
+    def clear(self, *objects: Any) -> tuple[Any, ...]:
+        """Accelerate's alias of `free_memory`."""
+        return self.free_memory(*objects)
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """`torch.save` on the main process."""

@@ -195,3 +195,15 @@ def write_yaml(cfg: EngineConfig, path: str | Path, *, header: str = "") -> None
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(header + to_yaml(cfg))
     tmp.replace(target)
+
+
+def config_with_code(kwargs: dict[str, Any], path: str | Path | None) -> tuple[EngineConfig, list[str]]:
+    """The launcher's resolved config at `path` (if any) with the keywords given in code on
+    top, and the keys where the two disagree."""
+    data, _ = load_layers(path) if path else ({}, [])
+    conflicts = [
+        f"{k}={v!r} in code, {data[k]!r} in {path}"
+        for k, v in kwargs.items()
+        if k in data and data[k] != v and not isinstance(v, dict)
+    ]
+    return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts

@@ -30,7 +30,7 @@ from torch import nn
 
 from .collectives import check_reduction, gather_one, map_tensors, reduce_one
 from .config import ConfigError, EngineConfig, make_config, resolve_grad_accum
-from .config_io import build, load_layers, merge
+from .config_io import config_with_code
 from .consolidate import save_model_files
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
@@ -89,7 +89,7 @@ class Engine(TrackerVerbs):
         if config is None:
             # the keywords alone first: a bad value is named as the code wrote it
             make_config(**{k: v for k, v in kwargs.items() if k not in ("launch", "loss_scale")})
-            config, conflicts = _config_with_code(kwargs)
+            config, conflicts = config_with_code(kwargs, config_source())
         self.config = cfg = config
         self._info = init_distributed(force_cpu=cfg.cpu, timeout_s=cfg.collective_timeout_s)
         if conflicts and self._info.is_main:
@@ -577,6 +577,20 @@ class Engine(TrackerVerbs):
         session = self.session
         return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()])
 
+    def free_memory(self, *objects: Any) -> tuple[Any, ...]:
+        """Release everything prepared on this engine (between two trainings in one process),
+        then collect; the objects come back as None. DeepSpeed's engines are destroyed first
+        (DeepSpeed's own cleanup of its hooks); a later `prepare` starts afresh."""
+        if self._session is not None:
+            self._session.release()
+            self._session = None
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return tuple(None for _ in objects)
+
     def end_training(self) -> None:
         """Write the last metrics record, close the trackers and leave the process group
         (call once, at the end of the script)."""
@@ -584,16 +598,3 @@ class Engine(TrackerVerbs):
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def _config_with_code(kwargs: dict[str, Any]) -> tuple[EngineConfig, list[str]]:
-    """The launcher's resolved config (if any) with the keywords given in code on top."""
-    path = config_source()
-    data, _ = load_layers(path) if path else ({}, [])
-    conflicts = [
-        f"{k}={v!r} in code, {data[k]!r} in {path}"
-        for k, v in kwargs.items()
-        if k in data and data[k] != v and not isinstance(v, dict)
-    ]
-    return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts
-

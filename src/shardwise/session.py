@@ -69,6 +69,14 @@ class Session:
         self.param_ids: set[int] = set()  # parameters of the prepared models
         self.init_rng: torch.Tensor | None = None  # `init_empty()`: the generator state it began with
 
+    def release(self) -> None:
+        """Drop everything prepared on this session (`Engine.free_memory`)."""
+        self.strategy.release()
+        self.models.clear()
+        self.optimizers.clear()
+        self.schedulers.clear()
+        self.param_ids.clear()
+
     def set_config(self, config: EngineConfig) -> None:
         """The config changed before training (grad_accum_steps derived from train_batch_size)."""
         self.config = config

@@ -190,6 +190,11 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's own module (its parameter names are the ones the user created)."""
 
+    def release(self) -> None:
+        """Let go of what this strategy holds for its prepared models (`Engine.free_memory`):
+        whatever Python's collector cannot free by dropping references."""
+        return
+
     @abstractmethod
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Within this context, backward accumulates locally and communicates nothing."""

@@ -342,6 +342,22 @@ class DeepSpeedStrategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DeepSpeedModel) else model
 
+    def release(self) -> None:
+        # A DeepSpeed engine's hooks sit on the parameters' autograd nodes and hold the engine,
+        # a cycle through C++ that the collector does not see; DeepSpeed's destroy() removes
+        # the hooks it knows of (measured: stage 1/2 engines built by benchmarks/compare.py go).
+        # ZeRO-3 also pushes the model on a module-level stack it never pops (DeepSpeed 0.19).
+        from deepspeed.runtime.zero import parameter_offload
+
+        stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+        for model in set(self._owner.values()):
+            if model.ds_engine is not None:
+                model.ds_engine.destroy()
+                object.__setattr__(model, "ds_engine", None)
+            if isinstance(stack, list):
+                stack[:] = [m for m in stack if m is not model.module]
+        self._owner.clear()
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return _off_boundary(getattr(model, "ds_engine", None))
 
