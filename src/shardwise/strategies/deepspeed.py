@@ -198,7 +198,6 @@ class DeepSpeedRunner(OptimizerRunner):
         self.clip = float(self.ds_engine.optimizer.clip_grad)  # the config's bound (0: none)
 
     host_threads: int | None = None  # offload: the host step's threads
-    kernel: DeepSpeedAdam | None = None  # host_kernel="deepspeed": what steps the host partitions
 
     def step(self) -> None:
         with threads(self.host_threads):
@@ -383,7 +382,6 @@ class DeepSpeedStrategy(Strategy):
         if kernel is not None:  # DeepSpeed's ZeRO optimizer steps the user's object through the kernel
             zero = model.ds_engine.optimizer
             zero.optimizer = _KernelStep(zero.optimizer, kernel)
-            runner.kernel = kernel
         return runner
 
     def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None, finite: bool | None) -> StepResult:

@@ -61,8 +61,7 @@ def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False,
 
 def use_fused(optimizer: torch.optim.Optimizer, *, dtensors: bool = False, quiet: bool = False) -> bool:
     """Switch `optimizer`'s groups to the fused kernel where it has one."""
-    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-    if first is not None and _is_fake(first):
+    if _traced(optimizer):
         # the planner's fake-tensor trace: fused CPU kernels have no fake implementation (torch
         # would run them on real tensors of the full size), and they hold no more state than the loop
         return False
@@ -77,10 +76,12 @@ def use_fused(optimizer: torch.optim.Optimizer, *, dtensors: bool = False, quiet
     return True
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def _traced(optimizer: torch.optim.Optimizer) -> bool:
+    """`optimizer` holds fake (or meta) tensors: the planner's trace, where no kernel runs."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return bool(is_fake(t)) or t.device.type == "meta"
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    return first is not None and (bool(is_fake(first)) or first.device.type == "meta")
 
 
 def host_threads(local_world_size: int) -> int:
@@ -91,8 +92,6 @@ def host_threads(local_world_size: int) -> int:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(1, cpus // max(1, local_world_size))
-
-
 
 
 def step_on_host(optimizer: torch.optim.Optimizer, device: torch.device, local_world_size: int, *,
@@ -150,8 +149,7 @@ class DeepSpeedAdam:
     def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> DeepSpeedAdam | None:
         """The kernel for `optimizer`, or a one-line error naming what rules it out. None for the
         planner's fake-tensor trace (no kernel runs there)."""
-        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-        if first is not None and _is_fake(first):
+        if _traced(optimizer):
             return None
         name = type(optimizer).__name__
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
