@@ -291,6 +291,7 @@ def test_deepspeed_config_translation() -> None:
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
     assert zero["reduce_bucket_size"] == 1000 and zero["stage3_param_persistence_threshold"] == 0
+    assert zero["stage3_max_reuse_distance"] == 0  # resharded after forward, as FSDP2's zero3
     assert ds["gradient_clipping"] == 1.0 and ds["gradient_accumulation_steps"] == 1
     assert ds["torch_autocast"]["dtype"] == "bfloat16" and "bf16" not in ds
     assert ds["zero_force_ds_cpu_optimizer"] is False
@@ -312,6 +313,15 @@ def test_deepspeed_json_tuning_keys_pass_through(tmp_path: Path) -> None:
     assert zero["stage"] == 2  # our strategy wins
     assert zero["overlap_comm"] is True and zero["stage3_max_live_parameters"] == 1e8
     assert "sub_group_size" not in zero  # "auto" is left to DeepSpeed
+    # the JSON's tuning keys win over our zero3 defaults (DeepSpeed's own reuse distance, say)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1, "stage3_max_reuse_distance": 1e9,
+                                                      "stage3_param_persistence_threshold": 1e5,
+                                                      "reduce_bucket_size": 123}}))
+    zero = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero3", deepspeed_config=str(path)),
+                            device=torch.device("cpu"), numel=10**6)["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_max_reuse_distance"] == 1e9
+    assert zero["stage3_param_persistence_threshold"] == 1e5 and zero["reduce_bucket_size"] == 123
+    assert zero["allgather_bucket_size"] == 10**6  # ours where the JSON is silent
 
 
 def test_bad_deepspeed_combinations_are_refused() -> None:

@@ -110,3 +110,73 @@ def test_zero1_shards_only_optimizer_state(runs: dict, name: str) -> None:
     ddp, z1 = runs[(name, "ddp")]["memory"], runs[(name, "zero1")]["memory"]
     assert z1.params == ddp.params and z1.grads == ddp.grads
     assert z1.optimizer == pytest.approx(ddp.optimizer / 2, rel=0.05)
+
+
+def _gloo_reduce_scatter() -> dict[str, Any]:
+    """FSDP2's gradient reduce-scatter on gloo (ours: an in-place all-reduce and a slice) against
+    gloo's own reduce-scatter, on the 4-process group and a 2-process subgroup; then which
+    collectives one zero3 training step really calls."""
+    import torch
+    import torch.distributed as dist
+
+    import shardwise
+    from shardwise.strategies.fsdp import _AllReduceScatter
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)  # joins the gloo group
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])  # every process makes it; ranks 0 and 1 use it
+    out: dict[str, Any] = {}
+    for name, group in (("world", dist.group.WORLD), ("pair", pair)):
+        if rank >= dist.get_world_size(group):
+            continue
+        size = dist.get_world_size(group)
+        torch.manual_seed(100 + rank)
+        grads = torch.randn(size * 1001)
+        for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            ours, gloo = torch.empty(1001), torch.empty(1001)
+            buf = grads.clone()
+            _AllReduceScatter()(ours, buf, group, op)
+            if op == dist.ReduceOp.AVG:  # gloo's reduce-scatter has no AVG: its sum, divided
+                dist.reduce_scatter_single(gloo, grads.clone(), op=dist.ReduceOp.SUM, group=group)
+                gloo /= size
+            else:
+                dist.reduce_scatter_single(gloo, grads.clone(), op=op, group=group)
+            out[f"{name} {op}"] = (ours - gloo).abs().max().item() / gloo.abs().max().item()
+    calls = {"reduce_scatter": 0, "all_reduce": 0}
+    originals = {k: getattr(dist, f) for k, f in (("reduce_scatter", "reduce_scatter_single"),
+                                                  ("all_reduce", "all_reduce"))}
+
+    def counting(kind: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[kind] += 1
+            return originals[kind](*args, **kwargs)
+        return call
+
+    model = W.build("tiny")
+    model, opt = engine.prepare(model, W.make_optimizer(model))
+    dist.reduce_scatter_single, dist.all_reduce = counting("reduce_scatter"), counting("all_reduce")
+    try:
+        engine.backward(W.lm_loss(model, torch.randint(0, W.VOCAB, (2, W.SEQ))))
+        opt.step()
+    finally:
+        dist.reduce_scatter_single, dist.all_reduce = originals["reduce_scatter"], originals["all_reduce"]
+    out["calls"] = calls
+    out["units"] = sum(1 for m in model.modules() if hasattr(m, "set_custom_reduce_scatter"))
+    return out
+
+
+def test_fsdp_reduce_scatter_on_gloo_is_an_all_reduce_and_matches_gloos() -> None:
+    """gloo's reduce-scatter takes ~2x an all-reduce of the same buffer (and copies its input), so
+    FSDP2 units on gloo all-reduce in place and slice. Same numbers as gloo's own reduce-scatter:
+    bit for bit on 2 processes (a + b either way), within fp32 rounding of the order on 4."""
+    results = spawn(_gloo_reduce_scatter, 4)
+    for rank, res in enumerate(results):
+        for key, diff in res.items():
+            if key.startswith("pair"):
+                assert diff == 0.0, (rank, key, diff)
+            elif key.startswith("world"):
+                assert diff < 1e-6, (rank, key, diff)
+        assert sum(k.startswith("world") for k in res) == 3
+        assert res["calls"]["reduce_scatter"] == 0, res["calls"]  # no gloo reduce-scatter ran
+        assert res["calls"]["all_reduce"] >= res["units"] > 1, res
+    assert sum(k.startswith("pair") for k in results[0]) == 3

@@ -202,7 +202,6 @@ def _trace_candidates(
                 candidate=cand, world_size=world_size, batches=_batches(batch), precision=precision,
                 foreach=True if device == "cuda" and cand.offload == "none" else None,
                 grad_accum_steps=grad_accum_steps, wrap=wrap, optimizer=optimizer, count_flops=count,
-                gloo=device == "cpu",
             )
             jobs.append((cand, depth, job))
     order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))  # deep traces first: balance

@@ -14,8 +14,8 @@ zero_grad) and count live tensor storage the way an allocator would:
 
 The per-rank figure is rank 0's (FSDP2 pads shards evenly; zero1's first ranks own the full
 chunks). Fake tensors hold no data, so a data-dependent `nonzero` is taken at its largest (every
-element nonzero: what label masks give). Planning CPU processes, gloo's reduce-scatter is
-emulated: it copies its whole input first, a transient NCCL does not have.
+element nonzero: what label masks give). CPU processes need no emulation of gloo: FSDP2's
+reduce-scatter runs there as an in-place all-reduce (`strategies/fsdp.py`), no transient copy.
 
 **Two batch sizes from two steps.** A steady-state step starts with the optimizer state and the
 previous step's outputs alive (a loop that writes `out = model(...)` frees them only when the
@@ -143,7 +143,6 @@ class _Counter(TorchDispatchMode):
         self.comm_bytes: dict[str, float] = {}
         self.count_flops = False
         self.flops = 0.0
-        self.gloo = False  # emulate gloo's collectives (CPU processes) rather than NCCL's
         self._next = 0
 
     # storages
@@ -211,11 +210,6 @@ class _Counter(TorchDispatchMode):
         if func.namespace in _COMM_NAMESPACES:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             self.claim("comm", tensors)
-            if self.gloo and func is torch.ops.c10d._reduce_scatter_base_.default:
-                # gloo reduce-scatters through a full-size copy of the input (NCCL does not)
-                copy = torch.empty_like(args[1])
-                self.claim("comm", [copy])
-                del copy
             if self.counting and tensors:
                 name = func.__name__.split(".")[0].strip("_")
                 biggest = max(_local(t).numel() * _local(t).element_size() for t in tensors)
@@ -409,7 +403,6 @@ class TraceJob:
     wrap: tuple[Any, ...] = ()
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     count_flops: bool = False
-    gloo: bool = False  # CPU processes: gloo's collectives (see `_Counter.gloo`)
 
 
 def run_trace(job: TraceJob) -> dict[int, TraceResult]:
@@ -429,7 +422,6 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
                       activation_checkpointing=cand.activation_checkpointing, wrap=tuple(job.wrap),
                       grad_accum_steps=job.grad_accum_steps)
     counter = _Counter()
-    counter.gloo = job.gloo
     with contextlib.ExitStack() as stack:
         stack.enter_context(kept_rng())
         stack.enter_context(fake_world(job.world_size))

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,6 +31,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a private module
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # pragma: no cover - older torch: FSDP2's own reduce-scatter is used
+    ReduceScatter = None  # type: ignore[assignment,misc]
 
 from ..config import EngineConfig
 from ..dist import DistInfo, device_mesh
@@ -49,22 +56,64 @@ def apply_fsdp(
 ) -> None:
     """Shard `blocks` (innermost first) and then the root, in place."""
     wanted = {id(b) for b in blocks}
+    units = [m for m in reversed(list(model.modules())) if id(m) in wanted] + [model]
     # Children before parents (reversed pre-order): a parent unit skips what a child unit owns.
-    for block in (m for m in reversed(list(model.modules())) if id(m) in wanted):
+    for unit in units:
         fully_shard(
-            block,
+            unit,
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
         )
-    fully_shard(
-        model,
-        mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-    )
+    reduce_scatter = gloo_reduce_scatter(mesh)
+    if reduce_scatter is not None:
+        for unit in units:
+            cast(FSDPModule, unit).set_custom_reduce_scatter(reduce_scatter)
+
+
+def gloo_reduce_scatter(mesh: DeviceMesh) -> ReduceScatter | None:
+    """The gradient reduce-scatter FSDP2 units use on `mesh`: ours on gloo, else FSDP2's (None)."""
+    if ReduceScatter is None or mesh.device_type != "cpu" or mesh.size() == 1:
+        return None  # NCCL (device meshes) has a real reduce-scatter
+    return _AllReduceScatter() if dist.get_backend(mesh.get_group()) == "gloo" else None
+
+
+if ReduceScatter is not None:
+
+    class _AllReduceScatter(ReduceScatter):
+        """gloo's reduce-scatter as one in-place all-reduce and a slice.
+
+        gloo has no reduce-scatter of its own, and torch's emulation takes 1.5-2.2x the time of
+        an all-reduce of the same buffer (measured on 2 and 4 CPU processes, 1M-25M fp32
+        elements), although an all-reduce moves twice the bytes. FSDP2 reduce-scatters each
+        unit's gradients every step, so on gloo this unit's flat gradient buffer (FSDP's
+        temporary, freed after the call) is all-reduced in place and this rank's chunk is
+        copied out, divided by W for an average. The sums are the same additions gloo does.
+        """
+
+        def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     op: Any, async_op: bool = False) -> dist.Work | None:
+            # op: a ReduceOp or a ReduceOp.RedOpType (FSDP2 passes AVG for fp32/bf16, SUM for fp16)
+            world = group.size()
+            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or input_tensor.numel() != output_tensor.numel() * world:
+                # another reduction (pre-multiplied sums): gloo's own reduce-scatter
+                return cast(dist.Work | None,
+                            _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op))
+            dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
+            mine = input_tensor.view(world, -1)[group.rank()]
+            if op == dist.ReduceOp.AVG:
+                torch.div(mine, world, out=output_tensor)
+            else:
+                output_tensor.copy_(mine)
+            return None
+
+    # torch 2.13 renamed reduce_scatter_tensor; older releases only have the old name
+    _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class FSDPStrategy(Strategy):

@@ -256,12 +256,17 @@ class ShardedOptimizer(OptimizerRunner):
         """Give every rank the ranges the others updated (zero1): one all-gather per dtype."""
         for space in self._spaces:
             lo = self.rank * space.chunk
-            mine = torch.zeros(space.chunk, dtype=space.dtype, device=self.device)
+            # in place: this rank's range is written straight into its slot of the gathered buffer
+            # (gloo and NCCL both accept an input that is the output's own slice), no second buffer
             full = torch.empty(space.chunk * self.world, dtype=space.dtype, device=self.device)
+            mine = full[lo : lo + space.chunk]
             for p, off in space.params:
                 a, b = max(lo, off), min(lo + space.chunk, off + p.numel())
                 if a < b:
                     mine[a - lo : b - lo].copy_(local_flat(p)[a - off : b - off])
+            total = space.params[-1][1] + space.params[-1][0].numel()
+            if lo + space.chunk > total:  # the last rank's padding: defined bytes, never read back
+                mine[max(0, total - lo) :].zero_()
             _all_gather_flat(full, mine)
             for p, off in space.params:
                 local_flat(p).copy_(full[off : off + p.numel()])
