@@ -82,8 +82,8 @@ def _model() -> torch.nn.Module:
     return GPT(**MODEL)
 
 
-def shardwise_peer(strategy: str, offload: str, backend: str = "torch") -> Peer:
-    engine = shardwise.Engine(strategy=strategy, offload=offload, backend=backend, seed=0)
+def shardwise_peer(strategy: str, offload: str, backend: str = "torch", **engine_kw: Any) -> Peer:
+    engine = shardwise.Engine(strategy=strategy, offload=offload, backend=backend, seed=0, **engine_kw)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)

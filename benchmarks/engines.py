@@ -7,7 +7,9 @@ Models: "4m" (GPT d256, 4 layers, vocab 4096, block 128, batch 4 per process) an
 d768, 12 layers, vocab 32000, block 256, batch 1 per process), where compute dominates. For each
 model and stage (and offload setting) both backends train the same GPT (same seed, data, AdamW,
 clipping) through the same shardwise script; only `backend=` differs. Rounds alternate which
-backend goes first; each round times --steps steps after --warmup. Reported per rank: the median
+backend goes first; each round times --steps steps after --warmup. --warmup-rounds untimed rounds
+of both backends come first (the first engine a process builds pays for the process's first
+allocations and would bias whichever backend goes first). Reported per rank: the median
 step time over all rounds, the spread (lowest and highest per-round median), tokens/s, tensor
 memory counted the same way for both (compare.py's census: every live tensor storage after a
 step, plus what autograd saves for backward), the final loss, and the ratios deepspeed / torch.
@@ -39,10 +41,12 @@ MODELS = {  # name -> (GPT sizes, batch per process)
 }
 
 
-def engine_peer(backend: str, setup: str) -> Peer:
-    """compare.py's shardwise peer on one engine (`setup` is strategy[+offload])."""
+def engine_peer(backend: str, setup: str, deepspeed_config: str | None = None) -> Peer:
+    """compare.py's shardwise peer on one engine (`setup` is strategy[+offload]); `deepspeed_config`:
+    a DeepSpeed JSON whose zero_optimization tuning keys the deepspeed backend takes."""
     strategy, _, offload = setup.partition("+")
-    peer = shardwise_peer(strategy, offload or "none", backend)
+    extra = {"deepspeed_config": deepspeed_config} if backend == "deepspeed" and deepspeed_config else {}
+    peer = shardwise_peer(strategy, offload or "none", backend, **extra)
     peer.name = backend
     return peer
 
@@ -54,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating which backend goes first")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds of both backends first")
+    ap.add_argument("--deepspeed-config", default=None,
+                    help="a DeepSpeed JSON for the deepspeed backend's tuning keys, e.g. DeepSpeed's own "
+                         'zero3 reuse distance: {"zero_optimization": {"stage3_max_reuse_distance": 1e9}}')
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     shardwise.Engine(seed=0)  # joins the process group both backends share
@@ -70,9 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         tokens = batch * MODEL["block"] * world
         for setup in args.setups:
             runs: dict[str, list[dict[str, Any]]] = {"torch": [], "deepspeed": []}
-            for r in range(args.rounds):
+            for r in range(-args.warmup_rounds, args.rounds):
                 for b in (("torch", "deepspeed") if r % 2 == 0 else ("deepspeed", "torch")):
-                    runs[b].append(measure(lambda b=b: engine_peer(b, setup), batches, args.warmup))
+                    result = measure(lambda b=b: engine_peer(b, setup, args.deepspeed_config), batches, args.warmup)
+                    if r >= 0:
+                        runs[b].append(result)
             rows.append(_row(name, setup, runs, tokens))
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
@@ -108,7 +118,9 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
         "command": f"python -m torch.distributed.run --standalone --nproc-per-node {world} benchmarks/engines.py "
                    + " ".join(sys.argv[1:]),
         "world_size": world, "models": {m: MODELS[m] for m in args.models}, "steps": args.steps,
-        "warmup": args.warmup, "rounds": args.rounds, "rows": rows,
+        "warmup": args.warmup, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
+        "deepspeed_config": json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else None,
+        "rows": rows,
     }, args.out)
     lines = ["| model | setup | torch ms/step (spread) | deepspeed ms/step (spread) | ds/torch time | torch MiB/rank "
              "(state) | deepspeed MiB/rank (state) | memory ratio | final loss torch / ds |",
