@@ -74,7 +74,7 @@ def apply_fsdp(
 
 def gloo_reduce_scatter(mesh: DeviceMesh) -> ReduceScatter | None:
     """The gradient reduce-scatter FSDP2 units use on `mesh`: ours on gloo, else FSDP2's (None)."""
-    if ReduceScatter is None or mesh.device_type != "cpu" or mesh.size() == 1:
+    if ReduceScatter is None or mesh.device_type != "cpu" or mesh.ndim != 1 or mesh.size() == 1:
         return None  # NCCL (device meshes) has a real reduce-scatter
     return _AllReduceScatter() if dist.get_backend(mesh.get_group()) == "gloo" else None
 
@@ -89,7 +89,8 @@ if ReduceScatter is not None:
         elements), although an all-reduce moves twice the bytes. FSDP2 reduce-scatters each
         unit's gradients every step, so on gloo this unit's flat gradient buffer (FSDP's
         temporary, freed after the call) is all-reduced in place and this rank's chunk is
-        copied out, divided by W for an average. The sums are the same additions gloo does.
+        copied out, divided by W for an average. The sums equal gloo's bit for bit on 2
+        processes; on more, the order of the additions may differ (fp32 rounding).
         """
 
         def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
