@@ -405,4 +405,3 @@ def test_deepspeed_host_kernel_is_adam_in_torch_state() -> None:
 
     with pytest.raises(ConfigError, match="host_kernel"):
         EngineConfig(host_kernel="cuda")  # type: ignore[arg-type]
-

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import random
@@ -584,8 +585,6 @@ class Engine(TrackerVerbs):
         if self._session is not None:
             self._session.release()
             self._session = None
-        import gc
-
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
