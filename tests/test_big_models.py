@@ -2,10 +2,13 @@
 
 - Init invariance: a model built under `engine.init_empty()` comes out bit-identical at 1, 2 and
   4 processes under ddp, zero2 and zero3 (gathered), no two shards of a randomly initialized
-  parameter are copies, and on one process our own model equals a normal build with the same
-  seed. Buffers: a non-persistent buffer computed in the constructor (kept real by init_empty)
-  and a `transformers` Llama built under `torch.device("meta")` (rotary cache recomputed by its
-  `_init_weights`) come out as in a normal build.
+  parameter are copies, and it equals a normal build with the same seed at every process count:
+  our own model, one that initializes in its constructor (zeroed head, raw parameters,
+  trunc_normal_, orthogonal_, a random buffer between them: test_init_and_load.OwnInit), and
+  `transformers` GPT-2 and Llama (post_init). Buffers: a non-persistent buffer computed in the
+  constructor (kept real by init_empty) and a `transformers` Llama built under
+  `torch.device("meta")` (rotary cache recomputed by its `_init_weights`) come out as in a
+  normal build.
 - Loading: a `transformers` GPT-2 saved by one plain process with `save_pretrained` (3 files)
   loads under every strategy (DeepSpeed in test_deepspeed.py), bit-identical when gathered, and
   two steps after it match one plain process that loaded the same files (losses 1e-5, weights
@@ -23,6 +26,7 @@ import pytest
 import torch
 import workloads as W
 from spawn import spawn
+from test_init_and_load import OwnInit
 from torch import nn
 
 INIT_STRATEGIES = ["ddp", "zero2", "zero3"]
@@ -73,7 +77,8 @@ def _init_all() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in INIT_STRATEGIES:
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED)
-        for name, build in (("tiny", lambda: W.TinyLM()), ("gpt2", lambda: W.build("gpt2")), ("rotary", WithRotary)):
+        for name, build in (("tiny", lambda: W.TinyLM()), ("gpt2", lambda: W.build("gpt2")), ("rotary", WithRotary),
+                            ("own", OwnInit), ("llama_empty", tiny_llama)):
             torch.manual_seed(1234)
             with engine.init_empty():
                 model = build()
@@ -92,7 +97,7 @@ def inits() -> dict[int, list[dict[str, Any]]]:
     return {world: spawn(_init_all, world) for world in (1, 2, 4)}
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "rotary", "llama"])
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "rotary", "llama", "own", "llama_empty"])
 def test_empty_init_does_not_depend_on_world_size_or_strategy(inits: dict, name: str) -> None:
     first = inits[1][0][("ddp", name)]["state"]
     assert first and all(torch.isfinite(v.float()).all() for v in first.values())
@@ -122,20 +127,25 @@ def test_no_two_shards_are_copies(inits: dict, world: int) -> None:
             assert checked >= 5, (strategy, name)
 
 
-def test_empty_init_equals_a_normal_build(inits: dict) -> None:
-    """Our model (torch's own layers) and the rotary buffers: bit-identical to a normal build
-    with the same seed; so are `transformers` buffers (the rotary cache) built on meta."""
-    spawn_state = {name: inits[1][0][("zero3", name)]["state"] for name in ("tiny", "rotary", "llama")}
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "rotary", "own", "llama_empty"])
+def test_empty_init_equals_a_normal_build(inits: dict, name: str) -> None:
+    """init_empty + prepare gives the weights and buffers of a normal build with the same seed,
+    bit for bit, at every process count and strategy (issue 21, item 5); so do the buffers of a
+    `transformers` model built on meta."""
+    builds = {"tiny": W.TinyLM, "gpt2": lambda: W.build("gpt2"), "rotary": WithRotary, "own": OwnInit,
+              "llama_empty": tiny_llama}
     torch.manual_seed(1234)
-    normal = W.TinyLM().state_dict()
-    assert all(torch.equal(spawn_state["tiny"][k], normal[k]) for k in normal)
-    torch.manual_seed(1234)
-    rotary = WithRotary()
-    for n, b in rotary.named_buffers():
-        assert torch.equal(spawn_state["rotary"][f"buffer:{n}"], b)
+    normal = builds[name]()
+    want = {**normal.state_dict(), **{f"buffer:{n}": b for n, b in normal.named_buffers()}}
+    for world, ranks in inits.items():
+        for strategy in INIT_STRATEGIES:
+            got = ranks[0][(strategy, name)]["state"]
+            assert [k for k in want if not torch.equal(got[k], want[k])] == [], (world, strategy, name)
+    if name == "own":
+        assert float(want["head.weight"].abs().sum()) == 0.0  # the zeroed head stays zero
     llama = tiny_llama()
     for n, b in llama.named_buffers():
-        assert torch.equal(spawn_state["llama"][f"buffer:{n}"], b), n
+        assert torch.equal(inits[1][0][("zero3", "llama")]["state"][f"buffer:{n}"], b), n
 
 
 # -- loading pretrained weights ------------------------------------------------------------------

@@ -132,7 +132,8 @@ def test_exact_resume_in_new_processes_is_bit_identical(exact: dict) -> None:
 
 
 def test_default_folders_latest_and_keep_last(exact: dict) -> None:
-    assert exact["listing"] == ["latest", "step_4"]
+    # (the run lock stays: test workers end with os._exit, as a killed run would; see test_run_lock.py)
+    assert exact["listing"] == [".shardwise.lock", "latest", "step_4"]
     assert (exact["root"] / "latest").read_text().strip() == "step_4"
 
 
@@ -218,7 +219,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_3"
     assert (root / ".step_6.incomplete").is_dir() and not (root / "step_6").exists()
-    assert sorted(os.listdir(root)) == [".step_6.incomplete", "latest", "step_3"]  # nothing partial in sight
+    # nothing partial in sight; the killed run's lock stays (the resume below takes it over)
+    assert sorted(os.listdir(root)) == [".shardwise.lock", ".step_6.incomplete", "latest", "step_3"]
     assert read_meta(resolve(root))["world_size"] == 2
     assert len(verify(root)) >= 5  # every file of step_3 matches its checksum
     state, _ = full_model_state(resolve(root / "latest"))
@@ -226,7 +228,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     # the run resumes from step_3; its next save to the same place removes what the killed one left
     resumed = spawn(_resume_after_kill, 2, str(tmp_path))[0]
     assert resumed["step"] == 6
-    assert sorted(os.listdir(root)) == ["latest", "step_3", "step_6"]
+    assert sorted(os.listdir(root)) == [".shardwise.lock", "latest", "step_3", "step_6"]
     assert (root / "latest").read_text().strip() == "step_6"
 
 

@@ -89,7 +89,7 @@ BAD = {
 @pytest.fixture()
 def no_torchrun(monkeypatch: pytest.MonkeyPatch) -> list:
     started: list = []
-    monkeypatch.setattr("shardwise.launch.run_torchrun", lambda argv, path: started.append(argv) or 0)
+    monkeypatch.setattr("shardwise.launch.run_torchrun", lambda argv, path, **_: started.append(argv) or 0)
     return started
 
 

@@ -196,6 +196,7 @@ def check_careless(runs: list[dict[str, Any]], folder: Path) -> None:
         assert "\n" not in messages[0] and needle in messages[0], (case, messages[0])
     assert "checksum mismatch" in out["refused"]["flipped shard"] and ".distcp" in out["refused"]["flipped shard"]
     assert "raise it, or save elsewhere" in out["refused"]["disk full"]
+    assert "; it needs " in out["refused"]["disk full"] and " bytes)" in out["refused"]["disk full"]  # the bytes needed
     assert "prepare AdamW as when it was saved" in out["refused"]["adamw into sgd"]
     assert out["untouched_after_refusals"] and out["untouched_after_notes"]
     assert out["previous_kept_after_disk_full"]

@@ -25,6 +25,8 @@ from shardwise.precision import check_device_supports
         ({"grad_accum_steps": 0}, ["grad_accum_steps=0"]),
         ({"stratgey": "zero3"}, ["unknown setting 'stratgey'", "did you mean 'strategy'"]),
         ({"mixed_precision": "fp8"}, ["mixed_precision='fp8'", "no, bf16, fp16"]),
+        ({"collective_timeout_s": 0.05}, ["collective_timeout_s=0.05 is too short", "at least 5"]),
+        ({"resume": "yes"}, ["resume='yes' is not valid", "auto, required, never"]),
     ],
 )
 def test_bad_engine_settings(kwargs: dict, needles: list[str]) -> None:
@@ -97,11 +99,9 @@ def test_careless_calls_get_one_line_before_any_work() -> None:
     engine = shardwise.Engine(strategy="zero3", cpu=True)
     with pytest.raises(RuntimeError, match=r"backward\(\) before prepare\(\): prepare the model"):
         engine.backward(torch.ones((), requires_grad=True))
-    frozen = W.build("tiny").requires_grad_(False)
-    with pytest.raises(ValueError, match="TinyLM has no trainable parameters \\(none, or all frozen\\)"):
-        engine.prepare(frozen)
-    with pytest.raises(ValueError, match="has no trainable parameters"):
-        engine.prepare(nn.ReLU())
+    frozen = W.build("tiny").requires_grad_(False)  # alone it is prepared for inference (test_finetune)
+    with pytest.raises(ValueError, match=r"AdamW holds 23 parameter\(s\) of TinyLM, which has no trainable parameters"):
+        engine.prepare(frozen, W.make_optimizer(frozen))
     model = engine.prepare(W.build("tiny"))
     engine.backward(W.lm_loss(model, W.Tokens(2).data))
     for bad in (-1.0, 0.0):

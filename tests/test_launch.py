@@ -161,3 +161,35 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_gloo_abort_hint_only_on_an_abort_without_a_python_error(tmp_path: Path) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from shardwise.launch import describe_failures
+
+    raised = tmp_path / "error.json"
+    raised.write_text(json.dumps({"message": {"message": "Traceback ...\nValueError: bad batch"}}))
+
+    def failure(code: int, error_file: str) -> Any:
+        return SimpleNamespace(exitcode=code, error_file=error_file, timestamp=0, local_rank=0, pid=7)
+
+    hint = "gloo's start-up abort"
+    abort, = describe_failures({0: failure(-signal.SIGABRT, str(tmp_path / "none.json"))})
+    assert "was killed by SIGABRT" in abort and hint in abort
+    python_abort, = describe_failures({0: failure(-signal.SIGABRT, str(raised))})  # a Python error, then abort
+    assert python_abort.endswith(": ValueError: bad batch") and hint not in python_abort
+    ordinary, = describe_failures({1: failure(1, str(raised))})
+    assert ordinary.endswith("exited with code 1: ValueError: bad batch") and hint not in ordinary
+
+
+def test_a_stop_signal_line_says_what_was_saved() -> None:
+    from shardwise.launch import describe_stop
+
+    saved = [{"attempt": 0, "step": 4, "seconds": 0.1, "path": "ck/step_4", "stop": ""},
+             {"attempt": 0, "step": 4, "seconds": 0.25, "path": "ck/step_4", "stop": "SIGTERM"}]
+    assert describe_stop(signal.SIGTERM, 1, saved) == (
+        "stopped by SIGTERM (and 1 more signal(s), ignored while the workers saved); the workers saved ck/step_4 "
+        "(step 4) in 0.25 s and exited 75; the same command resumes from step 4")
+    assert describe_stop(signal.SIGINT, 0, saved[:1]).startswith("stopped by SIGINT; nothing could be saved")

@@ -75,9 +75,10 @@ def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path
 
     events = EventAccumulator(str(tmp_path / "logs" / "run"))
     events.Reload()
-    tb_loss = [e.value for e in events.Scalars("loss")]
+    tb_loss = [e.value for e in events.Scalars("shardwise/loss")]  # the engine's tags, apart from the user's
     assert tb_loss == pytest.approx(results[0]["losses"], rel=1e-5)
-    assert "memory/rank1/params" in events.Tags()["scalars"]
+    assert "shardwise/memory/rank1/params" in events.Tags()["scalars"]
+    assert [e.value for e in events.Scalars("script_metric")] == [1.5]
     # wandb, offline: one run whose record file holds the per-rank keys and the losses
     (record,) = (tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
     data = record.read_bytes()
@@ -258,3 +259,43 @@ def test_progress_bar_shows_step_loss_and_eta(tmp_path: Path) -> None:
     bar = proc.stderr.replace("\r", "\n")
     assert "3/3" in bar and "loss=" in bar and "step" in bar  # steps of the epoch, with the loss
     assert re.search(r"\[\d\d:\d\d<\d\d:\d\d", bar)  # elapsed<remaining: the ETA
+
+
+def test_log_refuses_a_non_scalar_in_one_line_naming_its_key(tmp_path: Path) -> None:
+    """A tensor of several elements in `log()` is a one-line error naming the key (it crashed the
+    JSONL writer); one-element tensors and numpy scalars are numbers, written as such."""
+    import numpy as np
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy="ddp", cpu=True, log_with="jsonl", project_dir=str(tmp_path), progress=False)
+    engine.init_trackers("run")
+    with pytest.raises(ValueError, match=r"^log\(\): 'eval/logits' is a Tensor of shape \(2, 3\), not a scalar; "
+                       r"log a number \(e\.g\. \.mean\(\)\.item\(\)\) or one key per element$"):
+        engine.log({"loss": 1.0, "eval": {"logits": torch.ones(2, 3)}}, step=1)
+    with pytest.raises(ValueError, match=r"^log\(\): 'model' is a Linear, not a number"):
+        engine.log({"model": nn.Linear(1, 1)}, step=1)
+    engine.log({"acc": torch.tensor([0.5]), "n": np.float32(2.0), "name": "a"}, step=2)
+    engine.end_training()
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in x.items() if k != "time"} for x in lines] == [{"step": 2, "acc": 0.5, "n": 2.0, "name": "a"}]
+
+
+def test_report_reads_what_a_crash_left_whole(tmp_path: Path) -> None:
+    """A metrics.jsonl whose last line was cut by a crash: the whole lines are reported, and one
+    line names the file, the line and the bytes left out; a damaged line before the end is refused."""
+    from shardwise.config import ConfigError
+    from shardwise.report import report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    whole = "".join(json.dumps({"step": s, "loss": 1.0 / s, "step_time_s": 0.1}) + "\n" for s in (1, 2, 3))
+    cut = '{"step": 4, "loss": 0.2'
+    (run / "metrics.jsonl").write_text(whole + cut)
+    png, text = report(run)
+    assert text.splitlines()[0] == (f"skipped {run / 'metrics.jsonl'}:4: {len(cut)} bytes of an unfinished last line "
+                                    "(the run stopped while writing it)")
+    assert "3 steps, 3 records" in text and png.is_file()
+    (run / "metrics.jsonl").write_text(cut + "\n" + whole)
+    with pytest.raises(ConfigError, match=r"metrics\.jsonl:1: not a JSON line .*; the file is damaged"):
+        report(run)

@@ -4,8 +4,11 @@ tests/scripts/resilient.py is an ordinary loop plus two lines (`engine.load_stat
 `checkpoint_every_steps` in its config). Faults are injected through SHARDWISE_TEST_FAULT:
 - a worker SIGKILLs itself after step 5 (first attempt only), launched with --max-restarts 1:
   the run ends bit-identical (fp32) to an uninterrupted one, under zero3, ddp and DeepSpeed;
-- SIGTERM to `shardwise launch` at step 3: the workers checkpoint at the next boundary and exit
-  75; a relaunch finishes bit-identical to the uninterrupted run;
+- SIGTERM to `shardwise launch` and both workers at once at step 3, SIGTERM twice to the launcher,
+  Ctrl-C twice: the workers checkpoint at the next boundary and exit 75, the launcher names the
+  saved step; a relaunch resumes from it and finishes bit-identical to the uninterrupted run;
+- `load_state()` that finds nothing says so, or refuses (`resume: required`, a restart after an
+  earlier attempt saved); `checkpoint_every_steps` saves the final step at `end_training()`;
 - a rank hangs inside step 2: with collective_timeout_s 15 every process has exited within 60 s,
   the error names the step and the rank that did not arrive, and the newest checkpoint is the
   last complete one;
@@ -110,28 +113,52 @@ def test_sigkilled_worker_costs_at_most_the_checkpoint_interval(settings: dict[s
     assert _identical(state, ref_state)
 
 
-# -- SIGTERM to the launcher: a checkpoint at the next boundary, a documented exit, a relaunch -----
-def test_sigterm_to_the_launcher_loses_no_step(tmp_path: Path) -> None:
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+# -- preemption as schedulers send it: a checkpoint at the next boundary, a true message, a relaunch -
+def _stop(folder: Path, config: Path, how: str) -> tuple[int, subprocess.CompletedProcess[str] | None]:
+    """Launch slowed down, signal it after 3 steps as `how` says, check what the stop left; return
+    the step it saved and the finished relaunch."""
+    proc = _start_slow(config, folder, steps=3)
+    found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {folder}"], check=False, capture_output=True, text=True)
+    workers = [int(pid) for pid in found.stdout.split() if int(pid) != proc.pid]
+    assert len(workers) == 2, found.stdout
+    sig = signal.SIGINT if how == "sigint twice" else signal.SIGTERM
+    if how == "everyone":  # SLURM's scancel / preemption, Kubernetes: every process at once
+        for pid in [proc.pid, *workers]:
+            os.kill(pid, signal.SIGTERM)
+    else:  # a second signal (Ctrl-C again, scancel again) while the workers save
+        proc.send_signal(sig)
+        time.sleep(0.3)
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    steps = sorted(int(p.name.split("_")[1]) for p in (folder / "checkpoints").glob("step_*"))
+    assert steps and steps[-1] in (3, 4), (steps, err[-3000:])
+    saved = steps[-1]
+    assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err  # the worker's line
+    assert "; exit code 75" in err and "forcefully exiting" not in err  # none was SIGKILLed
+    name = sig.name + (" (and 1 more signal(s), ignored while the workers saved)" if how != "everyone" else "")
+    assert (f"shardwise launch: stopped by {name}; the workers saved {folder / 'checkpoints' / f'step_{saved}'} "
+            f"(step {saved}) in ") in err, err[-3000:]
+    assert f"and exited 75; the same command resumes from step {saved}" in err
+    return saved, (_run(config, folder) if how != "sigint twice" else None)  # (the same resume as SIGTERM's)
+
+
+def test_preemption_signals_to_every_process_and_repeated_lose_no_step(tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
     straight.mkdir()
-    stopped.mkdir()
-    config = _config(stopped, strategy="zero3")
     ref = _run(_config(straight, strategy="zero3"), straight)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    proc = _start_slow(config, stopped, steps=3)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=90)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "stopped by SIGTERM" in err
-    steps = sorted(int(p.name.split("_")[1]) for p in (stopped / "checkpoints").glob("step_*"))
-    assert steps and steps[-1] in (3, 4), steps
-    assert f"stopped after step {steps[-1]} (SIGTERM); exit code 75" in out + err
-    again = _run(config, stopped)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"starting at step {steps[-1]}" in again.stdout
     ref_losses, ref_state = _result(straight)
-    got_losses, state = _result(stopped)
-    assert got_losses == ref_losses and _identical(state, ref_state)
+    for how in ("everyone", "sigterm twice", "sigint twice"):
+        folder = tmp_path / how.replace(" ", "_")
+        folder.mkdir()
+        saved, again = _stop(folder, _config(folder, strategy="zero3"), how)
+        if again is None:
+            continue
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"starting at step {saved}" in again.stdout and f"at step {saved}" in again.stderr
+        got_losses, state = _result(folder)
+        assert got_losses == ref_losses and _identical(state, ref_state), how  # bit-identical (fp32)
 
 
 # -- a rank hangs: the collective times out, every process ends, the checkpoint is whole -----------
@@ -213,3 +240,73 @@ def test_workers_stop_when_their_launcher_dies(tmp_path: Path) -> None:
     assert gone_after < 10, gone_after  # within seconds: the watch polls every second, a step takes 0.4 s
     steps = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
     assert steps and steps[-1] >= 2  # they stopped at a boundary, after a checkpoint
+
+
+# -- what `load_state()` does when it finds nothing: the `resume` setting ---------------------------
+def _prepared(folder: Path, **settings: Any) -> tuple[Any, Any, Any, Any]:
+    from torch.utils.data import DataLoader
+
+    import shardwise
+
+    engine = shardwise.Engine(cpu=True, seed=W.SEED, checkpoint_dir=str(folder / "ckpt"), **settings)
+    model = W.build("tiny")
+    model, opt, loader = engine.prepare(model, W.make_optimizer(model), DataLoader(W.Tokens(16), batch_size=2))
+    return engine, model, opt, loader
+
+
+def _train(engine: Any, model: Any, opt: Any, loader: Any, steps: int) -> None:
+    while engine.step < steps:
+        for ids in loader:
+            with engine.accumulate(model):
+                engine.backward(W.lm_loss(model, ids))
+                opt.step()
+                opt.zero_grad()
+            if engine.step >= steps:
+                break
+
+
+def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.resilience import read_run_record
+    from shardwise.storage import CheckpointError
+
+    engine, *_ = _prepared(tmp_path)
+    assert engine.load_state() is None  # a typo'd or empty checkpoint_dir: said, not silent
+    assert f"shardwise: no checkpoint under {tmp_path / 'ckpt'}/: starting at step 0" in capfd.readouterr().err
+    engine, *_ = _prepared(tmp_path, resume="required")
+    with pytest.raises(CheckpointError, match=r"^no checkpoint under .*ckpt/ and resume: required: check checkpoint_dir"):
+        engine.load_state()
+    # a restart of a `--max-restarts` launch whose earlier attempt saved: none found is an error
+    record = tmp_path / "record.jsonl"
+    record.write_text('{"attempt": 0, "step": 4, "seconds": 0.1, "path": "elsewhere/step_4", "stop": ""}\n')
+    monkeypatch.setenv("SHARDWISE_RUN_RECORD", str(record))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    engine, *_ = _prepared(tmp_path)
+    with pytest.raises(CheckpointError, match=r"^restart 1: an earlier attempt saved elsewhere/step_4 \(step 4\), "
+                                              r"but there is no checkpoint under .*ckpt/ now"):
+        engine.load_state()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the first attempt of a launch starts afresh
+    engine, model, opt, loader = _prepared(tmp_path, resume="never")
+    _train(engine, model, opt, loader, 1)
+    engine.save_state()
+    assert [(r["attempt"], r["step"]) for r in read_run_record(str(record))] == [(0, 4), (0, 1)]  # saves noted
+    engine, *_ = _prepared(tmp_path, resume="never")
+    capfd.readouterr()
+    assert engine.load_state() is None and engine.step == 0  # a checkpoint exists; never loads nothing
+    assert "resume: never: no checkpoint loaded" in capfd.readouterr().err
+
+
+# -- checkpoint_every_steps saves the last step too, at end_training() ------------------------------
+def test_the_checkpoint_policy_saves_the_final_step(tmp_path: Path) -> None:
+    from shardwise.checkpoint import step_dirs
+
+    engine, model, opt, loader = _prepared(tmp_path, checkpoint_every_steps=3)
+    _train(engine, model, opt, loader, 4)
+    weights = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
+    engine.end_training()
+    assert [p.name for p in step_dirs(tmp_path / "ckpt")] == ["step_3", "step_4"]
+    again, model, *_ = _prepared(tmp_path, checkpoint_every_steps=3)
+    assert again.load_state() == 4 and _identical(again.get_state_dict(model), weights)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt" / "step_4").iterdir())
+    again.end_training()  # nothing new to save: step 4 is there already
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt" / "step_4").iterdir()) == before

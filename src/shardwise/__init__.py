@@ -1,12 +1,13 @@
 """shardwise: train PyTorch models that do not fit on one device, from an ordinary loop."""
 
-from .accelerator import (
-    Accelerator,
+from .accelerate_extras import ProfileKwargs
+from .accelerate_types import (
     DataLoaderConfiguration,
     DistributedType,
     GradientAccumulationPlugin,
     ProjectConfiguration,
 )
+from .accelerator import Accelerator
 from .config import ConfigError, EngineConfig, LossScaleConfig
 from .engine import Engine, set_seed
 from .memory import MemoryReport, tensor_memory
@@ -23,6 +24,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "LossScaleConfig",
     "MemoryReport",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "__version__",
     "set_seed",

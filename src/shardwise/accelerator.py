@@ -16,114 +16,55 @@ Where Accelerate's rules differ from the Engine's, the Accelerator follows Accel
   load_state(): the DataLoader  restored                       not restored (scripts skip the
   position within its epoch                                    seen batches themselves), unless
                                                                use_stateful_dataloader=True
-Both: a resumed pass does not draw its iterator seed again, so a mid-epoch resume is bit-exact
-with dropout (Accelerate draws it again: the one deliberate difference from its numbers).
+  a resumed pass (load_state    does not draw its iterator     draws it again, as Accelerate:
+  or skip_first_batches)        seed again: bit-exact with     equals Accelerate's resumed run
+                                the uninterrupted run          (not its uninterrupted one)
+  a loop's end                  the loader stays "at end"      the loader active before is again
+  a tracker run's folder        <project_dir>/logs/<run>       <logging_dir or project_dir>/<run>
+  save_state() on one process   -- (a collective)              ddp: a one-process checkpoint all
+  alone; a no-grad forward of                                  load; sharded: refused in one line
+  a sharded model alone                                        (`accelerate_hooks`), never a hang
 Both honour the DataLoader's sampler and generator (`shardwise.data._EpochOrder`).
 The Accelerate objects a script passes (DataLoaderConfiguration, ProjectConfiguration,
-GradientAccumulationPlugin, kwargs handlers) are read by their fields; accelerate itself is
-never imported. Plugins for other engines (deepspeed_plugin, fsdp_plugin, megatron, dynamo,
+GradientAccumulationPlugin, kwargs handlers) are read by their fields; accelerate is imported
+only where installed, to fill the state its logger reads (`accelerate_extras`). Plugins for other engines (deepspeed_plugin, fsdp_plugin, megatron, dynamo,
 tensor parallel) are refused: choose the strategy in shardwise's config instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import os
-import re
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from . import accelerate_extras as extras
+from .accelerate_hooks import SoloForwardCheck, StateHooks, save_together, world_of_one
+from .accelerate_types import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientState,
+    ProjectConfiguration,
+    checkpoint_index,
+    numbered_checkpoints,
+    prune_checkpoints,
+)
 from .config import ConfigError
 from .data import PreparedDataLoader
 from .engine import Engine
 from .optim import PreparedScheduler
+from .strategies.frozen import mark_for_inference
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class DistributedType(str, enum.Enum):
-    """Accelerate's names for how a run is distributed; members compare equal to Accelerate's
-    (both are strings)."""
-
-    NO = "NO"
-    MULTI_CPU = "MULTI_CPU"
-    MULTI_GPU = "MULTI_GPU"
-    FSDP = "FSDP"
-    DEEPSPEED = "DEEPSPEED"
-
-
-@dataclass
-class DataLoaderConfiguration:
-    split_batches: bool = False
-    dispatch_batches: bool | None = None
-    even_batches: bool = True
-    use_seedable_sampler: bool = False
-    data_seed: int | None = None
-    non_blocking: bool = False
-    use_stateful_dataloader: bool = False
-
-
-@dataclass
-class ProjectConfiguration:
-    project_dir: str | None = None
-    logging_dir: str | None = None
-    automatic_checkpoint_naming: bool = False
-    total_limit: int | None = None
-    iteration: int = 0
-    save_on_each_node: bool = False
-
-
-@dataclass
-class GradientAccumulationPlugin:
-    num_steps: int | None = None
-    adjust_scheduler: bool = True
-    sync_with_dataloader: bool = True
-    sync_each_batch: bool = False
-
-
-class GradientState:
-    """Accelerate's `gradient_state`, read from the engine's step state."""
-
-    def __init__(self, acc: Accelerator) -> None:
-        self._acc = acc
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self._acc.sync_gradients
-
-    @property
-    def num_steps(self) -> int:
-        return self._acc.gradient_accumulation_steps
-
-    @property
-    def end_of_dataloader(self) -> bool:
-        return self._acc._loader_at_end
-
-    @property
-    def remainder(self) -> int:
-        loader = self._acc._loader
-        return loader.remainder() if loader is not None and self._acc._loader_at_end else -1
-
-    @property
-    def in_dataloader(self) -> bool:
-        return self._acc._loader is not None and not self._acc._loader_at_end
-
-    # Accelerate's GradientState reads adjust_scheduler from the plugin's non-default fields, so
-    # with its default (True) it reads False and its scheduler never counts micro-steps: neither
-    # does ours, whatever the plugin says
-    adjust_scheduler = False
-    sync_with_dataloader = True
 
 
 class AcceleratorState:
@@ -187,6 +128,8 @@ class Accelerator(Engine):
             if gradient_accumulation_steps != 1:
                 raise ConfigError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
             gradient_accumulation_steps = int(getattr(gradient_accumulation_plugin, "num_steps", None) or 1)
+        # sync_each_batch: every micro-step communicates its gradients (less memory, more traffic)
+        self._sync_each_batch = bool(getattr(gradient_accumulation_plugin, "sync_each_batch", False))
         if gradient_accumulation_steps != 1:
             kwargs["grad_accum_steps"] = gradient_accumulation_steps
         if cpu:
@@ -204,10 +147,13 @@ class Accelerator(Engine):
         if getattr(self.dataloader_config, "dispatch_batches", None):
             raise ConfigError("DataLoaderConfiguration(dispatch_batches=True): shardwise has every process read "
                               "its own share; set dispatch_batches=False")
+        self.profile_handler: Any = None
         for handler in kwargs_handlers or []:
             timeout = getattr(handler, "timeout", None)
             if type(handler).__name__ == "InitProcessGroupKwargs" and timeout is not None:
                 kwargs["collective_timeout_s"] = timeout.total_seconds()
+            elif type(handler).__name__ == "ProfileKwargs":
+                self.profile_handler = handler
             else:
                 warnings.warn(f"{type(handler).__name__} is not applied by shardwise (its settings are "
                               "Accelerate's and PyTorch DDP's)", stacklevel=2)
@@ -217,6 +163,15 @@ class Accelerator(Engine):
         self.gradient_state = GradientState(self)
         self.state = AcceleratorState(self)
         self.flag_tensor: torch.Tensor | None = None
+        self._outer: dict[int, tuple[Any, bool]] = {}  # loader -> the loader active when its loop began
+        if self._sync_each_batch and self.config.backend == "deepspeed":
+            raise ConfigError("GradientAccumulationPlugin(sync_each_batch=True): backend='deepspeed' syncs at its "
+                              "own accumulation boundary only; drop sync_each_batch or use backend='torch'")
+        self._observer.root = extras.logging_root(self)  # Accelerate's <logging_dir>/<run> layout
+        extras.share_process_state(self)  # accelerate.logging's loggers read it
+        self._auto_saved: list[Path] = []  # automatic checkpoint_<i> this process wrote (total_limit's)
+        self._state_hooks = StateHooks()
+        self._saves: dict[int, int] = {}  # save_state calls at the current step (arrival keys)
 
     # -- what Accelerate's scripts read ----------------------------------------------------
     @property
@@ -283,17 +238,38 @@ class Accelerator(Engine):
         data_seed = getattr(cfg, "data_seed", None)
         if seedable and data_seed is not None:
             out["seed"] = int(data_seed)
-        return out
+        return {**out, "on_end": self._loader_ended, "resume_draws": True}
+
+    def _on_batch(self, loader: PreparedDataLoader, last: bool, batch: Any) -> None:
+        if loader is not self._loader:
+            self._outer[id(loader)] = (self._loader, self._loader_at_end)
+        super()._on_batch(loader, last, batch)
+
+    def _loader_ended(self, loader: PreparedDataLoader) -> None:
+        """A loop over `loader` ran to its end: the loader active before it is again, as in
+        Accelerate's gradient_state (so a later gather is not cut to this loader's remainder)."""
+        self._loader, self._loader_at_end = self._outer.pop(id(loader), (None, False))
 
     def prepare(self, *objects: Any, device_placement: Any = None) -> Any:
         out = super().prepare(*objects)
         for obj in out if isinstance(out, tuple) else (out,):
+            if isinstance(obj, nn.Module) and isinstance(obj, FSDPModule) and self.num_processes > 1 \
+                    and not hasattr(obj, "_shardwise_solo"):
+                check = SoloForwardCheck(self.num_processes, self.is_main_process, self.config.collective_timeout_s,
+                                         lambda: self.step, self._guard.others_moved_on)  # before FSDP's all-gather
+                obj.register_forward_pre_hook(check, prepend=True)
+                object.__setattr__(obj, "_shardwise_solo", check)
             if isinstance(obj, PreparedScheduler):
                 obj.steps_per_call = 1 if self.split_batches else self.num_processes
                 obj.step_with_optimizer = self.step_scheduler_with_optimizer
         return out
 
     def prepare_model(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+        """`evaluation_mode=True` (a teacher, a reference): prepared for inference only, as a model
+        with no trainable parameter is: sharded under zero3, a replica otherwise, no DDP wrapper,
+        and no optimizer may hold it (`shardwise.strategies.frozen`)."""
+        if evaluation_mode:
+            mark_for_inference(model)
         return self.prepare(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
@@ -307,13 +283,24 @@ class Accelerator(Engine):
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The prepared loader, whose next pass starts after `num_batches` batches (the position
-        is set, not added: a script that computes its resume step itself gets exactly that)."""
+        is set, not added: a script that computes its resume step itself gets exactly that). As in
+        Accelerate, where that pass is a new loader's, it does not advance the loader's epoch."""
         if not isinstance(dataloader, PreparedDataLoader):
             raise TypeError("skip_first_batches() takes a DataLoader returned by prepare()")
-        dataloader.skip_first_batches(num_batches)
+        dataloader.skip_first_batches(num_batches, detached=True)
         return dataloader
 
     # -- synchronisation ---------------------------------------------------------------------
+    def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """As `Engine.accumulate`; with GradientAccumulationPlugin(sync_each_batch=True) every
+        micro-step's backward communicates (DDP all-reduces, FSDP2 reduce-scatters into the
+        sharded gradients), while the optimizer still steps at the boundary only."""
+        if not self._sync_each_batch:
+            return super().accumulate(*models)
+        self._boundary()
+        self.session.step_state.begin_micro_step(self._loader_at_end)
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Backward inside communicates nothing; gradients accumulate locally."""
@@ -366,6 +353,12 @@ class Accelerator(Engine):
             self.flag_tensor = torch.tensor(0, device=self.device)
             return True
         return False
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Any = None) -> Iterator[torch.profiler.profile]:
+        """Accelerate's profiler with its `ProfileKwargs` (`shardwise.accelerate_extras.profile`)."""
+        with extras.profile(self, profile_handler or self.profile_handler) as profiler:
+            yield profiler
 
     # -- on which process ------------------------------------------------------------------
     def on_main_process(self, function: F) -> F:
@@ -437,8 +430,7 @@ class Accelerator(Engine):
         out[tuple(index)] = tensor
         return out
 
-    def clear(self, *objects: Any) -> tuple[Any, ...]:
-        """Accelerate's alias of `free_memory`."""
+    def clear(self, *objects: Any) -> tuple[Any, ...]:  # Accelerate's alias of `free_memory`
         return self.free_memory(*objects)
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
@@ -453,10 +445,10 @@ class Accelerator(Engine):
         return super().get_state_dict(model)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> None:
+                   safe_serialization: bool = True, *, merge_adapters: bool = False) -> None:
         if not safe_serialization:
             raise ConfigError("save_model(safe_serialization=False): shardwise writes safetensors only")
-        super().save_model(model, save_directory, max_shard_size)
+        super().save_model(model, save_directory, max_shard_size, merge_adapters=merge_adapters)
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager[Any]:
         return super().autocast()
@@ -476,39 +468,89 @@ class Accelerator(Engine):
         return flat if keep is None else flat[:keep]
 
     # -- checkpoints with Accelerate's automatic naming -----------------------------------------
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """`hook(models, weights, output_dir)`, before a save writes (`accelerate_hooks.StateHooks`)."""
+        return self._state_hooks.add(self._state_hooks.save, hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """`hook(models, input_dir)`, before a load reads; returns a handle with `remove()`."""
+        return self._state_hooks.add(self._state_hooks.load, hook)
+
+    def _replicated(self) -> bool:
+        """Every process holds the whole model and optimizer state (ddp, or one process)."""
+        return self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+    def _save_together(self) -> bool:
+        """False when this process alone called save_state (refused where the state is sharded)."""
+        return save_together(self._saves, self.step, self.num_processes, self.process_index,
+                             self.config.collective_timeout_s, None if self._replicated() else self.distributed_type.value,
+                             self._guard.others_moved_on)
+
     def _checkpoints(self) -> Path:
         return Path(self.project_dir or ".") / "checkpoints"
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
                    **save_model_func_kwargs: Any) -> Path:
+        """Accelerate's automatic naming, safe for earlier runs' checkpoints: the run owns
+        `<project_dir>/checkpoints` (`runlock`); a save never goes into an existing
+        `checkpoint_<i>`: a fresh run continues the numbering after the newest one there (where
+        Accelerate refuses); `total_limit` removes only checkpoints this process wrote and only
+        while they hold nothing but the checkpoint (others stay, with one warning)."""
+        from . import runlock
+
         pc = self.project_configuration
+        together = self._save_together()
+        alone = contextlib.nullcontext() if together else world_of_one(self)  # ddp: a world-of-one checkpoint
         if output_dir is not None or not getattr(pc, "automatic_checkpoint_naming", False):
-            return super().save_state(output_dir, keep_last=keep_last)
+            with alone:
+                path = super().save_state(output_dir, keep_last=keep_last)
+            self._state_hooks.after_save(self.session.models, self.unwrap_model, str(path))
+            return path
         root = self._checkpoints()
-        path = super().save_state(root / f"checkpoint_{pc.iteration}")
+        runlock.hold(root, self.process_index)
+        found = numbered_checkpoints(root)
+        start = [max(pc.iteration, checkpoint_index(found[-1]) + 1 if found else 0)]
+        if self.num_processes > 1 and together:  # process 0's listing: every process saves to the same folder
+            dist.broadcast_object_list(start, src=0)
+        if start[0] != pc.iteration and self.is_main_process and not self._auto_saved:
+            warnings.warn(f"{root / f'checkpoint_{pc.iteration}'} exists (an earlier run's): this run's "
+                          f"checkpoints start at checkpoint_{start[0]}", stacklevel=2)
+        pc.iteration = start[0]
+        with alone:
+            path = super().save_state(root / f"checkpoint_{pc.iteration}")
+        self._state_hooks.after_save(self.session.models, self.unwrap_model, str(path))
         pc.iteration += 1
+        self._auto_saved.append(path)
         limit = getattr(pc, "total_limit", None)
-        if limit and self.is_main_process:  # Accelerate's total_limit: keep the newest
-            for old in _numbered(root)[: -limit]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.wait_for_everyone()
+        if limit and len(self._auto_saved) > limit:
+            old, self._auto_saved = self._auto_saved[:-limit], self._auto_saved[-limit:]
+            if self.is_main_process:
+                prune_checkpoints(old)
+        if together:
+            self.wait_for_everyone()
         return path
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, **load_model_func_kwargs: Any) -> int | None:
+        from . import runlock
+
         pc = self.project_configuration
         if input_dir is None and getattr(pc, "automatic_checkpoint_naming", False):
-            found = _numbered(self._checkpoints())
+            runlock.hold(self._checkpoints(), self.process_index)
+            found = numbered_checkpoints(self._checkpoints())
             if not found:
                 raise FileNotFoundError(f"no checkpoint_<i> folder under {self._checkpoints()} to load")
             input_dir = found[-1]
-            pc.iteration = int(found[-1].name.split("_")[1]) + 1  # the next save does not overwrite it
+            pc.iteration = checkpoint_index(found[-1]) + 1  # the next save does not overwrite it
+        if input_dir is not None:
+            self._state_hooks.before_load(self.session.models, str(input_dir))
+        epochs = [(loader._iteration, loader._epoch) for loader in self._loaders]
         step = super().load_state(input_dir)
         if not getattr(self.dataloader_config, "use_stateful_dataloader", False):
             # Accelerate restores weights, optimizer, schedulers and RNG, not where a DataLoader
-            # stood in its epoch: its scripts skip the batches themselves (skip_first_batches or
-            # a `continue`), and would skip twice if the position came back too
-            for loader in self._loaders:
-                loader._resume_at = 0
+            # stood (its epoch, its place in it): its scripts skip the batches themselves
+            # (skip_first_batches or a `continue`), and would skip twice if the position came back
+            for loader, (iteration, epoch) in zip(self._loaders, epochs):
+                loader._resume_at, loader._iteration, loader._epoch = 0, iteration, epoch
                 if loader._batches is not None:
                     loader._batches.order.resume = None
         return step
@@ -522,10 +564,3 @@ def _all_tensors(data: Any) -> bool:
     if isinstance(data, (list, tuple)):
         return len(data) > 0 and all(_all_tensors(v) for v in data)
     return False
-
-
-def _numbered(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
-    return [p for _, p in sorted(found)]

@@ -17,7 +17,8 @@ file, or the current directory is refused before anything is written. meta.json 
 file's size and xxh3-64 checksum (each process hashes the files it wrote, from the page cache);
 a load verifies them all first, each process a share of the files. Loading reads only JSON and
 weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256 matches the one
-recorded in meta.json.
+recorded in meta.json. A save or load inside the run's checkpoint_dir first takes the run lock
+(`runlock`: one run per checkpoint folder).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from . import runlock
 from .consolidate import find_aliases, hf_config_json
 from .storage import (
     STAGING_MARK,
@@ -63,6 +65,7 @@ from .storage import (
     os_error_line,
     staging_dir,
     staging_is_ours,
+    write_torch,
 )
 
 log = logging.getLogger("shardwise")
@@ -91,6 +94,7 @@ class Parts:
     info: dict[str, Any]  # backend, strategy, offload, precision
     rank: int
     world: int
+    checkpoint_dir: Path | None = None  # the run's folder: saves and loads inside it take the run lock
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -240,6 +244,7 @@ def save(parts: Parts, target: Path) -> SaveReport:
     target = Path(target)
     stage = staging_dir(target)
     start = time.perf_counter()
+    runlock.hold_for(parts.checkpoint_dir, target, parts.rank)  # before anything is checked or written
     agree(_check_target(target, stage) if parts.rank == 0 else None)
     try:
         return _save_staged(parts, target, stage, start)
@@ -264,11 +269,12 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
     try:
         dcp.save(state, storage_writer=writer)  # each process writes its own shards
     except _DCP_FAILURES as err:  # DCP agrees on failure across processes itself
-        raise CheckpointError(os_error_line(target, "write the checkpoint's tensors", _first_failure(err))) from None
+        needed = _tensor_bytes(state)  # the same on every process: the message is too
+        raise CheckpointError(os_error_line(target, "write the checkpoint's tensors", _first_failure(err), needed)) from None
     sums: dict[str, str] = {}
     hashing = 0.0
     try:
-        torch.save(_rng_state(), stage / "rng" / f"rank{parts.rank}.pt")
+        write_torch(_rng_state(), stage / "rng" / f"rank{parts.rank}.pt")
         t0 = time.perf_counter()
         for name in [*writer.written, f"rng/rank{parts.rank}.pt"]:
             sums[name] = checksum_file(stage / name)  # just written: read back from the page cache
@@ -296,7 +302,7 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
 
 def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums: dict[str, str]) -> int:
     """Process 0: the loop state, meta.json (written last), then the exchange into place."""
-    torch.save(parts.loop_state, stage / "engine.pt")  # (the loop state; file name of format 1)
+    write_torch(parts.loop_state, stage / "engine.pt")  # (the loop state; file name of format 1)
     models = []
     for i, module in enumerate(parts.unwrapped):
         models.append(_model_meta(module, state[f"model{i}"]))
@@ -344,6 +350,16 @@ def _into_place(stage: Path, target: Path) -> None:
         stage.rename(target)
         shutil.rmtree(aside)
     fsync_path(target.parent)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in `obj`, whole (a DTensor's global size; a replicated tensor,
+    which DCP writes once, counted once): about what the checkpoint's shards need on disk."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (dict, list, tuple)):
+        return sum(_tensor_bytes(v) for v in (obj.values() if isinstance(obj, dict) else obj))
+    return 0
 
 
 def _first_failure(err: BaseException) -> BaseException:
@@ -455,6 +471,7 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     Every file is checked against its checksum first (each process a share), so nothing is
     loaded from a checkpoint that is not the one that was written."""
     folder = Path(folder)
+    runlock.hold_for(parts.checkpoint_dir, folder, parts.rank)
     meta = read_meta(folder)
     agree(verify_files(folder, meta, parts.rank, parts.world))
     if len(meta["optimizers"]) != len(parts.runners):

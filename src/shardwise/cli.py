@@ -27,7 +27,7 @@ _ENGINE_FLAGS = [
     "strategy", "backend", "precision", "offload", "grad_accum_steps", "max_grad_norm", "seed", "cpu",
     "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "checkpoint_dir",
     "offload_bucket_numel", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_last", "collective_timeout_s",
-    "preempt_signals", "preempt_grace_s",
+    "preempt_signals", "preempt_grace_s", "resume",
 ]
 # torchrun's own flags that fill the launch section instead of passing through.
 _TORCHRUN_FOLDED = {
@@ -193,7 +193,10 @@ def _cmd_launch(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.close(fd)
     try:
         write_yaml(cfg, path, header="# resolved by shardwise launch\n")
-        return run_torchrun(argv, path)
+        # stopped, the workers get up to preempt_grace_s to reach a boundary, then their save's
+        # collectives time out after collective_timeout_s: the launcher waits that long for them
+        return run_torchrun(argv, path, stop_signal=(cfg.preempt_signals or ("SIGTERM",))[0],
+                            stop_timeout_s=cfg.preempt_grace_s + cfg.collective_timeout_s)
     finally:
         Path(path).unlink(missing_ok=True)
 

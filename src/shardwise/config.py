@@ -21,6 +21,7 @@ PrecisionName = Literal["fp32", "bf16", "fp16"]
 OffloadName = Literal["none", "optimizer", "params"]
 BackendName = Literal["torch", "deepspeed"]
 HostKernelName = Literal["torch", "deepspeed"]
+ResumeName = Literal["auto", "required", "never"]
 Rendezvous = Literal["c10d", "static"]
 OptimizerType = Literal["AdamW", "Adam", "SGD"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
@@ -28,6 +29,7 @@ Auto = Literal["auto"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 OFFLOADS: tuple[str, ...] = get_args(OffloadName)
+MIN_COLLECTIVE_TIMEOUT_S = 5.0  # below it a healthy run's start-up or checkpoint collectives time out
 
 
 class ConfigError(ValueError):
@@ -261,7 +263,13 @@ class EngineConfig:
     """Keep only the newest this many step_<N> checkpoints (None: keep all)."""
     collective_timeout_s: float = 600.0
     """A collective that does not complete within this many seconds ends the run with an error
-    naming the step and the processes that did not arrive (torch's default is 30 minutes)."""
+    naming the step and the processes that did not arrive (torch's default is 30 minutes). At
+    least 5: below that, ordinary start-up and checkpoint collectives fail inside gloo/NCCL."""
+    resume: ResumeName = "auto"
+    """What `load_state()` (no folder given) does. auto: resume from the newest checkpoint under
+    checkpoint_dir, or say in one line that there is none and start at step 0 (on a restart by
+    `shardwise launch --max-restarts`, after an earlier attempt saved one, none is an error).
+    required: no checkpoint is an error. never: load nothing (start at step 0) and say so."""
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     """Signals that make the run checkpoint at the next step boundary and exit with code 75."""
     preempt_grace_s: float = 25.0
@@ -319,6 +327,10 @@ class EngineConfig:
         if self.checkpoint_every_seconds is not None:
             _positive("checkpoint_every_seconds", self.checkpoint_every_seconds, minimum=1e-3)
         _positive("collective_timeout_s", self.collective_timeout_s, minimum=1e-3)
+        if self.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
+            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s!r} is too short: a healthy run's "
+                              f"collectives can take that long; use at least {MIN_COLLECTIVE_TIMEOUT_S:g} (seconds)")
+        _choice("resume", self.resume, get_args(ResumeName))
         from .trackers import check_log_with
 
         try:

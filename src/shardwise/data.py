@@ -12,6 +12,7 @@ again from the start of the epoch; `Engine.gather_for_metrics` drops them again.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -55,7 +56,9 @@ class _EpochOrder:
     as is      any other sampler (SequentialSampler, the user's own): iterated as is, after
                `set_epoch(epoch)` where it has one.
     What decided a pass's order (generator state or drawn seed) is kept in the loader's state,
-    so a mid-epoch resume continues the same order without drawing again.
+    so a mid-epoch resume continues the same order without drawing again. The order is drawn
+    lazily, as a DataLoader draws it: torch's RandomSampler draws one more permutation only when
+    iterated to its end, so a pass left with `break` leaves the generator where Accelerate does.
     """
 
     def __init__(self, sampler: Sampler[int], seed: int | None, world: int, *, seedable: bool = False) -> None:
@@ -83,14 +86,14 @@ class _EpochOrder:
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]  # every sampler a DataLoader takes has one
 
-    def indices(self, epoch: int) -> list[int]:
+    def stream(self, epoch: int) -> Iterator[int]:
         resume, self.resume = self.resume, None
         if self.mode == "seeded":
             assert self.seed is not None
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
             self.source = None
-            return torch.randperm(len(cast(RandomSampler, self.sampler).data_source), generator=g).tolist()
+            return iter(torch.randperm(len(cast(RandomSampler, self.sampler).data_source), generator=g).tolist())
         if self.mode == "generator":
             g = cast(torch.Generator, getattr(self.sampler, "generator"))  # noqa: B009
             if resume is not None:
@@ -98,19 +101,21 @@ class _EpochOrder:
             else:
                 _sync_generator(g, self.world)
             self.source = g.get_state()
-            return list(self.sampler)
+            return iter(self.sampler)
         if self.mode == "drawn":
             sampler = cast(RandomSampler, self.sampler)
             self.source = seed = int(resume) if resume is not None else _draw_seed()
             sampler.generator = torch.Generator()
             sampler.generator.manual_seed(seed)
             try:
-                return list(sampler)
+                it = iter(sampler)
+                first = next(it, _END)  # RandomSampler takes its generator at its first draw
             finally:
                 sampler.generator = None
+            return iter(()) if first is _END else itertools.chain([cast(int, first)], it)
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-        return list(self.sampler)
+        return iter(self.sampler)
 
 
 class _RankBatchSampler(Sampler[list[int]]):
@@ -126,10 +131,12 @@ class _RankBatchSampler(Sampler[list[int]]):
         self.num_samples = len(order)
 
     def __iter__(self) -> Iterator[list[int]]:
-        idx = self.order.indices(self.epoch)
+        stream = self.order.stream(self.epoch)
         g = self.batch_size * self.world
-        for k in range(self.start, len(idx), g):
-            chunk = idx[k : k + g]
+        first = list(itertools.islice(stream, g))  # the epoch's first samples: a "full" tail repeats them
+        rest = itertools.chain(first, stream)
+        next(itertools.islice(rest, self.start, self.start), None)  # a resumed pass: skip the served samples
+        while chunk := list(itertools.islice(rest, g)):
             per = self.batch_size
             if len(chunk) < g:
                 if self.drop_last:
@@ -144,7 +151,7 @@ class _RankBatchSampler(Sampler[list[int]]):
                 # "full": every process a full batch, the missing samples taken again from the
                 # start of the epoch (Accelerate's even_batches=True)
                 pad = per * self.world - len(chunk)
-                chunk = chunk + [idx[i % len(idx)] for i in range(pad)]
+                chunk = chunk + [first[i % len(first)] for i in range(pad)]
             yield chunk[self.rank * per : (self.rank + 1) * per]
 
     def __len__(self) -> int:
@@ -232,6 +239,8 @@ class PreparedDataLoader(DataLoader[Any]):
         tail: str = "split",
         split_batches: bool = False,
         seedable: bool = False,
+        on_end: Callable[[PreparedDataLoader], None] | None = None,
+        resume_draws: bool = False,
     ) -> None:
         if base.batch_size is None:
             raise TypeError(
@@ -248,10 +257,13 @@ class PreparedDataLoader(DataLoader[Any]):
         self.tail = tail
         self.device = device
         self._on_batch = on_batch
+        self._on_end = on_end  # called when a loop over the loader ran to its end
+        self.resume_draws = resume_draws  # a resumed pass draws its iterator seed, as Accelerate's does
         self._epoch: int | None = None
         self._iteration = 0
         self._served = 0  # samples of the current epoch yielded so far (all processes)
         self._resume_at = 0
+        self._detached = False  # the next pass leaves the epoch as it was (skip_first_batches)
         kwargs: dict[str, Any] = {
             "num_workers": base.num_workers,
             "collate_fn": base.collate_fn,
@@ -288,9 +300,12 @@ class PreparedDataLoader(DataLoader[Any]):
         """Reshuffle for `epoch` (otherwise each new pass over the loader advances the epoch)."""
         self._epoch = epoch
 
-    def skip_first_batches(self, num_batches: int) -> None:
-        """The next pass starts after its first `num_batches` batches (of this process)."""
+    def skip_first_batches(self, num_batches: int, *, detached: bool = False) -> None:
+        """The next pass starts after its first `num_batches` batches (of this process).
+        `detached`: that pass leaves the loader's epoch as it was (Accelerate's skip_first_batches
+        iterates a new loader, so the original's epoch does not advance)."""
         self._resume_at = num_batches * self.total_batch_size
+        self._detached = detached
 
     def remainder(self) -> int:
         """Real samples in the last global batch; 0 when it is full."""
@@ -317,6 +332,8 @@ class PreparedDataLoader(DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # yields batches, as DataLoader's iterator does
         epoch = self._iteration if self._epoch is None else self._epoch
         start, self._resume_at = self._resume_at, 0
+        detached, self._detached = self._detached, False
+        before = (self._iteration, self._epoch)
         self._served = start
         if self._batches is not None:
             self._batches.epoch = epoch
@@ -325,7 +342,7 @@ class PreparedDataLoader(DataLoader[Any]):
             assert self._shard is not None
             self._shard.set_epoch(epoch)
             self._shard.start = start
-        if start:
+        if start and not self.resume_draws:
             # a resumed pass: the uninterrupted run drew the iterator's base seed from the global
             # generator at the epoch's start, before the checkpoint's RNG state; drawing it again
             # here would shift every later random draw (dropout) of the resumed run
@@ -335,6 +352,8 @@ class PreparedDataLoader(DataLoader[Any]):
             it = super().__iter__()
         current = next(it, _END)
         if current is _END:
+            if self._on_end is not None:
+                self._on_end(self)
             return
         while True:  # look one batch ahead to know which batch is the last
             try:
@@ -352,6 +371,10 @@ class PreparedDataLoader(DataLoader[Any]):
         self._served = 0
         if self._epoch is not None:
             self._epoch += 1
+        if detached:
+            self._iteration, self._epoch = before
+        if self._on_end is not None:
+            self._on_end(self)
 
 
 def is_dataloader(obj: object) -> bool:

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .adapters import save_problem, save_weights, unwrapped
 from .collectives import check_reduction, gather_one, map_tensors, reduce_one
 from .config import ConfigError, EngineConfig, make_config, resolve_grad_accum
 from .config_io import config_with_code
-from .consolidate import save_model_files
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source, init_distributed
+from .items import per_item
 from .materialize import init_empty
 from .memory import MemoryReport, tensor_memory
 from .observe import Observer, TrackerVerbs
@@ -44,8 +45,9 @@ from .resilience import Guard, say
 from .session import PRETRAINED, Session, check_optimizer
 from .storage import CheckpointError, agree, os_error_line
 from .strategies import make_strategy
+from .strategies.frozen import check_inference_models, for_inference
 from .trackers import check_log_with
-from .weights import check_source
+from .weights import Pretrained, check_source
 
 log = logging.getLogger("shardwise")
 
@@ -172,6 +174,7 @@ class Engine(TrackerVerbs):
             print(*args, **kwargs)
 
     def wait_for_everyone(self) -> None:
+        self._guard.heartbeat("waiting for everyone")  # moved on, for a call the main process makes alone
         dist.barrier()
 
     @contextlib.contextmanager
@@ -193,11 +196,8 @@ class Engine(TrackerVerbs):
         of = {kind: [o for o, k in zip(objects, kinds) if k == kind] for kind in ("model", "optimizer", "scheduler", "dataloader")}
         for loader in of["dataloader"]:
             self._check_batch_sizes(loader)
-        if of["model"] and not any(p.requires_grad for m in of["model"] for p in m.parameters()):
-            raise ValueError(f"{type(of['model'][0]).__name__} has no trainable parameters (none, or all "
-                             "frozen): there is nothing to train or shard; prepare it for inference only "
-                             "without an optimizer, or unfreeze what should train")
         known = self._session.param_ids if self._session is not None else set()
+        check_inference_models([*of["model"], *(self._session.models if self._session else [])], of["optimizer"])
         for optimizer in of["optimizer"]:
             check_optimizer(optimizer, of["model"], known)
         if self._session is None:
@@ -222,9 +222,10 @@ class Engine(TrackerVerbs):
                 **{"seed": self.config.seed, **self._loader_options()},
             )
             self._loaders.append(prepared[id(loader)])
-        if of["model"] and not of["optimizer"] and not session.optimizers and self.config.optimizer:
+        trained = [m for m in of["model"] if not for_inference(m)]  # a frozen reference gets no optimizer
+        if trained and not of["optimizer"] and not session.optimizers and self.config.optimizer:
             loaders = [prepared[id(o)] for o in of["dataloader"]]
-            self._build_from_config(prepared[id(of["model"][0])], loaders[0] if loaders else None)
+            self._build_from_config(prepared[id(trained[0])], loaders[0] if loaders else None)
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
 
@@ -317,7 +318,7 @@ class Engine(TrackerVerbs):
         return self.session.accumulate(models, loader_at_end=self._loader_at_end)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """`loss.backward()`, divided by grad_accum_steps and multiplied by the fp16 loss scale."""
+        """`loss.backward()` / grad_accum_steps, x the fp16 loss scale. `num_items=n`: see `shardwise.items`."""
         if self._session is None or not self._session.models:
             raise RuntimeError("backward() before prepare(): prepare the model (and its optimizer) first, "
                                "then compute the loss with the prepared model")
@@ -328,7 +329,7 @@ class Engine(TrackerVerbs):
             self._observer.epoch = loader._iteration if loader._epoch is None else loader._epoch
             self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
         self._observer.at_boundary(self.step, self._probe)  # loops without accumulate() or loaders
-        self._observer.on_backward(loss)
+        self._observer.on_backward(per_item(loss, kwargs.get("num_items")))  # num_items: a mean per item
         with self._guard.timeouts():
             self.session.backward(loss, **kwargs)
 
@@ -393,68 +394,64 @@ class Engine(TrackerVerbs):
             yield
         self._init_rng = record.rng
 
-    def load_model(self, model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+    def load_model(self, model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
+                   key_map: dict[str, str] | None = None) -> None:
         """Load safetensors weights into a prepared model: the inverse of `save_model`.
 
-        `path`: a folder written by `save_model`, `shardwise export` or `save_pretrained` (one
-        file, or shards with their index), or one `.safetensors` file. Keys, shapes and files
-        are checked before any weight changes (`strict=False` leaves missing keys as they are
-        and skips unexpected ones, with a warning). Each process reads only its shard's rows;
-        dtypes are converted on the way. A collective.
+        `path`: a folder written by `save_model`, `shardwise export` or `save_pretrained`, or one
+        `.safetensors` file. Keys, shapes and files are checked before any weight changes (`strict=False`
+        leaves missing keys and skips unused ones, with a warning; `key_map={'old.': 'new.'}` renames key
+        prefixes; a wrapper's `module.` is stripped). Each process reads its shard's rows. A collective.
         """
-        session = self.session
-        strategy = session.strategy
-        source, found = check_source(path, strategy.unwrap(model), strict=strict, shapes=strategy.full_shapes(model))
-        session.load_weights(model, source, found)
+        strategy = self.session.strategy
+        source, found = check_source(path, strategy.unwrap(model), strict=strict, shapes=strategy.full_shapes(model),
+                                     key_map=key_map)
+        self.session.load_weights(model, source, found)
 
-    def from_pretrained(self, model_class: Any, path: str | os.PathLike[str], **config_kwargs: Any) -> nn.Module:
+    def from_pretrained(self, model_class: Any, path: str | os.PathLike[str], *, strict: bool = True,
+                        key_map: dict[str, str] | None = None, **config_kwargs: Any) -> nn.Module:
         """A `transformers` model built from the config in `path` without memory; `prepare`
         then loads the weights in `path` into its shards (keys the files lack, such as a new
         classification head, are initialized by the model's own `_init_weights`).
 
-        `model_class`: an `AutoModelFor...` class or a model class; `config_kwargs` override
-        the config (e.g. `num_labels=2`). Reads local folders (no hub access).
+        `model_class`: an `AutoModelFor...` class or a model class; `config_kwargs` override the config
+        (`num_labels=2`); `strict`, `key_map` as in `load_model`. Reads local folders (no hub access).
         """
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, **config_kwargs)
-        build = getattr(model_class, "from_config", None) or model_class
         with self.init_empty():
-            model = build(config)
-        object.__setattr__(model, PRETRAINED, Path(path))
+            model = (getattr(model_class, "from_config", None) or model_class)(config)
+        object.__setattr__(model, PRETRAINED, Pretrained(Path(path), strict, key_map))
         return cast(nn.Module, model)
 
     # -- models out -------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module) -> nn.Module:
-        """The user's module, without the DDP wrapper (an FSDP2 module is its own unwrap)."""
-        return self.session.strategy.unwrap(model)
+        """The user's module, without the DDP wrapper (an FSDP2 module is its own unwrap); its
+        `save_pretrained` refuses while it is sharded: use `save_model` (see `adapters`)."""
+        return unwrapped(self.session.strategy.unwrap(model))
 
     def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights as CPU tensors on the main process; `{}` on the others.
         A collective: call it on every process."""
         return self.session.strategy.full_state_dict(model)
 
-    def save_model(
-        self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "5GB"
-    ) -> None:
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                   *, merge_adapters: bool = False) -> None:
         """Consolidated weights as safetensors (split above `max_shard_size`, with an index),
-        plus config.json for a `transformers` model: `from_pretrained(dir)` loads it.
-
-        Only those files are written or replaced: a tokenizer or any other file already in the
-        folder stays. Each file is staged beside the folder and renamed in, the index last, so an
-        interrupted save never leaves a half-written file there; every file carries a checksum
-        (`shardwise verify DIR`). A collective.
+        plus config.json for a `transformers` model: `from_pretrained(dir)` loads it. A peft
+        model: its adapter folder (`PeftModel.from_pretrained`), or with `merge_adapters` the
+        merged full model. Only those files are written or replaced; each is staged beside the
+        folder and renamed in, the top file last; checksums: `shardwise verify DIR`. A collective.
         """
         target = Path(save_directory)
-        problem = None
-        if self.is_main_process and os.path.lexists(target) and not target.is_dir():
-            problem = f"{target}: is a file, not a folder; save_model writes a folder of files: choose another path"
-        agree(problem)  # refused before the weights are gathered
+        agree(save_problem(self.unwrap_model(model), target, merge_adapters, self.is_main_process))  # before the gather
         state = self.get_state_dict(model)
         problem = None
         if self.is_main_process:
             try:
-                save_model_files(self.unwrap_model(model), state, target, max_shard_size=max_shard_size)
+                save_weights(self.unwrap_model(model), state, target, max_shard_size=max_shard_size,
+                             merge_adapters=merge_adapters)
             except CheckpointError as err:
                 problem = str(err)
         agree(problem)
@@ -491,7 +488,7 @@ class Engine(TrackerVerbs):
         keep_last = keep_last if keep_last is not None else self.config.keep_last
         with self._guard.timeouts():
             report = checkpoint.save(self._checkpoint_parts(), target)
-        self._last_save = report
+        self._last_save = self._guard.saved(report, self.step)  # noted for resume and the launcher
         problem = None
         if output_dir is None and self.is_main_process:
             try:
@@ -506,15 +503,16 @@ class Engine(TrackerVerbs):
         the optimizer steps it holds.
 
         With no folder: the newest complete checkpoint under `checkpoint_dir`, or, when there is
-        none yet, nothing happens and None comes back, so a script calls it unconditionally at
-        its start ("latest" names it too, but requires one). Prepare the same models,
+        none yet, one line says so and None comes back, so a script calls it unconditionally at
+        its start (the `resume` setting; "latest" names it too, but requires one). Prepare the same models,
         optimizers, schedulers and DataLoaders first; the next batch is the one that would have
         come after the save.
         """
-        from . import checkpoint
+        from . import checkpoint, runlock
 
         if input_dir is None:
-            found = checkpoint.newest(Path(self.config.checkpoint_dir))
+            runlock.hold(Path(self.config.checkpoint_dir), self.process_index)  # one run per checkpoint folder
+            found = self._guard.resume_from(Path(self.config.checkpoint_dir))  # the `resume` setting
             if found is None:
                 return None
             path = found
@@ -571,6 +569,7 @@ class Engine(TrackerVerbs):
                   "precision": self.config.precision},
             rank=self.process_index,
             world=self.num_processes,
+            checkpoint_dir=Path(self.config.checkpoint_dir),  # saves and loads inside it take the run lock
         )
 
     def memory_report(self) -> MemoryReport:
@@ -581,10 +580,11 @@ class Engine(TrackerVerbs):
     def free_memory(self, *objects: Any) -> tuple[Any, ...]:
         """Release everything prepared on this engine (between two trainings in one process),
         then collect; the objects come back as None. DeepSpeed's engines are destroyed first
-        (DeepSpeed's own cleanup of its hooks); a later `prepare` starts afresh."""
-        if self._session is not None:
+        (DeepSpeed's own cleanup of its hooks); a later `prepare` starts afresh, on the same strategy."""
+        if self._session is not None:  # a later prepare keeps the strategy launched or chosen (planner: once)
             self._session.release()
-            self._session = None
+            self._session = Session(self.config, make_strategy(self.config, self._info))
+        self._loaders, self._loader, self._loader_at_end = [], None, False
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -593,6 +593,7 @@ class Engine(TrackerVerbs):
     def end_training(self) -> None:
         """Write the last metrics record, close the trackers and leave the process group
         (call once, at the end of the script)."""
+        self._guard.at_end(self.step if self._session is not None else 0, self._policy_save)  # the last step
         self._observer.close(self.step if self._session is not None else 0, self._probe)
         if dist.is_initialized():
             dist.barrier()

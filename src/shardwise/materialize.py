@@ -1,27 +1,27 @@
 """Models built without memory: parameters on the meta device, materialized shard by shard.
 
-`init_empty()` builds a model whose parameters are on the meta device (no bytes, no random
-draws) while its buffers stay real, so non-persistent buffers the model computes in its
-constructor (rotary caches, position ids) come out exactly as in a normal build. A model built
-under `torch.device("meta")` is accepted too; its buffers are then the initializers' job
+`init_empty()` builds a model whose parameters are on the meta device (no bytes) while its
+buffers stay real, so non-persistent buffers the model computes in its constructor (rotary
+caches, position ids) come out exactly as in a normal build. It also records what the
+constructor does to each parameter (`shardwise.init_record`): `reset_parameters`, `nn.init`
+calls, raw `nn.Parameter(torch.ones(4))`, a `transformers` model's `post_init`, with the
+generator state of every draw, kept in step with a normal build. A model built under
+`torch.device("meta")` is accepted too; its buffers are then the initializers' job
 (`transformers` models' `_init_weights` computes rotary caches).
 
-At `prepare`, the strategy shards (or replicates) the empty model and `materialize` fills it:
-module by module, every process builds the module's own parameters as full CPU tensors, runs
-the model's own initializers on them (`reset_parameters`, and a `transformers` model's
-`_init_weights`), and keeps only its slice (`write`). Every process draws the same numbers from
-the same generator state, so the model does not depend on the world size or the strategy, no
-two shards of a parameter are copies of each other (per-shard random init would make them so),
-and no process ever holds more than its shards plus one module's full parameters.
+At `prepare`, the strategy shards (or replicates) the empty model and `materialize` fills it
+(see its doc for the order): each parameter's recorded initialization is replayed on a full CPU
+tensor and each process keeps only its slice (`write`). That is the value a normal build with
+the same seed gives it, bit for bit, at any process count or strategy; no two shards of a
+parameter are copies of each other (per-shard random init would make them so), and no process
+holds more than its shards plus one full parameter. What the record cannot carry is refused by
+name before any sharding, unless a module defines `init_weights()` (torchtitan's convention),
+which then initializes its subtree on full CPU tensors. Tensors with no record (a model built
+on meta) get the modules' own initializers, module by module, with the generator set to its
+state at `init_empty()` (or now).
 
-Order and generator: plain modules are initialized in registration order (pre-order), with the
-CPU generator set to its state when `init_empty()` was entered, which is what a normal build
-draws for torch's own layers: on one process the weights are bit-identical to building the model
-normally with the same seed. A `transformers` model runs each module's `reset_parameters` then
-`_init_weights`, children first (transformers' own order); its draws are not those of a normal
-`Model(config)` build (which draws torch's defaults first and then overwrites them), so those
-weights are equal in distribution, not bit for bit. A module whose parameters no initializer
-writes is refused by name.
+`model.load_state_dict(sd)` after `init_empty()` gives the loaded parameters real memory (a
+pre-hook; torch would copy into meta, a no-op) and `prepare` keeps them.
 """
 
 from __future__ import annotations
@@ -30,41 +30,67 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import ConfigError
+from .init_record import InitRecipe, Recorder, recipe_of
 
 Writer = Callable[[torch.Tensor, torch.Tensor], None]  # (prepared tensor, full value) -> store its slice
 
 
 @dataclass
 class EmptyInit:
-    """What `init_empty()` recorded: the CPU generator state its models' initializers replay."""
+    """The CPU generator state when `init_empty()` began (for `init_weights()` and initializers)."""
 
     rng: torch.Tensor
 
 
 @contextlib.contextmanager
 def init_empty() -> Iterator[EmptyInit]:
-    """Build models inside with their parameters on the meta device (buffers stay real)."""
+    """Build models inside with their parameters on the meta device (buffers stay real), and
+    record what their constructors do to those parameters (`shardwise.init_record`)."""
     record = EmptyInit(rng=torch.get_rng_state())
     register = nn.Module.register_parameter
+    recorder = Recorder()
 
     def register_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         p = module._parameters.get(name)
         if p is not None and not p.is_meta:
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            module._parameters[name] = meta
+            recorder.track(meta, p)
+            if not getattr(module, _HOOKED, False):
+                module.register_load_state_dict_pre_hook(_load_into_meta)
+                object.__setattr__(module, _HOOKED, True)
 
     setattr(nn.Module, "register_parameter", register_meta)  # noqa: B010 -- patched for this block only
     try:
-        yield record
+        with recorder:
+            yield record
     finally:
         setattr(nn.Module, "register_parameter", register)  # noqa: B010
+
+
+_HOOKED = "_shardwise_load_hook"
+
+
+def _load_into_meta(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                    *_: Any) -> None:
+    """`model.load_state_dict(sd)` on a model built by init_empty: torch would copy into meta
+    parameters, a no-op, and prepare would then initialize them afresh. Give each loaded
+    parameter real memory first, so the copy lands and prepare keeps the value."""
+    if local_metadata.get("assign_to_params_buffers"):
+        return  # assign=True puts the file's tensors in place: real already
+    for name, p in list(module._parameters.items()):
+        value = state_dict.get(prefix + name)
+        if p is not None and p.is_meta and isinstance(value, torch.Tensor) and not value.is_meta \
+                and value.shape == p.shape:
+            module._parameters[name] = type(p)(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
 
 
 def is_empty(model: nn.Module) -> bool:
@@ -103,10 +129,44 @@ def _initializers(model: nn.Module) -> list[tuple[nn.Module, list[Callable[[], N
 Place = tuple[int, str, str]  # (id of the module, "p" or "b", name): where a tensor sits
 
 
-def empty_places(model: nn.Module) -> set[Place]:
-    """Where the meta tensors of `model` sit (taken before the strategy allocates them)."""
-    return {(id(m), kind, n) for m in model.modules() for kind, store in (("p", m._parameters), ("b", m._buffers))
-            for n, t in store.items() if t is not None and t.is_meta}
+Places = dict[Place, InitRecipe | None]  # each meta tensor, and how its constructor initialized it
+
+
+def empty_places(model: nn.Module) -> Places:
+    """Where the meta tensors of `model` sit, each with its constructor's recipe (taken before
+    the strategy replaces the parameters). A parameter whose recipe cannot be replayed, under no
+    module with an `init_weights()`, is refused here, before any work."""
+    places: Places = {(id(m), kind, n): recipe_of(t) if kind == "p" else None for m in model.modules()
+                      for kind, store in (("p", m._parameters), ("b", m._buffers))
+                      for n, t in store.items() if t is not None and t.is_meta}
+    covered = {(id(s), kind, n) for m in model.modules() if _init_weights_of(m) is not None
+               for s in m.modules() for kind in ("p", "b") for n in (s._parameters if kind == "p" else s._buffers)}
+    for prefix, m in model.named_modules():
+        for n in m._parameters:
+            recipe = places.get((id(m), "p", n))
+            problem = recipe.problem() if recipe is not None else None
+            if problem is not None and "reads" in problem and (id(m), "p", n) not in covered:
+                raise ConfigError(_cannot(model, f"{prefix}.{n}" if prefix else n, problem))
+    return places
+
+
+def _cannot(model: nn.Module, name: str, why: str) -> str:
+    cls = type(model).__name__
+    return (f"{cls}.{name} was built under init_empty() and shardwise cannot reproduce its initialization "
+            f"({why}): give {cls} an init_weights() method that initializes its parameters (shardwise calls it "
+            "at prepare on whole CPU tensors), or build the model normally")
+
+
+def _replayable(recipe: InitRecipe | None) -> bool:
+    return recipe is not None and recipe.problem() is None
+
+
+def _init_weights_of(m: nn.Module) -> Callable[[], None] | None:
+    """A module's own `init_weights()` (torchtitan's convention); transformers' is its post_init."""
+    fn = getattr(m, "init_weights", None)
+    if not callable(fn) or _is_transformers(m) or hasattr(m, "post_init"):
+        return None
+    return cast(Callable[[], None], fn)
 
 
 def _own_tensors(m: nn.Module) -> list[tuple[Place, dict[str, Any], str, torch.Tensor]]:
@@ -153,6 +213,10 @@ def allocate(model: nn.Module, device: torch.device | str) -> None:
     """Allocate an empty model's meta tensors on `device` (a sharded one: its local shard),
     keeping every real buffer as it is (`to_empty` would replace those too)."""
     real = {(id(m), n): b for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta}
+    # parameters made real before prepare (load_state_dict after init_empty) keep their values:
+    # to_empty replaces them too; their (local) tensors are held here and copied back
+    loaded = {(id(m), n): (p._local_tensor if isinstance(p, DTensor) else p).detach()
+              for m in model.modules() for n, p in m._parameters.items() if p is not None and not p.is_meta}
     # tied parameters (one object in several places) must stay one object: to_empty makes one
     # new tensor per place when it changes the device away from meta
     first: dict[int, tuple[nn.Module, str]] = {}
@@ -171,52 +235,89 @@ def allocate(model: nn.Module, device: torch.device | str) -> None:
                 m._buffers[n] = real[(id(m), n)].to(device)
     for m, n, owner, name in ties:
         m._parameters[n] = owner._parameters[name]
+    with torch.no_grad():
+        for m in model.modules():
+            for n, p in m._parameters.items():
+                if p is not None and (id(m), n) in loaded:
+                    (p._local_tensor if isinstance(p, DTensor) else p).copy_(loaded[(id(m), n)])
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, places: set[Place], *, rng: torch.Tensor | None, write: Writer = write_slice,
+def materialize(model: nn.Module, places: Places, *, rng: torch.Tensor | None, write: Writer = write_slice,
                 skip: Callable[[str], bool] = lambda name: False) -> None:
-    """Initialize the tensors at `places` (allocated, uninitialized) with the model's own
-    initializers, module by module, on full CPU tensors; `write` stores each value (its
-    slice, for a sharded tensor).
+    """Initialize the tensors at `places` (allocated, uninitialized); `write` stores each value
+    (its slice, for a sharded tensor). In order of preference:
 
-    `rng`: the CPU generator state the initializers start from (the caller's generator is left
-    as it was). `skip(name)`: tensors another source fills (pretrained weights).
-    Raises ConfigError naming the tensors no initializer wrote.
+    1. a module's `init_weights()`, for its whole subtree, where some tensor in it has no
+       replayable recipe (a model built under `torch.device("meta")`, or an init shardwise
+       cannot record);
+    2. the constructor's recorded writes, replayed one parameter at a time (`init_record`):
+       the value a normal build gives it;
+    3. the modules' own initializers (`reset_parameters`, transformers' `_init_weights`), module
+       by module on full CPU tensors, for what is left.
+
+    `rng`: the CPU generator state 1. and 3. start from (the caller's generator is left as it
+    was). `skip(name)`: tensors another source fills (pretrained weights).
+    Raises ConfigError naming the tensors nothing wrote.
     """
     names: dict[Place, str] = {}
+    where: dict[Place, tuple[dict[str, Any], str]] = {}
     for prefix, m in model.named_modules(remove_duplicate=False):
         for kind, store in (("p", m._parameters), ("b", m._buffers)):
             for n in store:
                 names.setdefault((id(m), kind, n), f"{prefix}.{n}" if prefix else n)
+                where[(id(m), kind, n)] = (store, n)
+    todo = {pl: r for pl, r in places.items() if pl in where and not skip(names[pl])}
     written: set[int] = set()  # tensors (by id: tied ones sit in two places) given a value
     unset: dict[str, int] = {}
-    with torch.random.fork_rng(devices=[]):
-        if rng is not None:
-            torch.set_rng_state(rng)
-        for module, inits in _initializers(model):
-            todo = [(pl, s, n, t) for pl, s, n, t in _own_tensors(module) if pl in places and not skip(names[pl])]
-            if not todo:
-                continue
-            blanks = [(pl, s, n, t, _blank(t)) for pl, s, n, t in todo]
-            for _, s, n, t, b in blanks:  # the initializers see full CPU tensors
-                s[n] = nn.Parameter(b, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else b
-            try:
-                for fn in inits:
-                    fn()
-            finally:
-                for _, s, n, t, _ in blanks:
-                    s[n] = t
-            for pl, _, _, t, b in blanks:
-                if _untouched(b):
-                    unset.setdefault(names[pl], id(t))
-                    continue
+
+    def run(inits: list[Callable[[], None]], mine: list[Place]) -> None:
+        """Run initializers on full CPU blanks swapped in for the tensors at `mine`; write them."""
+        blanks = []
+        for pl in mine:
+            store, n = where[pl]
+            t = store[n]
+            b = _blank(t)
+            blanks.append((pl, store, n, t, b))
+            store[n] = nn.Parameter(b, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else b
+        try:
+            for fn in inits:
+                fn()
+        finally:
+            for _, store, n, t, _ in blanks:
+                store[n] = t
+        for pl, _, _, t, b in blanks:
+            if _untouched(b):
+                unset.setdefault(names[pl], id(t))
+            else:  # a later initializer of the same tensor overwrites an earlier one, as it would
                 write(t, b)
                 written.add(id(t))
+
+    with torch.random.fork_rng(devices=[]):
+        for m in model.modules():  # 1. pre-order: an outer init_weights() covers its inner ones
+            fn = _init_weights_of(m)
+            mine = [pl for s in m.modules() for pl in todo if pl[0] == id(s)] if fn is not None else []
+            if fn is not None and not all(_replayable(todo[pl]) for pl in mine if pl[1] == "p"):
+                if rng is not None:
+                    torch.set_rng_state(rng)
+                run([fn], mine)
+                for pl in mine:
+                    del todo[pl]
+        for pl, recipe in list(todo.items()):  # 2.
+            if recipe is not None and _replayable(recipe):
+                store, n = where[pl]
+                if id(store[n]) not in written:
+                    write(store[n], recipe.replay())
+                    written.add(id(store[n]))
+                del todo[pl]
+        if rng is not None:
+            torch.set_rng_state(rng)
+        for module, inits in _initializers(model):  # 3.
+            mine = [pl for pl, _, _, _ in _own_tensors(module) if pl in todo]
+            if mine:
+                run(inits, mine)
     missing = [n for n, key in unset.items() if key not in written]
     if missing:
-        raise ConfigError(
-            f"{type(model).__name__} was built empty (meta device) and no initializer sets "
-            f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: give its module a "
-            "reset_parameters(), build it normally, or load its weights (engine.from_pretrained)"
-        )
+        raise ConfigError(_cannot(model, ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""),
+                                  "nothing initializes it: its constructor leaves it empty and no "
+                                  "reset_parameters() writes it"))

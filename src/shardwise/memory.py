@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +62,35 @@ def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch
 
     FSDP2 keeps each shard in a padded storage: the count includes that padding, as the
     allocator does. Host bytes are reported as well; on a CPU-only machine everything is host.
+    Parameters count as held: a shard, and beside it the whole parameter while it is gathered
+    (mid-forward, or kept for a backward), never the configured shard alone.
     """
     models = list(models)
     c = _Counter()
-    params = [p for m in models for p in m.parameters()]
-    # DeepSpeed ZeRO-3 empties each parameter and keeps this rank's partition in `ds_tensor`
-    n_params = c.add(getattr(p, "ds_tensor", p) for p in params)
+    params = list({id(p): p for m in models for p in _held_params(m)}.values())
+    n_params = c.add(params)
     n_grads = c.add(p.grad for p in params)
     n_opt = c.add(optimizer_tensors)
     return MemoryReport(params=n_params, grads=n_grads, optimizer=n_opt, host=c.host)
+
+
+def _held_params(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The parameter tensors `model` holds on this process (empty ones are skipped by the count).
+
+    The module's registered parameters, and: DeepSpeed ZeRO-3's partition (`ds_tensor`) beside
+    the parameter, which is empty unless gathered; FSDP2's shard (a DTensor) and its gathered
+    parameter, of which the module registers one at a time.
+    """
+    for p in model.parameters():
+        yield p
+        part = getattr(p, "ds_tensor", None)
+        if part is not None:
+            yield part
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)  # FSDP2's state: no public view of the gathered
+        for group in getattr(get_state(), "_fsdp_param_groups", []) if callable(get_state) else []:
+            for fp in group.fsdp_params:
+                yield fp.sharded_param
+                gathered = getattr(fp, "_unsharded_param", None)  # set once first gathered
+                if gathered is not None:
+                    yield gathered

@@ -19,7 +19,7 @@ from .config import EngineConfig
 from .dist import DistInfo
 from .memory import MemoryReport
 from .metrics import Meter, Progress, model_shape, progress_wanted
-from .trackers import Tracker, make_trackers
+from .trackers import Tracker, make_trackers, scalar_values
 
 log = logging.getLogger("shardwise")
 
@@ -41,11 +41,12 @@ class Observer:
         self.progress = Progress() if show else None
         self.active = cfg.log_every_steps > 0 and (bool(self.names) or show_any)
         self.epoch = 0
+        self.root: Path | None = None  # where the trackers' runs go (Accelerator: Accelerate's logging_dir)
 
     # -- trackers (Accelerate's verbs) ------------------------------------------------------
     @property
     def logging_dir(self) -> Path:
-        return Path(self.cfg.project_dir or ".") / "logs"
+        return self.root if self.root is not None else Path(self.cfg.project_dir or ".") / "logs"
 
     def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
                       init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
@@ -59,6 +60,12 @@ class Observer:
         for t in self.trackers:
             t.log(values, step)
 
+    def _log_record(self, record: dict[str, Any], step: int) -> None:
+        if not self.started and self.names:
+            self.init_trackers("shardwise")
+        for t in self.trackers:
+            t.log_engine(record, step)
+
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         for t in self.trackers:
             if t.name == name:
@@ -69,8 +76,9 @@ class Observer:
 
     # -- the engine's own metrics -----------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
-        """The first prepared model is the one whose FLOPs MFU counts (sized before sharding)."""
-        if self.meter.shape is None:
+        """The first prepared model that trains is the one whose FLOPs MFU counts (sized before
+        sharding); a frozen reference prepared before it is not."""
+        if self.meter.shape is None and any(p.requires_grad for p in model.parameters()):
             self.meter.shape = model_shape(model)
 
     def start_epoch(self, steps: int | None) -> None:
@@ -106,7 +114,7 @@ class Observer:
         record = self.meter.record(step, report, {"epoch": self.epoch, **extra})
         if self.progress is not None:
             self.progress.show(record)
-        self.log(record, step)
+        self._log_record(record, step)
 
     def close(self, step: int, probe: Callable[[], tuple[MemoryReport | None, dict[str, Any]]]) -> None:
         self.at_boundary(step, probe, final=True)
@@ -128,8 +136,10 @@ class TrackerVerbs:
         self._observer.init_trackers(project_name, config, init_kwargs)
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
-        """Send `values` to every tracker (main process; a no-op elsewhere)."""
-        self._observer.log(values, step, log_kwargs)
+        """Send `values` to every tracker (main process; a no-op elsewhere). Values are numbers
+        (one-element tensors and arrays count), strings, or dicts of them; anything else is refused
+        on every process, naming its key."""
+        self._observer.log(scalar_values(values), step, log_kwargs)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         """The tracker called `name` (its underlying object with unwrap=True)."""

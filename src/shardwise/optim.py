@@ -90,7 +90,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return self.runner.params()
 
     def unscale_gradients(self) -> None:
-        """fp16: divide this step's gradients by the loss scale, once."""
+        """fp16: divide this step's gradients by the loss scale, once. Before that, on the
+        boundary, `backward(loss, num_items=n)`'s rescale to the global item mean, once."""
+        state = self._step_state
+        if state.sync:
+            state.items.rescale(id(self), self.runner, self._strategy.info, state.grad_accum_steps)
         if self._finite is None:
             self._finite = self._strategy.precision.unscale(p.grad for p in self.params() if p.grad is not None)
 
@@ -121,6 +125,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError("add parameter groups before prepare(); a prepared optimizer's groups are fixed")
+
+    def __getattr__(self, name: str) -> Any:
+        """The user's optimizer's own public names (schedule-free's `train()`/`eval()`, a
+        custom method or attribute) on the prepared one, acting on its `param_groups`."""
+        if name.startswith("_") or name == "optimizer":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
 
     def __repr__(self) -> str:
         return f"Prepared({self.optimizer!r})"

@@ -11,20 +11,32 @@ from typing import Any
 from .config import ConfigError
 
 
-def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The engine's records (lines with tokens_per_s or step_time_s) of a run's metrics.jsonl."""
+def read_records(run_dir: Path, skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """The engine's records (lines with tokens_per_s or step_time_s) of a run's metrics.jsonl.
+
+    A last line cut short (the run died while writing it) is left out, and one line saying so
+    is appended to `skipped`; a damaged line anywhere else is an error."""
     path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
     if not path.is_file():
         raise ConfigError(f"{path}: no metrics.jsonl here; pass the run folder a log_with='jsonl' run wrote "
                           "(<project_dir>/logs/<run name>)")
     records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
+    lines = path.read_bytes().splitlines()
+    last = max((n for n, raw in enumerate(lines, 1) if raw.strip()), default=0)
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not a JSON line ({e.msg}); the file is damaged") from None
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if n != last:
+                why = e.msg if isinstance(e, json.JSONDecodeError) else e.reason
+                raise ConfigError(f"{path}:{n}: not a JSON line ({why}); "
+                                  "the file is damaged") from None
+            if skipped is not None:  # written whole per line: only a crash mid-write leaves this
+                skipped.append(f"skipped {path}:{n}: {len(raw)} bytes of an unfinished last line "
+                               "(the run stopped while writing it)")
+            continue
         if "step_time_s" in rec:
             records.append(rec)
     if not records:
@@ -102,6 +114,8 @@ def plot(records: list[dict[str, Any]], out: Path) -> Path:
 
 
 def report(run_dir: Path) -> tuple[Path, str]:
-    records = read_records(run_dir)
+    """The PNG written, and the summary (after a line naming anything left out of it)."""
+    skipped: list[str] = []
+    records = read_records(run_dir, skipped)
     folder = run_dir if run_dir.is_dir() else run_dir.parent
-    return plot(records, folder / "report.png"), summary(records)
+    return plot(records, folder / "report.png"), "\n".join([*skipped, summary(records)])

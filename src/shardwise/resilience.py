@@ -12,10 +12,15 @@ a checkpoint there resumes exactly), the Engine calls `Guard.at_boundary`:
               has passed (process 0's clock);
   checkpoint  every checkpoint_every_steps steps or when the time is due; on preemption or a gone
               launcher, a checkpoint and then the exit with PREEMPTED_EXIT (75, "try again").
-Signals: the configured preempt_signals (SIGTERM, SIGUSR1) set a flag; the same signal again acts
-as it would without shardwise. A process that reaches no boundary within preempt_grace_s of the
-signal (a hung or stalled process) exits with 128 + the signal, without saving: the scheduler
-would kill it anyway (torchrun's agent and Kubernetes wait 30 s, SLURM's KillWait is 30 s).
+Signals: the configured preempt_signals (SIGTERM, SIGUSR1) set a flag. Schedulers (SLURM,
+Kubernetes) signal every process of the job at once, and `shardwise launch` passes its own signal
+on, so a worker gets the same signal twice or more: the repeats change nothing. A process that
+reaches no boundary within preempt_grace_s of the first signal (a hung or stalled process) exits
+with 128 + the signal, without saving: the scheduler would kill it anyway.
+Resume: `resume_from` is what `load_state()` with no folder does (the `resume` setting); the
+saves of a run under `shardwise launch` go to its run record (RUN_RECORD_ENV, one JSON line per
+save), which tells the launcher what a stopped run saved and a restarted attempt that an
+earlier attempt saved a checkpoint it must find.
 Launcher: a thread notices when the parent process changes (the launcher was SIGKILLed: the
 process was handed to init); the run then stops at its next boundary, as on preemption, or
 after preempt_grace_s without one.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import os
 import signal
@@ -34,6 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -46,6 +53,7 @@ from .dist import DistInfo
 log = logging.getLogger("shardwise")
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the run stopped cleanly after a checkpoint; start it again to continue
+RUN_RECORD_ENV = "SHARDWISE_RUN_RECORD"  # set by `shardwise launch`: a file for the saves of its workers
 _TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "DistStoreError")
 
 
@@ -54,6 +62,25 @@ def say(info: DistInfo, message: str) -> None:
     log.info(message)
     if info.is_main:
         print(f"shardwise: {message}", file=sys.stderr, flush=True)
+
+
+def _attempt() -> int:
+    """Which attempt of a `--max-restarts` launch this is (0: the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _run_record() -> list[dict[str, Any]]:
+    """The run record's lines (empty outside `shardwise launch`); a line cut short is skipped."""
+    return read_run_record(os.environ.get(RUN_RECORD_ENV, ""))
+
+
+def read_run_record(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with contextlib.suppress(OSError), open(path or os.devnull) as fh:
+        for line in fh:
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return [r for r in rows if isinstance(r, dict)]
 
 
 class CollectiveTimeout(RuntimeError):
@@ -73,11 +100,13 @@ class _Process:
         self.launcher_gone = False
         self.since = 0.0  # when either happened
         self.at_boundary = False  # a checkpoint on the way out is being written
+        self.stepping = False  # a step boundary was reached: from then on a signal means a checkpoint
         self.grace = 25.0
         self.rank = 0
         self.handlers: dict[int, Any] = {}
         self.parent = os.getppid()
         self.watch: threading.Thread | None = None
+        self.under_launcher = False  # started by torchrun: a launcher to outlive
         self.guard: Guard | None = None  # the newest Engine's: it reports an uncaught timeout
         self.previous_hook: Callable[..., Any] | None = None
 
@@ -89,10 +118,11 @@ class _Process:
                 if signum not in self.handlers:
                     self.handlers[signum] = signal.signal(signum, self._on_signal)
         # the launcher watch: only under torchrun (a launcher to outlive); a thread in every
-        # process would also make fork() (multiprocessing pools) unsafe there
-        if self.watch is None and "TORCHELASTIC_RUN_ID" in os.environ:
-            self.watch = threading.Thread(target=self._watch_loop, name="shardwise-watch", daemon=True)
-            self.watch.start()
+        # process would also make fork() (multiprocessing pools) unsafe there. Elsewhere it
+        # starts with the first signal, to keep the preempt_grace_s bound.
+        self.under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
+        if self.under_launcher:
+            self._start_watch()
         if self.previous_hook is None:
             self.previous_hook = sys.excepthook
             sys.excepthook = self._excepthook
@@ -105,18 +135,29 @@ class _Process:
             os._exit(1)
         (self.previous_hook or sys.__excepthook__)(kind, err, tb)
 
+    def _start_watch(self) -> None:
+        if self.watch is None:
+            self.watch = threading.Thread(target=self._watch_loop, name="shardwise-watch", daemon=True)
+            self.watch.start()
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.preempted:  # the second time: what the signal would do without shardwise
-            previous = self.handlers.get(signum, signal.SIG_DFL)
-            signal.signal(signum, previous if callable(previous) or previous == signal.SIG_IGN else signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        # A repeat (the scheduler's SIGTERM and the launcher's forwarded one, or a second
+        # scancel) must not cut the checkpoint short: only the first signal counts, and the
+        # preempt_grace_s bound (the watch) ends a process that reaches no boundary.
+        if self.preempted:
             return
+        if not self.stepping:  # before the first step boundary there is no work to save
+            if self.rank == 0:
+                print(f"shardwise: {signal.Signals(signum).name} before the first step: nothing to save; exiting",
+                      file=sys.stderr, flush=True)
+            os._exit(128 + signum)
         self.preempted, self.since = signum, time.monotonic()
+        self._start_watch()
 
     def _watch_loop(self) -> None:
         while True:
-            time.sleep(1.0)
-            if not self.launcher_gone and os.getppid() != self.parent:
+            time.sleep(0.2 if self.preempted else 1.0)
+            if self.under_launcher and not self.launcher_gone and os.getppid() != self.parent:
                 self.launcher_gone, self.since = True, time.monotonic()
                 log.warning("rank %d: the launcher (pid %d) is gone; stopping at the next step boundary",
                             self.rank, self.parent)
@@ -141,6 +182,7 @@ class Guard:
         self.cfg, self.info = cfg, info
         self.last_save = time.monotonic()
         self.last_step = -1  # the step of the newest boundary handled
+        self.last_saved_step, self.last_saved_path = -1, ""  # the newest checkpoint in checkpoint_dir
         self.step_in_progress = 0
         self._progress = 0  # heartbeats sent: every process sends the same sequence
         PROCESS.install(cfg.preempt_signals, cfg.preempt_grace_s, info.rank)
@@ -157,6 +199,7 @@ class Guard:
         if step == self.last_step:
             return
         self.last_step, self.step_in_progress = step, step + 1
+        PROCESS.stepping = True
         self.heartbeat("at the start")
         flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone), float(self._time_due())])
         if self.info.world_size > 1:
@@ -167,14 +210,71 @@ class Guard:
         if stop or gone:
             PROCESS.at_boundary = True
             reason = (PROCESS.why() if PROCESS.preempted else "a signal to another process") if stop else "the launcher is gone"
-            save(reason)
-            say(self.info, f"stopped after step {step} ({reason}); exit code {PREEMPTED_EXIT}")
+            t0 = time.monotonic()
+            if self.last_saved_step != step:  # not saved at this step already (by policy or the script)
+                save(reason)
+            self._record(step, time.monotonic() - t0, path=self.last_saved_path, stop=reason)
+            say(self.info, f"stopped after step {step} ({reason}) with its checkpoint saved in "
+                           f"{time.monotonic() - t0:.2f} s; exit code {PREEMPTED_EXIT}")
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(PREEMPTED_EXIT)
         if (every and step > 0 and step % every == 0) or due:
             save("every step" if not due else "every seconds")
             self.last_save = time.monotonic()
+
+    def at_end(self, step: int, save: Callable[[str], None]) -> None:
+        """`end_training()`: with a checkpoint policy, the last step is saved too (every process
+        is here, so the save's collectives are safe; interpreter exit is not such a place)."""
+        from .checkpoint import step_dirs
+
+        policy = self.cfg.checkpoint_every_steps or self.cfg.checkpoint_every_seconds
+        root = Path(self.cfg.checkpoint_dir)
+        saved = self.last_saved_step == step or any(p.name == f"step_{step}" for p in step_dirs(root))
+        if policy and step > 0 and not saved:  # (a run resumed at its last step has it already)
+            save("the end of training")
+
+    def saved(self, report: Any, step: int) -> Any:
+        """A checkpoint of `step` was written (any save): note it, and in the launcher's run record."""
+        path = Path(getattr(report, "path", ""))
+        if path.parent.resolve() == Path(self.cfg.checkpoint_dir).resolve():  # one `load_state()` finds
+            self.last_saved_step, self.last_saved_path = step, str(path)
+            self._record(step, float(getattr(report, "seconds", 0.0)), path=str(path))
+        return report
+
+    def _record(self, step: int, seconds: float, *, path: str = "", stop: str = "") -> None:
+        """One JSON line in the run record of `shardwise launch` (one writer per machine)."""
+        record = os.environ.get(RUN_RECORD_ENV)
+        if not record or not self.info.is_local_main:
+            return
+        line = {"attempt": _attempt(), "step": step, "seconds": round(seconds, 3), "path": path, "stop": stop}
+        with contextlib.suppress(OSError), open(record, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+    # -- resume -------------------------------------------------------------------------------
+    def resume_from(self, root: Path) -> Path | None:
+        """The checkpoint `load_state()` with no folder resumes from (the `resume` setting), or
+        None for a start at step 0, said in one line; an error when there must be one."""
+        from .checkpoint import newest
+        from .storage import CheckpointError
+
+        if self.cfg.resume == "never":
+            say(self.info, f"resume: never: no checkpoint loaded (checkpoint_dir {root}/); starting at step 0")
+            return None
+        found = newest(root)
+        if found is not None:
+            return found
+        if self.cfg.resume == "required":
+            raise CheckpointError(f"no checkpoint under {root}/ and resume: required: check checkpoint_dir "
+                                  "(or set resume: auto to start at step 0)")
+        earlier = [r for r in _run_record() if r.get("attempt", 0) < _attempt() and r.get("path")]
+        if earlier:
+            raise CheckpointError(
+                f"restart {_attempt()}: an earlier attempt saved {earlier[-1]['path']} (step {earlier[-1]['step']}), "
+                f"but there is no checkpoint under {root}/ now; this attempt will not start again from step 0: "
+                "give every machine the same checkpoint_dir on a shared file system")
+        say(self.info, f"no checkpoint under {root}/: starting at step 0")
+        return None
 
     def _time_due(self) -> bool:
         every = self.cfg.checkpoint_every_seconds
@@ -205,6 +305,14 @@ class Guard:
                 f"collective_timeout_s={self.cfg.collective_timeout_s:g} s{who}. The run stops; restart it "
                 "(shardwise launch --max-restarts N) to resume from the newest checkpoint")
 
+    def _seen(self, rank: int) -> tuple[int, str, str] | None:
+        """Another process's newest heartbeat (count, step, where), None when it sent none."""
+        key = f"shardwise/progress/{rank}"
+        if not self._store.check([key]):
+            return None
+        count, step, where = self._store.get(key).decode().split("|", 2)
+        return int(count), step, where
+
     def _behind(self) -> str:
         """The processes whose progress is behind this one's (read from the store)."""
         if self._store is None:
@@ -213,11 +321,23 @@ class Guard:
         with contextlib.suppress(Exception):
             self._store.set_timeout(datetime.timedelta(seconds=2))
             for r in range(self.info.world_size):
-                key = f"shardwise/progress/{r}"
-                if not self._store.check([key]):
+                seen = self._seen(r)
+                if seen is None:
                     late.append(f"rank {r} (no step yet)")
-                    continue
-                count, step, where = self._store.get(key).decode().split("|", 2)
-                if int(count) < self._progress:
-                    late.append(f"rank {r} (last seen in step {step}, {where})")
+                elif seen[0] < self._progress:
+                    late.append(f"rank {r} (last seen in step {seen[1]}, {seen[2]})")
         return ", ".join(late)
+
+    def others_moved_on(self) -> bool:
+        """Every other process has sent more heartbeats than this one: they went past the point
+        where this process is (every process sends the same sequence), so a call this process
+        makes now, they are not making (`accelerate_hooks`: a save or forward on one process)."""
+        if self._store is None:
+            return False
+        with contextlib.suppress(Exception):
+            for r in range(self.info.world_size):
+                seen = self._seen(r) if r != self.info.rank else None
+                if r != self.info.rank and (seen is None or seen[0] <= self._progress):
+                    return False
+            return True
+        return False

@@ -27,10 +27,10 @@ from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
 from .step import StepState
 from .strategies import Strategy, apply_activation_checkpointing, find_blocks
 from .strategies.base import EmptyModel
-from .weights import check_source, make_reader, verify_shared
+from .weights import make_reader, verify_shared
 
 log = logging.getLogger("shardwise")
-PRETRAINED = "_shardwise_pretrained"  # on a model from `Engine.from_pretrained`: the weights prepare loads
+PRETRAINED = "_shardwise_pretrained"  # on a model from `Engine.from_pretrained`: a `weights.Pretrained`
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module], prepared: set[int]) -> None:
@@ -118,7 +118,7 @@ class Session:
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         pending = getattr(model, PRETRAINED, None)
-        source, found = check_source(pending, model, strict=False) if pending is not None else (None, {})
+        source, found = pending.check(model) if pending is not None else (None, {})
         empty = None
         if is_empty(model):  # built on the meta device: the strategy allocates it as it lays it out
             empty = EmptyModel(empty_places(model), self._agreed_rng(), frozenset(found))
@@ -213,8 +213,11 @@ class Session:
                     stack.enter_context(self.strategy.no_sync(m))
             yield
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Divide by grad_accum_steps, scale (fp16), backpropagate through the strategy."""
+    def backward(self, loss: torch.Tensor, *, num_items: Any = None, **kwargs: Any) -> None:
+        """Divide by grad_accum_steps, scale (fp16), backpropagate through the strategy.
+        `num_items`: `loss` is a sum over that many items; the boundary rescales the gradients
+        to the mean over every process's items of the step (`shardwise.items`)."""
+        self.step_state.items.add(num_items)
         loss = self.strategy.precision.scale_loss(loss / self.config.grad_accum_steps)
         self.strategy.backward(loss, **kwargs)
 

@@ -11,13 +11,17 @@ the engine's `Session`, is shared by every optimizer and scheduler prepared on i
                     is reset.
   backward(loss)    loss / grad_accum_steps, times the precision's loss scale (fp16), then the
                     strategy's backward (DeepSpeed: its hooked backward and loss scaler).
+                    `num_items=n` (a summed loss): n is added to this process's count.
   clip_grad_norm_   on the boundary only (None off it): each optimizer's gradients are unscaled
-                    once (fp16), the strategy clips and returns the global norm over all shards;
+                    once (fp16) and, with num_items, rescaled to the global item mean (one
+                    all-reduce of the count per boundary, `shardwise.items`); the strategy
+                    clips and returns the global norm over all shards;
                     `clipped` is set, so the config's `max_grad_norm` is not applied on top.
   optimizer.step()  off the boundary: nothing. On it: `record_step` (the first optimizer to
                     step on a boundary counts one optimizer step, whichever it is), the
-                    gradients are unscaled (fp16), and `Strategy.optimizer_step` clips to
-                    `max_grad_norm` unless the script clipped, skips the update when the fp16
+                    gradients are rescaled (num_items) and unscaled (fp16), as above, and
+                    `Strategy.optimizer_step` clips to `max_grad_norm` unless the script
+                    clipped, skips the update when the fp16
                     verdict (all-reduced) says overflow, else runs the optimizer's runner. What
                     it did comes back as a `StepResult`; nothing is read from attributes.
                     DeepSpeed clips inside its own step: a bound the script set lasts that step.
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from .items import ItemCount
 
 
 @dataclass(slots=True)
@@ -46,6 +52,8 @@ class StepState:
     """Accumulation boundaries at which an optimizer stepped (restored by `load_state`)."""
     skipped_steps: int = 0
     """Optimizer steps skipped so far (fp16 overflow), for the metrics."""
+    items: ItemCount = field(default_factory=ItemCount)
+    """`backward(loss, num_items=n)`: this window's count, and the rescale at its boundary."""
     _stepped: set[int] = field(default_factory=set)  # optimizers that stepped on this boundary
 
     def begin_micro_step(self, loader_at_end: bool) -> None:
@@ -71,6 +79,7 @@ class StepState:
     def end_step(self) -> None:
         """The gradients were dropped (`zero_grad` on the boundary)."""
         self.clipped = False
+        self.items.reset()
 
     def state_dict(self) -> dict[str, Any]:
         return {"micro_step": self.micro_step, "step": self.optimizer_steps}
@@ -78,3 +87,4 @@ class StepState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_step, self.optimizer_steps = int(state["micro_step"]), int(state["step"])
         self._stepped.clear()
+        self.items.reset()

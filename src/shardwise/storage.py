@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import json
 import mmap
 import os
+import resource
 import shutil
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -182,21 +185,72 @@ def agree(error: str | None) -> None:
         raise CheckpointError(first)
 
 
+class WriteFailed(OSError):
+    """A write the OS refused (its errno kept), with the bytes the file needed."""
+
+    needed: int | None = None
+
+
+def write_torch(obj: Any, path: Path) -> int:
+    """`torch.save(obj, path)`, the bytes made in memory first and written by this process: a
+    full disk then fails as the OS says (ENOSPC, EFBIG, with the bytes needed), where torch's
+    own zip writer says `[enforce fail at inline_container.cc] unexpected pos`. (For the small
+    files it is used for: loop state, generator states.)"""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getbuffer()
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as err:
+        failed = WriteFailed(err.errno, err.strerror, str(path))
+        failed.needed = len(data)
+        raise failed from None
+    return len(data)
+
+
+def _zip_writer_reason(path: Path, needed: int | None) -> str | None:
+    """What torch's zip writer (`torch.save` to a path) failed on: its message carries no errno,
+    so tell a full disk and the file-size limit apart from here; None when neither explains it."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if shutil.disk_usage(probe).free < max(needed or 0, 1 << 20):
+        return os.strerror(errno.ENOSPC)
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return os.strerror(errno.EFBIG)
+    return None
+
+
 def one_line(text: str, limit: int = 400) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def os_error_line(path: Path, action: str, err: BaseException) -> str:
-    """`<path>: could not <action>: <the OS's reason> ...`, plus the fix for the common reasons."""
+def os_error_line(path: Path, action: str, err: BaseException, needed: int | None = None) -> str:
+    """`<path>: could not <action>: <the OS's reason> ...`, plus the bytes needed (`needed`, or
+    what a `WriteFailed` says) and the fix for the common reasons."""
     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
     where = getattr(err, "filename", None)
+    needed = getattr(err, "needed", None) or needed
+    code = getattr(err, "errno", None)
+    if not isinstance(err, OSError) and ("inline_container" in reason or "PytorchStreamWriter" in reason):
+        reason = _zip_writer_reason(path, needed) or reason
+        code = {os.strerror(errno.ENOSPC): errno.ENOSPC, os.strerror(errno.EFBIG): errno.EFBIG}.get(reason)
     fix = {
         errno.ENOSPC: f"free space on the disk of {path}, or save elsewhere",
         errno.EDQUOT: f"free space in your quota for {path}, or save elsewhere",
         errno.EFBIG: "a file grew past the file-size limit (ulimit -f); raise it, or save elsewhere",
         errno.EACCES: f"make {path.parent} writable, or save elsewhere",
         errno.EROFS: "the file system is read-only; save elsewhere",
-    }.get(getattr(err, "errno", None) or -1, "")
+    }.get(code or -1, "")
     detail = f"{reason} ({where})" if where else reason
+    if needed and code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        detail += f"; it needs {_size(needed)}"
     return one_line(f"{path}: could not {action}: {detail}" + (f"; {fix}" if fix else ""))
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 10_000 else f"{n / 1e6:.1f} MB ({n} bytes)"

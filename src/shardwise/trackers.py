@@ -3,7 +3,9 @@
 "jsonl" (no dependency): one JSON object per line in `<project_dir>/<run>/metrics.jsonl`.
 "tensorboard" (`pip install 'shardwise[tensorboard]'`): torch's SummaryWriter event files.
 "wandb" (`pip install wandb`): a W&B run; offline unless WANDB_MODE says otherwise.
-Only the main process writes; the others hold no tracker.
+Only the main process writes; the others hold no tracker. The engine's own records go to the
+same run, under tags of their own in TensorBoard and W&B (`ENGINE_PREFIX`: "shardwise/loss"),
+so the user's tags hold exactly what the user logged.
 """
 
 from __future__ import annotations
@@ -12,10 +14,40 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 TRACKERS = ("jsonl", "tensorboard", "wandb")
+ENGINE_PREFIX = "shardwise/"
+
+
+def scalar_values(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`log()`'s values with each one-element tensor or array as a Python number (so every
+    tracker records it); anything but numbers, strings, None and dicts or lists of them is
+    refused in one line naming its key, on every process, before any tracker writes."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"log() takes a dict of name -> number, not {type(values).__name__}")
+    return {k: _scalar(v, f"{prefix}{k}") for k, v in values.items()}
+
+
+def _scalar(value: Any, name: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return scalar_values(value, name + "/")
+    if isinstance(value, (list, tuple)):
+        return [_scalar(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        if value.size == 1 if isinstance(value, (np.ndarray, np.generic)) else value.numel() == 1:
+            return value.item()
+        raise ValueError(f"log(): {name!r} is a {type(value).__name__} of shape {tuple(value.shape)}, not a scalar; "
+                         "log a number (e.g. .mean().item()) or one key per element")
+    raise ValueError(f"log(): {name!r} is a {type(value).__name__}, not a number; log numbers, strings, "
+                     "or dicts of them")
 
 
 def _scalars(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -49,6 +81,11 @@ class Tracker:
     def log(self, values: dict[str, Any], step: int | None) -> None:
         raise NotImplementedError
 
+    def log_engine(self, record: dict[str, Any], step: int | None) -> None:
+        """The engine's metrics record, its names under `ENGINE_PREFIX` (a user's `loss` or
+        `epoch` tag never receives the engine's points)."""
+        self.log({k if k == "step" else ENGINE_PREFIX + k: v for k, v in record.items()}, step)
+
     def finish(self) -> None:
         pass
 
@@ -75,6 +112,9 @@ class JSONLTracker(Tracker):
         line = {"step": step, "time": round(time.time(), 3), **values}
         self.file.write(json.dumps(line, default=float) + "\n")
         self.file.flush()  # a line is whole on disk once log() returns
+
+    def log_engine(self, record: dict[str, Any], step: int | None) -> None:
+        self.log(record, step)  # a line of its own: `shardwise report` reads these names as they are
 
     def finish(self) -> None:
         self.file.close()

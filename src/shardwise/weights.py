@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,34 +123,110 @@ def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
 
 
-def match_keys(module: nn.Module, shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry], source: Path,
-               *, strict: bool) -> dict[str, _Entry]:
-    """Model key -> file entry, after checking names and shapes; one line naming the keys."""
-    aliases = find_aliases(module)
-    prefix = getattr(module, "base_model_prefix", "") or ""
+# prefixes a wrapper adds to every key of the module it wraps, and who adds them
+WRAPPER_PREFIXES = {"module.": "DDP or DataParallel", "_orig_mod.": "torch.compile", "_fsdp_wrapped_module.": "FSDP",
+                    "_checkpoint_wrapped_module.": "activation checkpointing", "model.": "a wrapper module"}
+_LEADING = ("module.", "model.")  # only at the front; the others sit at any depth
+KEY_MAP_HINT = "rename them with key_map={'<prefix in the file>.': '<prefix in the model>.'}"
+
+
+def _candidates(key: str, prefix: str) -> tuple[str, ...]:
+    """File keys that may hold model key `key` (with or without transformers' base-model prefix)."""
+    return (key, key.removeprefix(prefix + "."), f"{prefix}.{key}") if prefix else (key,)
+
+
+def _find(shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry], prefix: str) -> dict[str, _Entry]:
     found: dict[str, _Entry] = {}
     for key in shapes:
-        for candidate in (key, key.removeprefix(prefix + ".") if prefix else key, f"{prefix}.{key}" if prefix else key):
+        for candidate in _candidates(key, prefix):
             if candidate in entries:
                 found[key] = entries[candidate]
                 break
+    return found
+
+
+def rename(entries: dict[str, _Entry], key_map: Mapping[str, str]) -> dict[str, _Entry]:
+    """File keys renamed by `key_map` (prefix in the file -> prefix in the model; the first
+    that matches applies)."""
+    out: dict[str, _Entry] = {}
+    for key, entry in entries.items():
+        for old, new in key_map.items():
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        out[key] = entry
+    return out
+
+
+def _strip(key: str, wrapper: str) -> str:
+    return key.removeprefix(wrapper) if wrapper in _LEADING else key.replace(wrapper, "")
+
+
+def strip_wrappers(shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry], prefix: str,
+                   source: Path) -> dict[str, _Entry]:
+    """Keys saved from a wrapped model (`module.` from DDP, `_orig_mod.` from torch.compile,
+    nested too) lose the wrappers' prefixes, only where that makes more of them match (a Llama's
+    own `model.` stays); one line says so."""
+    best, best_count = entries, len(_find(shapes, entries, prefix))
+    stripped: tuple[str, ...] = ()
+    if best_count == len(entries):
+        return entries
+    frontier: list[tuple[dict[str, _Entry], tuple[str, ...]]] = [(entries, ())]
+    for _ in range(3):  # up to three wrappers deep (DDP around torch.compile around FSDP)
+        grown = []
+        for state, done in frontier:
+            for wrapper in WRAPPER_PREFIXES:
+                trial = {_strip(k, wrapper): e for k, e in state.items()}
+                if len(trial) == len(state) and trial.keys() != state.keys():
+                    grown.append((trial, (*done, wrapper)))
+                    count = len(_find(shapes, trial, prefix))
+                    if count > best_count:
+                        best, best_count, stripped = trial, count, (*done, wrapper)
+        frontier = grown
+    if stripped:
+        log.warning("%s: its keys carry the prefix%s %s (saved from a model wrapped by %s): stripped",
+                    source, "es" if len(stripped) > 1 else "", ", ".join(f"'{w}'" for w in stripped),
+                    ", ".join(WRAPPER_PREFIXES[w] for w in stripped))
+    return best
+
+
+def match_keys(module: nn.Module, shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry], source: Path,
+               *, strict: bool, key_map: Mapping[str, str] | None = None,
+               fills_missing: bool = False) -> dict[str, _Entry]:
+    """Model key -> file entry, after checking names and shapes; one line naming the keys.
+
+    Strict (the default, as torch's load_state_dict): a model tensor the files lack, or a file
+    tensor nothing uses, is refused. `fills_missing`: the model initializes what the files lack
+    (from_pretrained, as transformers does): those are listed in a warning, not refused, unless
+    no key matches at all.
+    """
+    aliases = find_aliases(module)
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    if key_map:
+        entries = rename(entries, key_map)
+    entries = strip_wrappers(shapes, entries, prefix, source)
+    found = _find(shapes, entries, prefix)
     missing = [k for k in shapes if k not in found and not (k in aliases and aliases[k] in found)]
     used = {e.key for e in found.values()}
-    unexpected = sorted(k for k in entries if k not in used)
+    ignore = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = sorted(e.key for e in entries.values()
+                        if e.key not in used and not any(p.search(e.key) for p in ignore))
     shaped = [f"{k} {list(found[k].shape)} vs {list(shapes[k])}" for k in shapes if k in found and found[k].shape != shapes[k]]
     problems = []
     if shaped:
         problems.append("mis-shaped " + _few(shaped))
-    if strict and missing:
-        problems.append("missing " + _few(missing))
+    if strict and (not fills_missing or not found) and missing:
+        problems.append(f"missing {_few(missing)}" + (" (no key matches)" if not found else ""))
     if strict and unexpected:
         problems.append("unexpected " + _few(unexpected))
     if problems:
-        raise CheckpointError(f"{source}: does not match {class_name(module)}: {'; '.join(problems)}"
-                              + ("" if shaped else " (another model's weights? load with strict=False to skip them)"))
+        raise CheckpointError(f"{source}: does not match {class_name(module)}: {'; '.join(problems)}" + ("" if shaped else (
+            f" (another model's weights, or keys under another prefix? {KEY_MAP_HINT}, or load with strict=False "
+            "to skip them)")))
     if missing or unexpected:
         log.warning("%s: %s", source, "; ".join(
-            [f"left as initialized: {_few(missing)}"] * bool(missing) + [f"not used: {_few(unexpected)}"] * bool(unexpected)))
+            [f"{'initialized by the model' if fills_missing else 'left as they were'}: {_few(missing)}"] * bool(missing)
+            + [f"not used: {_few(unexpected)}"] * bool(unexpected)))
     return {k: e for k, e in found.items() if k not in aliases or aliases[k] not in found}
 
 
@@ -216,9 +293,24 @@ def copy_into(target: torch.Tensor, key: str, read: Reader) -> None:
 
 
 def check_source(path: str | os.PathLike[str], module: nn.Module, *, strict: bool,
-                 shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[Path, dict[str, _Entry]]:
+                 shapes: dict[str, tuple[int, ...]] | None = None, key_map: Mapping[str, str] | None = None,
+                 fills_missing: bool = False) -> tuple[Path, dict[str, _Entry]]:
     """Everything `load_model` checks before a weight changes (no collective). `shapes`: the
     full shapes of `module`'s tensors where the module no longer shows them (DeepSpeed)."""
     source = Path(path)
     entries = read_entries(weight_files(source))
-    return source, match_keys(module, shapes or full_shapes(module), entries, source, strict=strict)
+    return source, match_keys(module, shapes or full_shapes(module), entries, source, strict=strict, key_map=key_map,
+                              fills_missing=fills_missing)
+
+
+@dataclass(frozen=True, slots=True)
+class Pretrained:
+    """On a model from `Engine.from_pretrained`: the weights `prepare` loads, and how."""
+
+    path: Path
+    strict: bool = True
+    key_map: Mapping[str, str] | None = None
+
+    def check(self, module: nn.Module) -> tuple[Path, dict[str, _Entry]]:
+        """`check_source` for it: the model initializes what the files lack."""
+        return check_source(self.path, module, strict=self.strict, key_map=self.key_map, fills_missing=True)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config import EngineConfig
 from ..dist import DistInfo
-from ..materialize import Place, allocate, materialize
+from ..materialize import Places, allocate, materialize
 from ..precision import Precision
 from ..weights import Reader, copy_into, full_shapes
 from .host_step import DeepSpeedAdam, threads
@@ -34,8 +34,8 @@ from .host_step import DeepSpeedAdam, threads
 class EmptyModel:
     """How to fill a model built on the meta device (see `shardwise.materialize`)."""
 
-    places: set[Place]
-    """Where its meta tensors sit."""
+    places: Places
+    """Where its meta tensors sit, each with its constructor's recorded initialization."""
     rng: torch.Tensor | None
     """The CPU generator state its initializers replay (the same on every process)."""
     skip: frozenset[str] = frozenset()
@@ -108,6 +108,13 @@ class OptimizerRunner(ABC):
         them the runner keeps (host masters)."""
         return
 
+    @torch.no_grad()
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply this step's gradients by `factor` (`shardwise.items`), before clipping and the step."""
+        for p in self.params():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this runner keeps besides the model's parameters and gradients."""
         return [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -174,6 +181,13 @@ class Strategy(ABC):
         only, where sharded), then initialize it module by module (`materialize`)."""
         allocate(model, device)
         materialize(model, empty.places, rng=empty.rng, skip=lambda name: name in empty.skip)
+
+    def replicate(self, model: nn.Module, empty: EmptyModel | None) -> nn.Module:
+        """A whole copy of `model` on this process's device, unwrapped: how a model prepared for
+        inference only sits under ddp, zero1 and zero2 (`strategies.frozen`)."""
+        if empty is not None:
+            self.fill(model, empty, self.info.device)
+        return model.to(self.info.device)
 
     def full_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
         """State-dict key -> full (unsharded) shape of the prepared model's tensors."""

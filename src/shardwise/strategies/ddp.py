@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import EngineConfig
 from ..dist import DistInfo
 from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
+from .frozen import for_inference
 from .host_step import step_on_host
 from .sharded_optim import ShardedOptimizer
 
@@ -29,13 +30,11 @@ class DDPStrategy(Strategy):
         self.shard_optimizer = shard_optimizer
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
+        if for_inference(model):  # a frozen reference: nothing to all-reduce, no DDP wrapper
+            return self.replicate(model, empty)
         if empty is not None:  # replicas: every process holds the whole model anyway
             self.fill(model, empty, self.info.device)
         model.to(self.info.device)
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(
-                f"{type(model).__name__} has no trainable parameters; DDP cannot wrap it"
-            )
         device_ids = [self.info.device.index] if self.info.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here, so every replica starts equal.
         return DistributedDataParallel(model, device_ids=device_ids)

@@ -11,7 +11,8 @@ The Engine's verbs keep their meaning; what DeepSpeed owns, and how it is kept i
   backward   plain `loss.backward()`: DeepSpeed's engine hooks the forward outputs and runs its
              reduce epilogue after autograd (torch-style backward), so one loss may span several
              models. The loss is divided by grad_accum_steps by the Engine, as on torch; DeepSpeed's
-             own accumulation count is 1 so it never divides again.
+             own accumulation count is 1 so it never divides again. `num_items`' rescale at the
+             boundary goes through DeepSpeed's loss scale for one step (`DeepSpeedRunner.scale_gradients`).
   accumulate off the boundary the DeepSpeed engine's `set_gradient_accumulation_boundary(False)`: stage 1
              keeps local gradients, stages 2-3 reduce-scatter into their partitions every
              micro-step (DeepSpeed has no no_sync for partitioned gradients); on the boundary
@@ -25,6 +26,15 @@ The Engine's verbs keep their meaning; what DeepSpeed owns, and how it is kept i
              scaler (CUDA only: DeepSpeed's CPU accelerator has no fp16). `DeepSpeedPrecision`
              therefore adds no autocast and no scaler of ours.
   weights    `full_state_dict` gathers ZeRO-3 partitions one parameter at a time, no flag needed.
+  eval       a ZeRO-3 forward under no_grad (evaluation, each `generate` step) ends with every
+             parameter released to its partition: DeepSpeed's coordinator keeps what it gathered
+             for a backward. `generate` runs synced (`fsdp.sync_generate`), the model's own methods
+             pass through the prepared model (`generate`, `config`, ...), as on the torch backend.
+  frozen     a model prepared for inference only (no trainable parameter: a DPO reference, a
+             teacher) gets no DeepSpeed engine: DeepSpeed builds one around an optimizer step.
+             It is sharded by our own FSDP2 under zero3 and replicated under zero1/zero2, as on
+             the torch backend (`strategies.frozen`); its weights, checkpoints and exports go
+             through that torch strategy.
 """
 
 from __future__ import annotations
@@ -34,17 +44,21 @@ import logging
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from ..adapters import unwrapped
 from ..config import STRATEGY_TABLE, ConfigError, EngineConfig, check_strategy
 from ..dist import DistInfo
 from ..precision import Precision
 from ..weights import Reader
 from .base import EmptyModel, OptimizerRunner, StepResult, Strategy, zero_step
+from .frozen import for_inference
+from .fsdp import sync_generate
 from .host_step import DeepSpeedAdam, step_on_host, threads
 
 log = logging.getLogger("shardwise")
@@ -157,6 +171,20 @@ class DeepSpeedModel(nn.Module):
             engine = self._strategy.initialize(self, None)
         return engine(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """The user's module's own public methods and attributes (`generate`, `config`, ...)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "module" not in self._modules:
+                raise
+            return getattr(self._modules["module"], name)
+
+    def release_gathered(self) -> None:
+        """Every ZeRO-3 parameter back to its partition (the engine's call would also run gc)."""
+        if self.ds_engine is not None and hasattr(self.ds_engine.optimizer, "empty_partition_cache"):
+            self.ds_engine.optimizer.empty_partition_cache()
+
 
 class DeepSpeedPrecision(Precision):
     """DeepSpeed casts (`torch_autocast`) and scales the loss (fp16) itself: nothing to add."""
@@ -198,6 +226,7 @@ class DeepSpeedRunner(OptimizerRunner):
         self.ds_engine = model.ds_engine
         self.group_names = names  # parameter names per group, as the user made them
         self.clip = float(self.ds_engine.optimizer.clip_grad)  # the config's bound (0: none)
+        self._rescaled: tuple[float, float, float] | None = None  # loss scale kept, set, factor
 
     host_threads: int | None = None  # offload: the host step's threads
 
@@ -210,6 +239,27 @@ class DeepSpeedRunner(OptimizerRunner):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.ds_engine.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def scale_gradients(self, factor: float) -> None:
+        """ZeRO-2/3 gradients live in DeepSpeed's partition buffers (on the host with offload),
+        which no public call scales. What every ZeRO stage does read is its loss scale: its
+        step divides the partitions by it (`unscale_and_clip_grads`), and its norm, clipping
+        included, is taken of the gradients divided by it. So the factor goes there, for this
+        step: the loss scale is divided by it here and restored after the step (`restore_scale`)."""
+        opt = self.ds_engine.optimizer
+        kept = float(opt.loss_scale)
+        opt.loss_scale = kept / factor  # bf16/fp32: DeepSpeed's static scaler, 1.0 otherwise
+        self._rescaled = (kept, float(opt.loss_scale), factor)
+
+    def restore_scale(self) -> None:
+        """The loss scale as before `scale_gradients`; fp16's dynamic scaler keeps its own verdict
+        on this step (a halving or growth is multiplied back by the same factor)."""
+        if self._rescaled is None:
+            return
+        (kept, scaled, factor), self._rescaled = self._rescaled, None
+        opt = self.ds_engine.optimizer
+        now = float(opt.loss_scale)
+        opt.loss_scale = kept if now == scaled else now * factor
 
 
     def tensors(self) -> list[torch.Tensor]:
@@ -305,18 +355,35 @@ class DeepSpeedStrategy(Strategy):
         self.stage = stage
         self.ds = import_deepspeed(info.device)
         self._owner: dict[int, DeepSpeedModel] = {}  # parameter id -> model
+        self._torch: Strategy | None = None  # lays out the models prepared for inference only
+        self._inference: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... which are these
+
+    @property
+    def frozen(self) -> Strategy:
+        """The torch strategy of the same stage that holds models prepared for inference only."""
+        if self._torch is None:
+            from .fsdp import FSDPStrategy
+
+            self._torch = FSDPStrategy(self.cfg, self.info, stage=self.stage)
+        return self._torch
 
     def make_precision(self) -> Precision:
         return DeepSpeedPrecision(self.cfg.precision, self.info.device)
 
     # -- models -----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(f"{type(model).__name__} has no trainable parameters; DeepSpeed cannot train it")
+        if for_inference(model):  # no DeepSpeed engine: our FSDP2 shards it (zero3) or it is a replica
+            out = self.frozen.setup_model(model, empty)
+            self._inference.add(out)
+            self.frozen.precision.apply_to(model)  # DeepSpeed's autocast lives in its engine: ours here
+            return out
         if empty is not None:  # whole on each process until DeepSpeed partitions it (zero.Init is not used)
             self.fill(model, empty, "cpu")
         model.to(self.info.device)
         wrapped = DeepSpeedModel(model, self)
+        unwrapped(model)  # a main-process save_pretrained (reached through `wrapped` too) is refused
+        if self.stage == 3:  # a collective forward: generate runs synced, and ends on the partitions
+            sync_generate(model, wrapped.release_gathered)
         self._owner.update((id(p), wrapped) for p in model.parameters())
         return wrapped
 
@@ -338,6 +405,8 @@ class DeepSpeedStrategy(Strategy):
                 "torch; shardwise needs deepspeed>=0.18"
             )
         object.__setattr__(model, "ds_engine", engine)
+        if self.stage == 3:  # after DeepSpeed's own hooks: a no-grad forward has no backward to release for it
+            engine.module.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else model.release_gathered())
         return engine
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -396,6 +465,7 @@ class DeepSpeedStrategy(Strategy):
             return StepResult(applied=bool(runner.ds_engine.was_step_applied()))
         finally:
             runner.ds_engine.optimizer.clip_grad = runner.clip  # a script's bound lasts one step
+            runner.restore_scale()  # num_items' rescale lasts one step too
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.cfg.precision != "fp16":
@@ -431,6 +501,8 @@ class DeepSpeedStrategy(Strategy):
 
     # -- weights ----------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if model in self._inference:
+            return self.frozen.full_state_dict(model)
         module = self.unwrap(model)
         gathered: dict[int, torch.Tensor] = {}
         for p in module.parameters():  # one parameter at a time: no rank holds the whole model twice
@@ -448,6 +520,8 @@ class DeepSpeedStrategy(Strategy):
         """Whole fp32 weights (from DeepSpeed's masters) and buffers, keyed by name (collective)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
+        if model in self._inference:
+            return self.frozen.model_state(model)
         module = self.unwrap(model)
         out = {}
         for name, p in module.named_parameters():
@@ -457,6 +531,9 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if model in self._inference:
+            self.frozen.load_model_state(model, state)
+            return
         module = self.unwrap(model)
         for name, p in module.named_parameters():
             self._set_param(model, p, state[name])
@@ -477,11 +554,16 @@ class DeepSpeedStrategy(Strategy):
 
     def full_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
         """ZeRO-3 leaves its parameters empty in the module; `ds_shape` is their full shape."""
+        if model in self._inference:
+            return self.frozen.full_shapes(model)
         return {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in self.unwrap(model).state_dict(keep_vars=True).items()}
 
     def load_weights(self, model: nn.Module, keys: Iterable[str], read: Reader) -> None:
         """Before DeepSpeed holds the model its tensors are plain; after, each parameter is set
         whole, one at a time (DeepSpeed scatters it to its partitions)."""
+        if model in self._inference:
+            self.frozen.load_weights(model, keys, read)
+            return
         if getattr(model, "ds_engine", None) is None:
             super().load_weights(model, keys, read)
             return

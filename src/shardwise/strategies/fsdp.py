@@ -10,12 +10,20 @@ are stored as dim-0 shards (DTensor) and all-gathered just before its forward an
 offload='params' (zero3) keeps parameter shards on the host between uses and runs the optimizer
 there (FSDP2's CPUOffloadPolicy). offload='optimizer' is ours: `sharded_optim` moves the
 reduce-scattered gradient shards to the host, steps fp32 host masters and copies them back.
+
+A forward no backward follows (under no_grad or inference_mode: evaluation, `generate`) ends
+with every unit resharded (`reshard_after_no_grad`): FSDP2 keeps the root's parameters, and
+under zero2 every unit's, gathered for a backward that would never come. `generate` keeps every
+process calling forward until all are done (`sync_generate`), whatever `synced_gpus` says.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -37,10 +45,12 @@ try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a p
 except ImportError:  # pragma: no cover - older torch: FSDP2's own reduce-scatter is used
     ReduceScatter = None  # type: ignore[assignment,misc]
 
+from ..adapters import is_peft_model, unwrapped
 from ..config import EngineConfig
 from ..dist import DistInfo, device_mesh
 from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
 from .blocks import find_blocks
+from .frozen import for_inference
 from .host_step import step_on_host
 from .sharded_optim import ShardedOptimizer
 
@@ -117,6 +127,17 @@ if ReduceScatter is not None:
     _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+@contextlib.contextmanager
+def _model_no_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's `set_requires_gradient_sync(False)` for the block: backward keeps the units'
+    gradients unsharded and local; the next synced backward reduce-scatters their sum once."""
+    cast(FSDPModule, model).set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        cast(FSDPModule, model).set_requires_gradient_sync(True)
+
+
 class FSDPStrategy(Strategy):
     """ZeRO stage 2 or 3 on FSDP2."""
 
@@ -126,6 +147,10 @@ class FSDPStrategy(Strategy):
         self.mesh = device_mesh(info.device)
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
+        """Shard `model` in FSDP2 units; under zero2 a model prepared for inference only is a
+        replica instead, and under zero3 it is sharded like any other (see `strategies.frozen`)."""
+        if self.stage < 3 and for_inference(model):
+            return self.replicate(model, empty)
         offload_params = self.cfg.offload == "params"
         # every process holds process 0's weights already (Session._agree_weights)
         if empty is None and not offload_params:
@@ -149,6 +174,12 @@ class FSDPStrategy(Strategy):
         )
         if empty is not None:  # sharded while empty: each process allocates its shards only
             self.fill(model, empty, "cpu" if offload_params else self.info.device)
+        if not hasattr(model, "no_sync"):  # DDP's `model.no_sync()`, which scripts call on any prepared model
+            model.__dict__["no_sync"] = types.MethodType(_model_no_sync, model)
+        model.register_forward_hook(reshard_after_no_grad)  # after FSDP2's own post-forward hook
+        # `unwrapped` now, not at the first unwrap_model: a peft model's generate runs the root's
+        # hooks, and a main-process save_pretrained of the prepared model is refused
+        sync_generate(unwrapped(model), functools.partial(reshard_all, model))
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -159,12 +190,8 @@ class FSDPStrategy(Strategy):
         if not isinstance(model, FSDPModule):
             yield
             return
-        # Gradients accumulate unsharded in the units; the reduce-scatter waits for the boundary.
-        model.set_requires_gradient_sync(False)
-        try:
+        with _model_no_sync(model):  # the reduce-scatter waits for the boundary
             yield
-        finally:
-            model.set_requires_gradient_sync(True)
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
         if self.cfg.offload != "optimizer":
@@ -193,3 +220,55 @@ class FSDPStrategy(Strategy):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)  # collective: all ranks gather
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if self.info.is_main else {}
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Every FSDP2 unit of `model` back to its shard (a no-op for a unit already resharded)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def reshard_after_no_grad(model: nn.Module, args: Any, output: Any) -> None:
+    """The root's forward hook: a forward under no_grad has no backward to free what it gathered.
+    FSDP2 leaves the root's units gathered after forward (the backward needs them first), and
+    zero2's blocks too; without a backward they would stay so until the next training step."""
+    if not torch.is_grad_enabled():
+        reshard_all(model)
+
+
+_SYNCED = "_shardwise_synced_generate"  # marks a generate `sync_generate` put on an instance
+
+
+def sync_generate(module: nn.Module, reshard: Callable[[], None]) -> None:
+    """Give `module` (a sharded model, whose forward is collective) a `generate` that cannot
+    desynchronise the processes, and that ends holding only the shard (`reshard`).
+
+    A rank that finishes its sequences early and stops calling forward leaves the others waiting
+    in the all-gather of their next forward until the collective timeout. transformers' own
+    remedy, `synced_gpus=True` (every process keeps running forward until all are done), is
+    forced here for a transformers model (or a peft model of one), whatever the caller passed.
+    """
+    generate = getattr(module, "generate", None)
+    if not callable(generate) or getattr(generate, _SYNCED, False):
+        return
+    sync = _is_transformers_generator(module)
+
+    @functools.wraps(generate)
+    def synced(*args: Any, **kwargs: Any) -> Any:
+        if sync and dist.is_initialized() and dist.get_world_size() > 1:
+            kwargs["synced_gpus"] = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            reshard()
+
+    setattr(synced, _SYNCED, True)
+    module.__dict__["generate"] = synced  # the instance only; the class stays as it is
+
+
+def _is_transformers_generator(module: nn.Module) -> bool:
+    tf = sys.modules.get("transformers")
+    get_base = getattr(module, "get_base_model", None)
+    base = get_base() if is_peft_model(module) and callable(get_base) else module
+    return tf is not None and isinstance(base, tf.GenerationMixin)

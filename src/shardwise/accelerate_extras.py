@@ -1,0 +1,129 @@
+"""What `Accelerator` sets up beyond the engine so that Accelerate's own helpers a script calls
+keep working: the process state `accelerate.logging.get_logger` reads, Accelerate's
+`<logging_dir>/<run>` tracker layout, and `Accelerator.profile()` with `ProfileKwargs`.
+
+accelerate is imported only where it is installed (`accelerate.logging` needs its state there);
+without it nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+PROFILE_PATTERN = "profile_{}.json"  # Accelerate's PROFILE_PATTERN_NAME: one trace per process
+_OURS = "_shardwise_filled"  # marks the PartialState shared state this module wrote
+
+
+class _AcceleratorLike(Protocol):
+    """What this module reads of `shardwise.Accelerator` (which imports this module)."""
+
+    project_configuration: Any
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def distributed_type(self) -> Any: ...
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def process_index(self) -> int: ...
+    @property
+    def local_process_index(self) -> int: ...
+    def wait_for_everyone(self) -> None: ...
+
+
+@dataclass
+class ProfileKwargs:
+    """Accelerate's `ProfileKwargs`, read by its fields (Accelerate's own object is read the same
+    way): the arguments of `torch.profiler.profile`, and where `profile()` writes its traces."""
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable[..., Any] | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+
+def build_profiler(handler: Any) -> torch.profiler.profile:
+    """`torch.profiler.profile` with the handler's settings (as Accelerate's `ProfileKwargs.build`)."""
+    names = {"cpu": torch.profiler.ProfilerActivity.CPU, "cuda": torch.profiler.ProfilerActivity.CUDA}
+    activities = None
+    if handler.activities is not None:
+        unknown = [a for a in handler.activities if str(a) not in names]
+        if unknown:
+            raise ValueError(f"ProfileKwargs(activities={handler.activities!r}): {unknown[0]!r} is not one of "
+                             f"{list(names)}")
+        activities = [names[str(a)] for a in handler.activities]
+    schedule = torch.profiler.schedule(**handler.schedule_option) if handler.schedule_option is not None else None
+    return torch.profiler.profile(
+        activities=activities, schedule=schedule, on_trace_ready=handler.on_trace_ready,
+        record_shapes=handler.record_shapes, profile_memory=handler.profile_memory, with_stack=handler.with_stack,
+        with_flops=handler.with_flops, with_modules=handler.with_modules)
+
+
+@contextlib.contextmanager
+def profile(acc: _AcceleratorLike, handler: Any) -> Iterator[torch.profiler.profile]:
+    """Profile the block on every process; with `output_trace_dir`, each process then writes its
+    own Chrome trace `profile_<process_index>.json` there, and all wait for the last one."""
+    handler = handler if handler is not None else ProfileKwargs()
+    with build_profiler(handler) as profiler:
+        yield profiler
+    out = getattr(handler, "output_trace_dir", None)
+    if out is None:
+        return
+    os.makedirs(out, exist_ok=True)
+    profiler.export_chrome_trace(os.path.join(out, PROFILE_PATTERN.format(acc.process_index)))
+    acc.wait_for_everyone()
+
+
+def logging_root(acc: _AcceleratorLike) -> Path | None:
+    """Accelerate's `logging_dir`: ProjectConfiguration's, else the project folder; a tracker's
+    run `<name>` is the folder `<logging_dir>/<name>` (no `logs/` in between, as Accelerate)."""
+    pc = acc.project_configuration
+    folder = getattr(pc, "logging_dir", None) or getattr(pc, "project_dir", None)
+    return Path(folder) if folder is not None else None
+
+
+def share_process_state(acc: _AcceleratorLike) -> None:
+    """Fill Accelerate's `PartialState` shared state with where this process sits, so that
+    `accelerate.logging.get_logger(...)` loggers (which read `PartialState()`) log on the main
+    process only and tag `[RANK r]` with the real rank.
+
+    `PartialState()` itself is not called: it would read Accelerate's launcher environment and
+    start a process group of its own. Its shared dict is what every `PartialState()` adopts
+    (a Borg singleton), so writing the fields it reads is enough; a state Accelerate itself
+    built (a script that made `PartialState()` first) is left alone."""
+    if "accelerate" not in sys.modules and importlib.util.find_spec("accelerate") is None:
+        return
+    shared = importlib.import_module("accelerate.state").PartialState._shared_state
+    types = importlib.import_module("accelerate.utils").DistributedType
+    if shared and not shared.get(_OURS):
+        return
+    shared.clear()
+    shared.update({
+        _OURS: True,
+        "_cpu": acc.device.type == "cpu",
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": acc.device,
+        "debug": False,
+        "distributed_type": types(acc.distributed_type.value),
+        "num_processes": acc.num_processes,
+        "process_index": acc.process_index,
+        "local_process_index": acc.local_process_index,
+        "fork_launched": False,
+    })

@@ -1,0 +1,175 @@
+"""What `Accelerator` needs for calls a script makes on one process alone, and Accelerate's
+save/load pre-hooks.
+
+Scripts written for Accelerate (diffusers' `train_unconditional.py`) call `save_state()` and
+sample with the model inside `if accelerator.is_main_process:`. The other processes are then
+already in the next step's all-reduce, so any collective in the call waits for them forever.
+Telling "only the main process called" needs no collective: every process that enters the
+call adds 1 to a key of the process group's store (a TCP round trip, no tensor traffic) and
+polls until the count reaches the world size. The main process decides it is alone when every
+other process has gone past this point: their heartbeats in the store (`resilience.Guard`: one
+per boundary, forward, backward and `wait_for_everyone`, the same sequence on every process)
+outnumber its own; or, without that sign, after `ARRIVAL_TIMEOUT_S`. It then closes the key by
+adding `_CLOSED` and goes on alone (ddp) or refuses (sharded). A process that is merely late
+(busy before a call everyone makes) has fewer heartbeats, so the main process waits for it. The keys are numbered by the optimizer step and a per-step call count, so processes
+that make the same calls at the same steps use the same key without agreeing on anything; a
+process that finds its key closed knows the main process made a call alone there, and takes
+the next key. (Limit: when the main process reaches a call everyone makes more than
+`ARRIVAL_TIMEOUT_S` before the others, it counts as alone; the others then wait at the next key
+until the collective timeout and raise.)
+
+A lone save under ddp (every process holds the whole state) is written as a checkpoint of a
+world of one: the weights, optimizer, schedulers, loop state and registered objects as this
+process holds them, and only this process's generator states. `load_state` on every process
+reads it (resharding from one process); the processes it has no generator state for keep
+their own, as Accelerate's resume does when `random_states_<i>.pkl` is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+ARRIVAL_TIMEOUT_S = 60.0  # with no sign that the others moved on: how long until the main process is alone
+_LOOK_EVERY_S = 0.1  # how often the waiting main process reads the others' heartbeats
+_CLOSED = 1 << 30  # added to a key by the process that stopped waiting
+
+
+def arrived_together(calls: dict[int, int], kind: str, step: int, world: int, is_main: bool,
+                     wait_s: float, moved_on: Callable[[], bool]) -> bool:
+    """True when every process makes this call; False on the main process when the others
+    moved on (`moved_on()`) or it waited `ARRIVAL_TIMEOUT_S` alone. The other processes never
+    give up early (the main process may just be busy alone, logging or sampling, before a call
+    everyone makes): they wait up to
+    `wait_s` (the collective timeout) and then raise. `calls`: this kind's calls at `step`,
+    which number the keys (updated)."""
+    if world == 1 or not dist.is_initialized():
+        return True
+    store = dist.distributed_c10d._get_default_store()
+    n = calls.get(step, 0)
+    start = time.monotonic()
+    looked = start
+    while True:
+        key = f"shardwise/together/{kind}/{step}/{n}"
+        count = store.add(key, 1)
+        while count < world:
+            now = time.monotonic()
+            waited, look = now - start, is_main and now - looked > _LOOK_EVERY_S
+            looked = now if look else looked
+            if is_main and (waited > ARRIVAL_TIMEOUT_S or (look and moved_on())):
+                # closing the key and reading the count is one atomic add: a process that
+                # arrived meanwhile is counted here and saw `world` itself: both say "together"
+                count = store.add(key, _CLOSED) - _CLOSED
+                break
+            if not is_main and waited > wait_s:
+                raise RuntimeError(f"{kind}: waited {wait_s:.0f} s for the main process to make the same "
+                                   "call (collective_timeout_s)")
+            time.sleep(0.002)
+            count = store.add(key, 0)
+        calls.clear()
+        calls[step] = n + 1
+        if count < _CLOSED:
+            return count >= world
+        # (not the main process) the main process made a call alone under this key: this
+        # process's call is the next one
+        n += 1
+
+
+def save_together(calls: dict[int, int], step: int, world: int, rank: int, wait_s: float,
+                  sharded_as: str | None, moved_on: Callable[[], bool]) -> bool:
+    """False when the main process alone called save_state; refused at once when the state is
+    sharded (`sharded_as` names the layout), since the other processes hold part of it."""
+    if arrived_together(calls, "save", step, world, rank == 0, wait_s, moved_on):
+        return True
+    if sharded_as is not None:
+        raise RuntimeError(
+            f"save_state() was called on process {rank} alone (e.g. inside `if accelerator."
+            f"is_main_process:`), but under {sharded_as} each process holds a shard of the state: call "
+            "save_state() on every process")
+    return False
+
+
+@contextlib.contextmanager
+def world_of_one(engine: Any) -> Iterator[None]:
+    """Inside, `engine` is process 0 of one and the checkpoint code sees no process group (so
+    it runs no collective): a lone process writes a complete single-process checkpoint. Only
+    for replicated state (ddp); the process-group itself is untouched."""
+    real, info = dist.is_initialized, engine._info
+    dist.is_initialized = lambda: False
+    engine._info = dataclasses.replace(info, rank=0, world_size=1, local_rank=0, local_world_size=1)
+    try:
+        with warnings.catch_warnings():  # DCP's "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            yield
+    finally:
+        dist.is_initialized, engine._info = real, info
+
+
+class StateHooks:
+    """Accelerate's `register_save_state_pre_hook` / `register_load_state_pre_hook` registries.
+
+    A save hook is called as `hook(models, weights, output_dir)` with the prepared models and
+    each one's state dict, once the checkpoint is in place (Accelerate: before it writes; but a
+    shardwise checkpoint is staged and renamed into a folder that must hold nothing else, so the
+    hook's files join it after); a load hook as `hook(models, input_dir)`, before anything is
+    read. (In Accelerate, popping from `weights` / `models` means "the hook saved / loaded this
+    model itself". shardwise's checkpoint keeps every model's weights
+    whatever the hook popped, since the optimizer state is stored against them, and loads them
+    back after the load hooks: the same weights the hook saved at the same moment.)
+    """
+
+    def __init__(self) -> None:
+        # OrderedDict: RemovableHandle keeps a weak reference to its table, which a dict cannot take
+        self.save: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.load: OrderedDict[int, Callable[..., None]] = OrderedDict()
+
+    @staticmethod
+    def add(table: dict[int, Callable[..., None]], hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(table)
+        table[handle.id] = hook
+        return handle
+
+    def after_save(self, models: list[nn.Module], unwrap: Callable[[nn.Module], nn.Module],
+                   output_dir: str) -> None:
+        if self.save:
+            weights: list[dict[str, Any]] = [unwrap(m).state_dict() for m in models]
+            for hook in list(self.save.values()):
+                hook(list(models), weights, output_dir)
+
+    def before_load(self, models: list[nn.Module], input_dir: str) -> None:
+        for hook in list(self.load.values()):
+            hook(list(models), input_dir)
+
+
+class SoloForwardCheck:
+    """A forward pre-hook on a sharded model: a forward run without autograd (sampling,
+    evaluation) first checks that every process is in it, since its parameter all-gathers
+    need them all; alone, it refuses in one line instead of waiting in the all-gather forever.
+    Training forwards (autograd on) run in lockstep by construction and pay nothing."""
+
+    def __init__(self, world: int, is_main: bool, wait_s: float, step: Callable[[], int],
+                 moved_on: Callable[[], bool]) -> None:
+        self.world, self.is_main, self.wait_s, self.step, self.moved_on = world, is_main, wait_s, step, moved_on
+        self.calls: dict[int, int] = {}
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() or self.world == 1:
+            return
+        if not arrived_together(self.calls, "forward", self.step(), self.world, self.is_main, self.wait_s,
+                                self.moved_on):
+            raise RuntimeError(
+                f"a forward of the sharded {type(module).__name__.removeprefix('FSDP')} ran on one process "
+                "alone: its parameters are sharded across processes and gathered by all of them; run it on "
+                "every process (e.g. sample on each and keep the main process's images), or use a full "
+                "copy: `state = accelerator.get_state_dict(model)` on every process, then load it into an "
+                "unsharded model")

@@ -1,0 +1,149 @@
+"""A script written for Hugging Face Accelerate in the pattern of diffusers'
+examples/unconditional_image_generation/train_unconditional.py: a tiny UNet2DModel trained as a
+DDPM, an EMA of its weights (diffusers' EMAModel), save/load pre-hooks that write the UNet and
+the EMA in diffusers' format, checkpointing and sampling on the main process only
+(`if accelerator.is_main_process:`), and a resume through the load hook. (The data loader does
+not shuffle, so a resumed run's order does not depend on how the sampler is restored.)
+
+    python -m torch.distributed.run --nproc-per-node 2 train_unconditional.py --out run.json --cpu \\
+        --output_dir ckpts --checkpointing_steps 4 [--resume_from_checkpoint ckpts/checkpoint-4]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import EMAModel
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def total(params):
+    return float(sum(p.detach().double().sum() for p in params))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--project_dir", default=None)
+    ap.add_argument("--output_dir", default=".")
+    ap.add_argument("--checkpointing_steps", type=int, default=4)
+    ap.add_argument("--resume_from_checkpoint", default=None)
+    ap.add_argument("--no_ema", action="store_true")
+    ap.add_argument("--no_sample", action="store_true")
+    ap.add_argument("--epochs", type=int, default=2)
+    args = ap.parse_args()
+    use_ema = not args.no_ema
+
+    accelerator = Accelerator(cpu=args.cpu, project_dir=args.project_dir)
+    set_seed(3)
+    model = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
+                        norm_num_groups=4, down_block_types=("DownBlock2D", "DownBlock2D"),
+                        up_block_types=("UpBlock2D", "UpBlock2D"))
+    if use_ema:
+        ema_model = EMAModel(model.parameters(), decay=0.9, use_ema_warmup=True, inv_gamma=1.0, power=0.75,
+                             model_cls=UNet2DModel, model_config=model.config)
+    record = {"losses": [], "saved": [], "loaded": None, "samples": []}
+
+    def save_model_hook(models, weights, output_dir):
+        if accelerator.is_main_process:
+            if use_ema:
+                ema_model.save_pretrained(os.path.join(output_dir, "unet_ema"))
+                record["saved"].append({"ema": total(ema_model.shadow_params), "dir": os.path.basename(output_dir),
+                                        "model": total(accelerator.unwrap_model(models[0]).parameters())})
+            for model in models:
+                accelerator.unwrap_model(model).save_pretrained(os.path.join(output_dir, "unet"))
+                weights.pop()  # the hook saved this model
+
+    def load_model_hook(models, input_dir):
+        if use_ema:
+            loaded = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DModel)
+            ema_model.load_state_dict(loaded.state_dict())
+            ema_model.to(accelerator.device)
+            record["loaded"] = {"ema": total(ema_model.shadow_params), "optimization_step": ema_model.optimization_step}
+            del loaded
+        for _ in range(len(models)):
+            target = accelerator.unwrap_model(models.pop())
+            loaded = UNet2DModel.from_pretrained(input_dir, subfolder="unet")
+            target.load_state_dict(loaded.state_dict())
+            del loaded
+
+    accelerator.register_save_state_pre_hook(save_model_hook)
+    accelerator.register_load_state_pre_hook(load_model_hook)
+
+    noise_scheduler = DDPMScheduler(num_train_timesteps=50)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-6)
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(32, 1, 8, 8, generator=g) * 2 - 1
+    train_dataloader = DataLoader(TensorDataset(images), batch_size=4, shuffle=False)
+    lr_scheduler = get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2,
+                                 num_training_steps=len(train_dataloader) * args.epochs)
+    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader,
+                                                                           lr_scheduler)
+    if use_ema:
+        ema_model.to(accelerator.device)
+
+    global_step, first_epoch = 0, 0
+    steps_per_epoch = len(train_dataloader)
+    if args.resume_from_checkpoint:
+        accelerator.load_state(args.resume_from_checkpoint)
+        global_step = int(os.path.basename(args.resume_from_checkpoint).split("-")[1])
+        first_epoch = global_step // steps_per_epoch
+        record["loaded"]["model"] = total(accelerator.unwrap_model(model).parameters())
+
+    def dump():  # the main process's record, after every step (a refused run leaves what it did)
+        if accelerator.is_main_process:
+            with open(args.out, "w") as f:
+                json.dump(record, f)
+
+    for _epoch in range(first_epoch, args.epochs):
+        model.train()
+        for batch in train_dataloader:
+            clean_images = batch[0]
+            noise = torch.randn(clean_images.shape, device=clean_images.device)
+            timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean_images.shape[0],),
+                                      device=clean_images.device).long()
+            noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+            with accelerator.accumulate(model):
+                model_output = model(noisy_images, timesteps).sample
+                loss = F.mse_loss(model_output.float(), noise.float())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                if use_ema:
+                    ema_model.step(model.parameters())
+                global_step += 1
+                record["losses"].append([global_step, loss.item()])
+                dump()
+                if accelerator.is_main_process and args.checkpointing_steps and global_step % args.checkpointing_steps == 0:
+                    accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process and not args.no_sample:
+            unet = accelerator.unwrap_model(model)
+            if use_ema:
+                ema_model.store(unet.parameters())
+                ema_model.copy_to(unet.parameters())
+            pipeline = DDPMPipeline(unet=unet, scheduler=noise_scheduler)
+            generator = torch.Generator(device=pipeline.device).manual_seed(0)
+            sample = pipeline(generator=generator, batch_size=2, num_inference_steps=4, output_type="np").images
+            if use_ema:
+                ema_model.restore(unet.parameters())
+            record["samples"].append(float(sample.sum()))
+            dump()
+    record["done"] = True
+    dump()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
