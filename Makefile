@@ -10,7 +10,7 @@ NPROC  ?= 2
 # any clone, so only the first `make test` on a machine pays the ~2 minutes.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: test lint demo bench install clean
+.PHONY: test lint demo bench docs install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) benchmarks/overhead.py
+
+# docs/config.md is generated from the config fields' docstrings (tests/test_docs.py checks it is current)
+docs: $(STAMP)
+	$(PY) -m shardwise.config_docs > docs/config.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -55,7 +55,8 @@ class Windows(Dataset):
 
 
 def read_text(paths: list[str]) -> torch.Tensor:
-    files = [Path(p) for p in paths] or [ROOT / "README.md", *sorted((ROOT / "src").rglob("*.py"))]
+    files = [Path(p) for p in paths] or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                                     *sorted((ROOT / "src").rglob("*.py"))]
     for f in files:
         if not f.is_file():
             raise SystemExit(f"causal_lm: no such text file: {f}")
@@ -73,7 +74,7 @@ def main() -> None:
     add_common_args(ap, steps=40, batch=4, block=64)
     args, _ = ap.parse_known_args()
 
-    engine = shardwise.Engine()
+    engine = shardwise.Engine(seed=args.seed)
     data = read_text(args.text)
     split = int(len(data) * 0.95)
     train_set, eval_set = Windows(data[:split], args.block_size), Windows(data[split:], args.block_size)

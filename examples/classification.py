@@ -96,7 +96,7 @@ def main() -> None:
     ap.set_defaults(lr=2e-3)  # flat after warm-up (see make_optimizer(decay=False))
     args, _ = ap.parse_known_args()
 
-    engine = shardwise.Engine()
+    engine = shardwise.Engine(seed=args.seed)
     model = build_model(args.model, args.block_size)
     optimizer, scheduler = make_optimizer(model, args.lr, args.warmup, args.steps, decay=False)
     train_loader = DataLoader(make_pairs(args.train_size, args.block_size, 0), batch_size=args.batch_size, shuffle=True)

@@ -93,7 +93,8 @@ class ByteWindows(Dataset):
 
 def local_text(paths: list[str]) -> bytes:
     # the embedded default: this repository's own prose and code
-    files = [Path(p) for p in paths] if paths else [ROOT / "README.md", *sorted((ROOT / "src").rglob("*.py"))]
+    files = [Path(p) for p in paths] if paths else [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                                                      *sorted((ROOT / "src").rglob("*.py"))]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise SystemExit(f"demo: no such text file: {', '.join(missing)}")

@@ -71,7 +71,7 @@ def main() -> None:
     add_common_args(ap, steps=20, batch=4, block=32)
     args, _ = ap.parse_known_args()
 
-    engine = shardwise.Engine()
+    engine = shardwise.Engine(seed=args.seed)
     policy = build_model(args.model, args.block_size)
     ref = copy.deepcopy(policy).requires_grad_(False).eval()  # the starting point, frozen
     optimizer, scheduler = make_optimizer(policy, args.lr, args.warmup, args.steps, decay=False)

@@ -64,7 +64,7 @@ def test_offload_gpu_dry_run_compares_the_same_training(tmp_path: Path) -> None:
 
 def test_host_optimizer_runs_every_way_and_reports_ratios(tmp_path: Path) -> None:
     """benchmarks/host_optimizer.py on a small size: every way steps (DeepSpeed's included), and
-    the JSON holds each way's median, spread and the ratios the README quotes."""
+    the JSON holds each way's median, spread and the ratios docs/benchmarks.md quotes."""
     pytest.importorskip("deepspeed")
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "host_optimizer.py"
     env = {**os.environ, "MASTER_PORT": "29631"}

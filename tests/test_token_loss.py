@@ -6,7 +6,7 @@ different token counts. The plain process takes each optimizer step's 8 samples 
 `sum(token losses) / N`, clips at 0.5 and steps AdamW. The sharded runs count tokens locally per
 micro-batch and agree on N once per optimizer step (`shardwise.items`). Tolerances as in
 `test_equivalence.py`: losses 1e-5, clip norms 1e-5 relative, weights 2e-5. The usual
-per-micro-batch mean is measured against the same reference (its drift is in the README).
+per-micro-batch mean is measured against the same reference (its drift is in docs/finetuning.md).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def test_token_weighted_loss_matches_one_process(runs: dict, refs: dict,
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_per_micro_batch_mean_drifts(runs: dict, refs: dict, strategy: str) -> None:
     """The usual per-micro-batch mean trains another model than the token mean (so the test above
-    can fail): its distance is printed for the README (`pytest -s`)."""
+    can fail): its distance is printed for docs/finetuning.md (`pytest -s`)."""
     run, ref = runs[f"mean {strategy}"], refs["tiny"]
     loss_drift = W.close(run["losses"][1:], ref["losses"][1:])  # step 0's loss is taken before any step
     weight_drift = W.max_diff(run["state"], ref["state"])
