@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .consolidate import save_model_files
+from .internals import is_sharded
 from .storage import CheckpointError, fsync_path, new_staging, os_error_line
 
 _REFUSED = "_shardwise_refuses_save"  # marks a save_pretrained this module put on an instance
@@ -115,7 +116,7 @@ def _merged(module: Any, state: dict[str, torch.Tensor]) -> tuple[nn.Module, dic
 def _holds_a_shard(module: nn.Module) -> bool:
     """Whether some parameter of `module` is held in part by this process (an FSDP2 DTensor, or
     a DeepSpeed ZeRO-3 partition): a save from this process alone would miss the rest."""
-    return any(hasattr(p, "_local_tensor") or hasattr(p, "ds_shape") for p in module.parameters())
+    return any(is_sharded(p) or hasattr(p, "ds_shape") for p in module.parameters())
 
 
 def _refuse_save(module: nn.Module, save: Any, *args: Any, **kwargs: Any) -> Any:

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import ConfigError
 from .init_record import InitRecipe, Recorder, recipe_of
+from .internals import local_tensor, shard_box
 
 Writer = Callable[[torch.Tensor, torch.Tensor], None]  # (prepared tensor, full value) -> store its slice
 
@@ -199,10 +200,8 @@ def write_slice(target: torch.Tensor, full: torch.Tensor) -> None:
     """Store a full value into a prepared tensor: its local shard for a DTensor, else all."""
     with torch.no_grad():
         if isinstance(target, DTensor):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-            local = target._local_tensor
+            shape, offset = shard_box(target)
+            local = local_tensor(target)
             index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
             local.copy_(full[index].reshape(local.shape))
         else:
@@ -215,7 +214,7 @@ def allocate(model: nn.Module, device: torch.device | str) -> None:
     real = {(id(m), n): b for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta}
     # parameters made real before prepare (load_state_dict after init_empty) keep their values:
     # to_empty replaces them too; their (local) tensors are held here and copied back
-    loaded = {(id(m), n): (p._local_tensor if isinstance(p, DTensor) else p).detach()
+    loaded = {(id(m), n): local_tensor(p).detach()
               for m in model.modules() for n, p in m._parameters.items() if p is not None and not p.is_meta}
     # tied parameters (one object in several places) must stay one object: to_empty makes one
     # new tensor per place when it changes the device away from meta
@@ -239,7 +238,7 @@ def allocate(model: nn.Module, device: torch.device | str) -> None:
         for m in model.modules():
             for n, p in m._parameters.items():
                 if p is not None and (id(m), n) in loaded:
-                    (p._local_tensor if isinstance(p, DTensor) else p).copy_(loaded[(id(m), n)])
+                    local_tensor(p).copy_(loaded[(id(m), n)])
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from .internals import local_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class MemoryReport:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_tensor(t)
     return local.untyped_storage()
 
 

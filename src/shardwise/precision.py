@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .config import ConfigError, LossScaleConfig
+from .internals import local_tensor
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -107,7 +107,7 @@ class Precision:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 class DynamicLossScaler:

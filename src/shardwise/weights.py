@@ -35,6 +35,7 @@ from .consolidate import (
     read_safetensors_header,
     written_by_shardwise,
 )
+from .internals import local_tensor, shard_box
 from .storage import CheckpointError, agree
 
 log = logging.getLogger("shardwise")
@@ -277,10 +278,8 @@ def make_reader(found: dict[str, _Entry]) -> Reader:
 def copy_into(target: torch.Tensor, key: str, read: Reader) -> None:
     """Fill a prepared tensor from the files: a DTensor's local rows only, else all of it."""
     if isinstance(target, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        local = target._local_tensor
+        shape, offset = shard_box(target)
+        local = local_tensor(target)
         if local.numel() == 0:
             return
         if any(o for o in offset[1:]) or tuple(shape[1:]) != tuple(target.shape[1:]):

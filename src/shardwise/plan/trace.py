@@ -62,10 +62,10 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..internals import local_tensor
 from .fakes import fake_ddp, fake_world, kept_rng, patched
 
 ROLES = ("params", "grads", "optimizer", "comm", "activations", "temporaries")
@@ -122,7 +122,7 @@ def _flop_registry() -> dict[Any, Callable[..., int]]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 class _Counter(TorchDispatchMode):

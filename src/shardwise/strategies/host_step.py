@@ -34,6 +34,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from ..config import HostKernelName as HostKernel
+from ..internals import local_tensor
 
 log = logging.getLogger("shardwise")
 
@@ -195,7 +196,7 @@ class DeepSpeedAdam:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor the op writes: a DTensor's local shard (contiguous, as FSDP2 keeps it)."""
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    local = local_tensor(t)
     if not local.is_contiguous() or local.device.type != "cpu" or local.dtype != torch.float32:
         raise ValueError(f"host_kernel='deepspeed' steps contiguous fp32 host tensors; got {local.dtype} on "
                          f"{local.device}: use host_kernel='torch'")

@@ -38,13 +38,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import HostKernelName
+from ..internals import local_tensor
 from .base import OptimizerRunner, zero_step
 from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, threads, use_fused
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
     """This rank's elements of `t` as a 1-D view (the local shard for a DTensor)."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_tensor(t)
     return local.detach().view(-1)
 
 
@@ -342,8 +343,8 @@ class ShardedOptimizer(OptimizerRunner):
             st = self._state_of(seg)
             for k, v in saved.items():
                 if self.partition == "local" and isinstance(v, DTensor):
-                    if v._local_tensor.data_ptr() != st[k].data_ptr():
-                        st[k].copy_(v._local_tensor.reshape(-1))
+                    if local_tensor(v).data_ptr() != st[k].data_ptr():
+                        st[k].copy_(local_tensor(v).reshape(-1))
                 elif torch.is_tensor(v) and v.dim() > 0:
                     st[k].copy_(local_flat(v)[seg.start : seg.end])
                 else:
