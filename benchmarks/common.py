@@ -1,10 +1,11 @@
-"""Shared pieces of the benchmark scripts: a GPT-2-shaped model, synthetic tokens, reports."""
+"""Shared pieces of the benchmark scripts: a GPT-2-shaped model, its loss, reports."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,44 +13,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+# The model is the demo's (examples/gpt.py), one class for both. Appended, not inserted: the
+# benchmarks' own modules (this `common` included) stay first on the path.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, Block  # re-exported: the benchmarks and tests/test_wrap.py use them
+
+__all__ = ["GPT", "RESULTS", "Block", "finish_distributed", "hardware", "lm_loss", "write_report"]
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int = 4096, d: int = 256, layers: int = 4, heads: int = 4, block: int = 128) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
-        for m in self.modules():  # GPT-2's initialisation
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln_f(x))
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

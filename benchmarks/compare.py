@@ -44,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GPT, RESULTS, hardware, lm_loss, write_report
 
 import shardwise
+from shardwise.config import offload_spec, strategy_spec  # what each name means, for the peers
+from shardwise.internals import local_tensor  # a DTensor's shard, without an autograd node
 
 MODEL = {"vocab": 4096, "d": 256, "layers": 4, "heads": 4, "block": 128}
-_ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
 def storages() -> dict[tuple[str, int], int]:
@@ -58,7 +59,7 @@ def storages() -> dict[tuple[str, int], int]:
     for obj in objects:
         if not isinstance(obj, torch.Tensor):
             continue
-        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        t = local_tensor(obj)
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -71,8 +72,14 @@ def storages() -> dict[tuple[str, int], int]:
 class Peer:
     """One training setup: `step(ids) -> loss`, plus what it really is."""
 
-    def __init__(self, name: str, step: Callable[[torch.Tensor], torch.Tensor], ran: str, params: Callable[[], Any],
-                 close: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[torch.Tensor], torch.Tensor],
+        ran: str,
+        params: Callable[[], Any],
+        close: Callable[[], Any] | None = None,
+    ) -> None:
         self.name, self.step, self.ran, self.params = name, step, ran, params
         self.close = close  # what releases the peer beyond dropping it (DeepSpeed's engines)
 
@@ -101,9 +108,10 @@ def shardwise_peer(strategy: str, offload: str, backend: str = "torch", **engine
             return list(engine.session.strategy.model_state(model).values())
         return engine.unwrap_model(model).parameters()
 
-    ran = f"{type(engine.unwrap_model(model)).__name__ if strategy.startswith('zero') and strategy != 'zero1' else type(model).__name__}"
-    return Peer("shardwise", step, f"{strategy}{'+' + offload if offload != 'none' else ''} ({ran})", params,
-                close=engine.free_memory)
+    fsdp = strategy_spec(strategy).shards_grads  # stages 2 and 3: the module FSDP wraps in place
+    ran = f"{type(engine.unwrap_model(model)).__name__ if fsdp else type(model).__name__}"
+    return Peer("shardwise", step, f"{strategy}{'+' + offload if offload_spec(offload).any else ''} ({ran})",
+                params, close=engine.free_memory)
 
 
 def raw_peer(strategy: str, device: torch.device) -> Peer:
@@ -111,14 +119,15 @@ def raw_peer(strategy: str, device: torch.device) -> Peer:
     from torch.nn.parallel import DistributedDataParallel
 
     model = _model().to(device)
-    if strategy in ("ddp", "zero1"):
+    spec = strategy_spec(strategy)
+    if not spec.shards_grads:  # ddp, zero1: whole gradients on every rank
         model = DistributedDataParallel(model)
         ran = "DistributedDataParallel"
     else:
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=strategy == "zero3")
-        fully_shard(model, reshard_after_forward=strategy == "zero3")
-        ran = f"FSDP2 fully_shard (reshard_after_forward={strategy == 'zero3'})"
+            fully_shard(block, reshard_after_forward=spec.shards_params)
+        fully_shard(model, reshard_after_forward=spec.shards_params)
+        ran = f"FSDP2 fully_shard (reshard_after_forward={spec.shards_params})"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
@@ -137,10 +146,13 @@ def accelerate_peer(strategy: str) -> Peer:
 
     kwargs: dict[str, Any] = {"cpu": not torch.cuda.is_available()}
     asked = "DDP"
-    if strategy in ("zero2", "zero3"):
+    spec = strategy_spec(strategy)
+    if spec.shards_grads:
         from accelerate import FullyShardedDataParallelPlugin
 
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=strategy == "zero3")
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=spec.shards_params
+        )
         asked = "FSDP2"
     acc = Accelerator(**kwargs)
     model = _model()
@@ -155,7 +167,10 @@ def accelerate_peer(strategy: str) -> Peer:
         opt.step()
         return loss
 
-    ran = f"asked {asked}; got {type(model).__name__} ({acc.distributed_type}, {acc.num_processes} process(es))"
+    ran = (
+        f"asked {asked}; got {type(model).__name__} ({acc.distributed_type}, "
+        f"{acc.num_processes} process(es))"
+    )
     return Peer("accelerate", step, ran, lambda: acc.unwrap_model(model).parameters())
 
 
@@ -166,11 +181,15 @@ def deepspeed_peer(strategy: str, offload: str, batch: int) -> Peer:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # DeepSpeed's default buckets (5e8 elements) would allocate ~2 GB of buffers for this small
     # model and swamp the comparison: size them like the model instead.
-    zero: dict[str, Any] = {"stage": _ZERO_STAGE[strategy], "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6,
-                            "stage3_prefetch_bucket_size": 5e6}
-    if offload in ("optimizer", "params"):
+    zero: dict[str, Any] = {
+        "stage": strategy_spec(strategy).stage,
+        "reduce_bucket_size": 5e6,
+        "allgather_bucket_size": 5e6,
+        "stage3_prefetch_bucket_size": 5e6,
+    }
+    if offload_spec(offload).optimizer_on_host:
         zero["offload_optimizer"] = {"device": "cpu"}
-    if offload == "params":
+    if offload_spec(offload).params_on_host:
         zero["offload_param"] = {"device": "cpu"}
     config = {
         "train_micro_batch_size_per_gpu": batch,
@@ -188,13 +207,15 @@ def deepspeed_peer(strategy: str, offload: str, batch: int) -> Peer:
         engine.step()
         return loss
 
-    return Peer("deepspeed", step, f"ZeRO stage {zero['stage']}{' + offload ' + offload if offload != 'none' else ''}",
-                engine.module.parameters, close=engine.destroy)
+    ran = f"ZeRO stage {zero['stage']}{' + offload ' + offload if offload_spec(offload).any else ''}"
+    return Peer("deepspeed", step, ran, engine.module.parameters, close=engine.destroy)
 
 
 def weights_agree(params: Any) -> bool:
     """True when every rank holds the same (full) weights: the run was really synchronized."""
-    flat = torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).float() for p in params])
+    flat = torch.cat(
+        [(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).float() for p in params]
+    )
     low, high = flat.clone(), flat.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
@@ -211,7 +232,7 @@ def measure(make: Callable[[], Peer], batches: list[torch.Tensor], warmup: int) 
             kept: dict[tuple[str, int], int] = {}
 
             def pack(t: torch.Tensor) -> torch.Tensor:
-                local = t._local_tensor if isinstance(t, DTensor) else t
+                local = local_tensor(t)
                 st = local.untyped_storage()
                 kept[(str(st.device), st.data_ptr())] = st.nbytes()
                 return t
@@ -253,7 +274,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategies", nargs="+", default=["ddp", "zero2", "zero3"])
     ap.add_argument("--peers", nargs="+", default=["shardwise", "raw", "accelerate", "deepspeed"])
-    ap.add_argument("--offload", default="none", help="offload for shardwise and deepspeed (none, optimizer, params)")
+    ap.add_argument(
+        "--offload", default="none", help="offload for shardwise and deepspeed (none, optimizer, params)"
+    )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -265,16 +288,21 @@ def main() -> None:
 
     shardwise.Engine(seed=0)  # joins the process group every peer shares
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, MODEL["vocab"], (args.batch_size, MODEL["block"] + 1), generator=g).to(device)
                for _ in range(args.steps)]
     tokens_per_step = args.batch_size * MODEL["block"] * world
+
+    def offload_for(s: str) -> str:  # offload needs sharded optimizer states: ddp runs without it
+        return args.offload if strategy_spec(s).shards_optimizer else "none"
+
     makers: dict[str, Callable[[str], Peer]] = {
-        "shardwise": lambda s: shardwise_peer(s, args.offload if s != "ddp" else "none"),
+        "shardwise": lambda s: shardwise_peer(s, offload_for(s)),
         "raw": lambda s: raw_peer(s, device),
         "accelerate": accelerate_peer,
-        "deepspeed": lambda s: deepspeed_peer(s, args.offload if s != "ddp" else "none", args.batch_size),
+        "deepspeed": lambda s: deepspeed_peer(s, offload_for(s), args.batch_size),
     }
     rows = []
     for strategy in args.strategies:
@@ -306,14 +334,18 @@ def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace, world: i
         "world_size": world, "model": f"GPT {MODEL}", "batch_per_rank": args.batch_size,
         "steps": args.steps, "warmup": args.warmup, "rows": rows,
     }, args.out)
-    lines = ["| strategy | peer | ran | median ms/step | tokens/s | peak MiB/rank (state + activations) | final loss | ranks agree |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| strategy | peer | ran | median ms/step | tokens/s | peak MiB/rank (state + activations) "
+        "| final loss | ranks agree |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if not r.get("median_step_s"):
             lines.append(f"| {r['strategy']} | {r['peer']} | {r['ran']} | - | - | - | - | - |")
             continue
         lines.append(f"| {r['strategy']} | {r['peer']} | {r['ran']} | {r['median_step_s'] * 1e3:.0f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tensor_mib']} ({r['state_mib']} + {r['activations_mib']}) | {r['final_loss']:.4f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['tensor_mib']} "
+                     f"({r['state_mib']} + {r['activations_mib']}) | {r['final_loss']:.4f} | "
                      f"{'yes' if r['weights_agree_across_ranks'] else 'NO'} |")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     shardwise.Engine(seed=0)  # joins the process group both backends share
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rows = []
     for name in args.models:
         sizes, batch = MODELS[name]
@@ -74,13 +75,18 @@ def main(argv: list[str] | None = None) -> None:
         MODEL.update(sizes)  # what compare's peers build
         g = torch.Generator().manual_seed(1000 + rank)
         n = args.warmup + args.steps + 1  # + the memory-census step
-        batches = [torch.randint(0, MODEL["vocab"], (batch, MODEL["block"] + 1), generator=g).to(device) for _ in range(n)]
+        batches = [
+            torch.randint(0, MODEL["vocab"], (batch, MODEL["block"] + 1), generator=g).to(device)
+            for _ in range(n)
+        ]
         tokens = batch * MODEL["block"] * world
         for setup in args.setups:
             runs: dict[str, list[dict[str, Any]]] = {"torch": [], "deepspeed": []}
             for r in range(-args.warmup_rounds, args.rounds):
                 for b in (("torch", "deepspeed") if r % 2 == 0 else ("deepspeed", "torch")):
-                    result = measure(lambda b=b: engine_peer(b, setup, args.deepspeed_config), batches, args.warmup)
+                    result = measure(
+                        lambda b=b: engine_peer(b, setup, args.deepspeed_config), batches, args.warmup
+                    )
                     if r >= 0:
                         runs[b].append(result)
             rows.append(_row(name, setup, runs, tokens))
@@ -115,21 +121,26 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
 
     stem = f"engines-{hardware()}-{datetime.date.today().isoformat()}"
     path = write_report("engines", {
-        "command": f"python -m torch.distributed.run --standalone --nproc-per-node {world} benchmarks/engines.py "
-                   + " ".join(sys.argv[1:]),
+        "command": f"python -m torch.distributed.run --standalone --nproc-per-node {world} "
+                   "benchmarks/engines.py " + " ".join(sys.argv[1:]),
         "world_size": world, "models": {m: MODELS[m] for m in args.models}, "steps": args.steps,
         "warmup": args.warmup, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
-        "deepspeed_config": json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else None,
+        "deepspeed_config": (
+            json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else None
+        ),
         "rows": rows,
     }, args.out)
-    lines = ["| model | setup | torch ms/step (spread) | deepspeed ms/step (spread) | ds/torch time | torch MiB/rank "
-             "(state) | deepspeed MiB/rank (state) | memory ratio | final loss torch / ds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | setup | torch ms/step (spread) | deepspeed ms/step (spread) | ds/torch time "
+        "| torch MiB/rank (state) | deepspeed MiB/rank (state) | memory ratio | final loss torch / ds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ts, ds = r["torch_spread_ms"], r["deepspeed_spread_ms"]
         lines.append(f"| {r['model']} | {r['setup']} | {r['torch_ms']:.0f} ({ts[0]:.0f}-{ts[1]:.0f}) | "
                      f"{r['deepspeed_ms']:.0f} ({ds[0]:.0f}-{ds[1]:.0f}) | {r['time_ratio']:.2f} | "
-                     f"{r['torch_mib']} ({r['torch_state_mib']}) | {r['deepspeed_mib']} ({r['deepspeed_state_mib']}) | "
+                     f"{r['torch_mib']} ({r['torch_state_mib']}) | "
+                     f"{r['deepspeed_mib']} ({r['deepspeed_state_mib']}) | "
                      f"{r['memory_ratio']:.2f} | {r['torch_loss']:.4f} / {r['deepspeed_loss']:.4f} |")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,7 +1,7 @@
 """The largest batch each strategy fits under a memory budget, and its throughput (one GPU).
 
-    python benchmarks/gpu_capacity.py --budget-gb 24                 # on a GPU: GPT-2 Large/XL, DeBERTa-v2-xlarge
-    python benchmarks/gpu_capacity.py --dry-run                      # anywhere: tiny models, a simulated budget
+    python benchmarks/gpu_capacity.py --budget-gb 24   # on a GPU: GPT-2 Large/XL, DeBERTa-v2-xlarge
+    python benchmarks/gpu_capacity.py --dry-run        # anywhere: tiny models, a simulated budget
 
 The budget is enforced with torch.cuda.set_per_process_memory_fraction, so an allocation past
 it raises OutOfMemoryError exactly as on a 24 GB card. For each model and strategy the batch is
@@ -31,11 +31,17 @@ import shardwise
 MODELS = {  # name -> (family, sizes)
     "gpt2-large": ("gpt2", {"n_embd": 1280, "n_layer": 36, "n_head": 20}),
     "gpt2-xl": ("gpt2", {"n_embd": 1600, "n_layer": 48, "n_head": 25}),
-    "deberta-v2-xlarge": ("deberta", {"hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 24, "intermediate_size": 6144}),
+    "deberta-v2-xlarge": (
+        "deberta",
+        {"hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 24, "intermediate_size": 6144},
+    ),
 }
 TINY = {
     "gpt2-tiny": ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 2}),
-    "deberta-tiny": ("deberta", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}),
+    "deberta-tiny": (
+        "deberta",
+        {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
+    ),
 }
 STRATEGIES = [("ddp", "none"), ("zero2", "optimizer"), ("zero3", "params")]
 
@@ -51,16 +57,21 @@ def build(family: str, sizes: dict[str, int], seq: int, tiny: bool) -> torch.nn.
         return GPT2LMHeadModel(GPT2Config(vocab_size=512 if tiny else 50257, n_positions=seq, **sizes))
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
-    return DebertaV2ForSequenceClassification(DebertaV2Config(vocab_size=512 if tiny else 128100, num_labels=2, **sizes))
+    return DebertaV2ForSequenceClassification(
+        DebertaV2Config(vocab_size=512 if tiny else 128100, num_labels=2, **sizes)
+    )
 
 
-def make_step(family: str, engine: shardwise.Engine, model: Any, opt: Any, seq: int, vocab: int) -> Callable[[int], None]:
+def make_step(
+    family: str, engine: shardwise.Engine, model: Any, opt: Any, seq: int, vocab: int
+) -> Callable[[int], None]:
     def step(batch: int) -> None:
         ids = torch.randint(0, vocab, (batch, seq), device=engine.device)
         if family == "gpt2":
             loss = model(input_ids=ids, labels=ids).loss
         else:
-            loss = model(input_ids=ids, labels=torch.zeros(batch, dtype=torch.long, device=engine.device)).loss
+            labels = torch.zeros(batch, dtype=torch.long, device=engine.device)
+            loss = model(input_ids=ids, labels=labels).loss
         engine.backward(loss)
         engine.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -103,7 +114,9 @@ def measure_one(name: str, family: str, sizes: dict[str, int], strategy: str, of
     def fits(batch: int) -> bool:
         try:
             step(batch)
-            if tiny and engine.memory_report().total + batch * args.dry_run_bytes_per_sample > args.budget_bytes:
+            if tiny and (
+                engine.memory_report().total + batch * args.dry_run_bytes_per_sample > args.budget_bytes
+            ):
                 raise OutOfBudget
             return True
         except (torch.cuda.OutOfMemoryError, OutOfBudget):
@@ -168,7 +181,8 @@ def main(argv: list[str] | None = None) -> Path:
     t0 = time.perf_counter()
     rows = run(models, args)
     return write_report("gpu_capacity" + ("-dry-run" if args.dry_run else ""), {
-        "command": "python benchmarks/gpu_capacity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/gpu_capacity.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "budget_gb": args.budget_gb, "seq_len": args.seq_len, "precision": args.precision,
         "seconds": round(time.perf_counter() - t0, 1), "rows": rows,
     }, args.out)

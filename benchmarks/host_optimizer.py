@@ -98,7 +98,9 @@ def _deepspeed(model: nn.Module) -> Callable[[], None]:
 def _shardwise(model: nn.Module, backend: str, kernel: str = "torch") -> Callable[[], None]:
     import shardwise
 
-    engine = shardwise.Engine(strategy="zero2", offload="optimizer", backend=backend, cpu=True, host_kernel=kernel)
+    engine = shardwise.Engine(
+        strategy="zero2", offload="optimizer", backend=backend, cpu=True, host_kernel=kernel
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # as users write it
     model, opt = engine.prepare(model, opt)
     runner = opt.runner
@@ -187,14 +189,18 @@ def main() -> None:
               "(median, spread of the round medians):")
         for w, row in rows.items():
             lo, hi = row["spread_ms"]
-            print(f"  {w:13s} {row['ms']:8.1f} ms ({lo:.0f}-{hi:.0f})  {row['elements_per_s']:8.1f} M elements/s"
-                  + (f"  {row['vs_ds_cpu_adam']:.2f}x DeepSpeedCPUAdam" if "vs_ds_cpu_adam" in row else "")
-                  + (f"  {row['vs_deepspeed']:.2f}x DeepSpeed's offload step" if "vs_deepspeed" in row else ""))
-    from common import write_report
+            line = f"  {w:13s} {row['ms']:8.1f} ms ({lo:.0f}-{hi:.0f})"
+            line += f"  {row['elements_per_s']:8.1f} M elements/s"
+            if "vs_ds_cpu_adam" in row:
+                line += f"  {row['vs_ds_cpu_adam']:.2f}x DeepSpeedCPUAdam"
+            if "vs_deepspeed" in row:
+                line += f"  {row['vs_deepspeed']:.2f}x DeepSpeed's offload step"
+            print(line)
+    from common import RESULTS, write_report
 
     payload = {"command": "python benchmarks/host_optimizer.py " + " ".join(sys.argv[1:]), "threads": threads,
                "rounds": args.rounds, "steps": args.steps, "results": results}
-    path = write_report("host_optimizer", payload, args.out) if args.out else write_report("host_optimizer", payload)
+    path = write_report("host_optimizer", payload, args.out or RESULTS)
     print(f"wrote {path}")
     dist.destroy_process_group()
 

@@ -35,7 +35,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-SIZES = {"gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20}, "gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12}}
+SIZES = {"gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20},
+         "gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12}}
 WAYS = ["whole", "broadcast", "shardwise"]
 
 
@@ -116,7 +117,10 @@ def _broadcast_load(engine: Any, path: str) -> Any:
     meta_sd = model.state_dict()
     sharded = {}
     for name, sharded_param in meta_sd.items():
-        full = full_sd[name] if engine.process_index == 0 else torch.empty(sharded_param.shape, dtype=sharded_param.dtype)
+        if engine.process_index == 0:
+            full = full_sd[name]
+        else:
+            full = torch.empty(sharded_param.shape, dtype=sharded_param.dtype)
         dist.broadcast(full, src=0)
         sharded[name] = torch.nn.Parameter(distribute_tensor(full, mesh, sharded_param.placements))
         del full
@@ -162,35 +166,39 @@ def main() -> None:
         peak = max(x["peak_bytes"] for x in rows[way])
         per_rank = [max(x["peak_bytes"] for x in rows[way] if x["rank"] == k) for k in (0, 1)]
         seconds = sorted(x["seconds"] for x in rows[way])[len(rows[way]) // 2]
-        summary[way] = {"peak_gib_per_rank": [round(p / 2**30, 2) for p in per_rank], "peak_over_full_model": round(peak / full, 2),
-                        "median_seconds": round(seconds, 1)}
+        summary[way] = {"peak_gib_per_rank": [round(p / 2**30, 2) for p in per_rank],
+                        "peak_over_full_model": round(peak / full, 2), "median_seconds": round(seconds, 1)}
     summary["ratios"] = {
         "shardwise_peak_over_whole": round(max(summary["shardwise"]["peak_gib_per_rank"])
                                            / max(summary["whole"]["peak_gib_per_rank"]), 2),
-        "shardwise_time_over_broadcast": round(summary["shardwise"]["median_seconds"] / summary["broadcast"]["median_seconds"], 2),
+        "shardwise_time_over_broadcast": round(summary["shardwise"]["median_seconds"]
+                                               / summary["broadcast"]["median_seconds"], 2),
     }
     summary["planner"] = _predicted(args.model)
     for way in WAYS:
         s = summary[way]
-        print(f"{way:10s} peak per rank {s['peak_gib_per_rank']} GiB ({s['peak_over_full_model']}x the fp32 model), "
-              f"{s['median_seconds']} s")
+        print(f"{way:10s} peak per rank {s['peak_gib_per_rank']} GiB "
+              f"({s['peak_over_full_model']}x the fp32 model), {s['median_seconds']} s")
     print(json.dumps(summary["ratios"]), json.dumps(summary["planner"]))
     from common import write_report
 
     payload = {"command": "python benchmarks/load.py " + " ".join(sys.argv[1:]), "world_size": 2,
-               "model": f"{args.model} ({full / 4 / 1e6:.0f}M parameters, fp32)", "results": summary, "raw": rows}
-    print(f"wrote {write_report('load', payload, args.out) if args.out else write_report('load', payload)}")
+               "model": f"{args.model} ({full / 4 / 1e6:.0f}M parameters, fp32)", "results": summary,
+               "raw": rows}
+    written = write_report("load", payload, args.out) if args.out else write_report("load", payload)
+    print(f"wrote {written}")
 
 
 def _predicted(name: str) -> dict[str, float]:
-    from shardwise.plan import CANDIDATES
+    from shardwise.plan import Candidate
     from shardwise.plan.load import load_memory
     from shardwise.plan.presets import resolve_model
 
     spec = resolve_model(name, seq_len=128)
-    cands = [c for c in CANDIDATES if c.strategy == "zero3" and c.offload == "none" and not c.activation_checkpointing]
-    mem = load_memory(spec, cands, world_size=2, device="cpu")
-    return {"whole_gib": round(mem.whole / 2**30, 2), "shardwise_zero3_gib": round(mem.load[cands[0]] / 2**30, 2)}
+    zero3 = Candidate("zero3")  # what the shardwise way runs
+    mem = load_memory(spec, [zero3], world_size=2, device="cpu")
+    return {"whole_gib": round(mem.whole / 2**30, 2),
+            "shardwise_zero3_gib": round(mem.load[zero3] / 2**30, 2)}
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """ZeRO-3 + CPU offload tokens/s: shardwise against DeepSpeed used directly, same model and batch.
 
-    torchrun --standalone --nproc-per-node 1 benchmarks/offload_gpu.py            # a GPU: GPT-2 XL, bf16
-    python benchmarks/offload_gpu.py --dry-run                                   # anywhere: tiny GPT, fp32, CPU
+    torchrun --standalone --nproc-per-node 1 benchmarks/offload_gpu.py   # a GPU: GPT-2 XL, bf16
+    python benchmarks/offload_gpu.py --dry-run                          # anywhere: tiny GPT, fp32, CPU
 
-Both peers train the same GPT-2-shaped model (benchmarks/common.GPT at GPT-2 XL's sizes: 48 layers,
+Both peers train the same GPT-2-shaped model (examples/gpt.GPT at GPT-2 XL's sizes: 48 layers,
 d 1600, 25 heads, vocab 50304; seed 0) on the same batches, parameters and optimizer state on the
 host between uses:
   shardwise   Engine(strategy="zero3", offload="params", precision=...) with torch.optim.AdamW
@@ -47,7 +47,9 @@ def _model(size: str, seq: int) -> torch.nn.Module:
 def shardwise_peer(size: str, seq: int, precision: str, cpu: bool) -> Callable[[torch.Tensor], float]:
     import shardwise
 
-    engine = shardwise.Engine(strategy="zero3", offload="params", precision=precision, cpu=cpu, seed=0, progress=False)
+    engine = shardwise.Engine(
+        strategy="zero3", offload="params", precision=precision, cpu=cpu, seed=0, progress=False
+    )
     model = _model(size, seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)
@@ -94,14 +96,20 @@ def deepspeed_peer(size: str, seq: int, precision: str, optimizer: str) -> Calla
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, choices=sorted(SIZES), help="default: gpt2-xl (GPU), tiny (--dry-run)")
-    ap.add_argument("--batch", type=int, default=None, help="per-GPU batch (default 8 on a GPU, 2 in --dry-run)")
+    ap.add_argument(
+        "--model", default=None, choices=sorted(SIZES), help="default: gpt2-xl (GPU), tiny (--dry-run)"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=None, help="per-GPU batch (default 8 on a GPU, 2 in --dry-run)"
+    )
     ap.add_argument("--seq", type=int, default=None, help="sequence (default 512 on a GPU, 32 in --dry-run)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per round and peer")
     ap.add_argument("--ds-optimizer", default=None, choices=["cpu_adam", "torch"],
                     help="DeepSpeed's optimizer (default cpu_adam on a GPU, torch in --dry-run)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny model, fp32: checks the script anywhere")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="CPU, the tiny model, fp32: checks the script anywhere"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     dry = args.dry_run or not torch.cuda.is_available()
@@ -114,8 +122,12 @@ def main(argv: list[str] | None = None) -> Path:
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}.items():
         os.environ.setdefault(k, v)  # one process, as torchrun describes it
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, SIZES[size]["vocab"], (batch, seq + 1), generator=g) for _ in range(args.steps + 1)]
-    peers: dict[str, Callable[[torch.Tensor], float]] = {"shardwise": shardwise_peer(size, seq, precision, dry)}
+    batches = [
+        torch.randint(0, SIZES[size]["vocab"], (batch, seq + 1), generator=g) for _ in range(args.steps + 1)
+    ]
+    peers: dict[str, Callable[[torch.Tensor], float]] = {
+        "shardwise": shardwise_peer(size, seq, precision, dry)
+    }
     try:
         peers["deepspeed"] = deepspeed_peer(size, seq, precision, ds_opt)
     except ImportError:
@@ -141,13 +153,17 @@ def main(argv: list[str] | None = None) -> Path:
         rows[name] = {"median_step_s": med, "spread_s": [min(ts), max(ts)], "tokens_per_s": batch * seq / med,
                       "first_loss": losses[name][0]}
     if "deepspeed" in rows:
-        rows["shardwise"]["vs_deepspeed"] = rows["shardwise"]["tokens_per_s"] / rows["deepspeed"]["tokens_per_s"]
+        rows["shardwise"]["vs_deepspeed"] = (
+            rows["shardwise"]["tokens_per_s"] / rows["deepspeed"]["tokens_per_s"]
+        )
     for name, row in rows.items():
         print(f"{name:10s} {row['median_step_s'] * 1e3:9.1f} ms/step  {row['tokens_per_s']:9.1f} tokens/s"
               + (f"  {row['vs_deepspeed']:.2f}x DeepSpeed" if "vs_deepspeed" in row else ""))
-    return write_report("offload_gpu", {"model": size, "batch": batch, "seq": seq, "precision": precision,
-                                        "deepspeed_optimizer": ds_opt, "rounds": args.rounds, "steps": args.steps,
-                                        "dry_run": dry, "rows": rows}, args.out)
+    payload = {
+        "model": size, "batch": batch, "seq": seq, "precision": precision, "deepspeed_optimizer": ds_opt,
+        "rounds": args.rounds, "steps": args.steps, "dry_run": dry, "rows": rows,
+    }
+    return write_report("offload_gpu", payload, args.out)
 
 
 if __name__ == "__main__":

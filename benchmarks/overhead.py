@@ -25,24 +25,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GPT, finish_distributed, lm_loss
 
 import shardwise
+from shardwise.config import strategy_spec
 
 
 def raw_model(strategy: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = GPT().to(device)
-    if strategy == "ddp":
+    spec = strategy_spec(strategy)
+    if not spec.shards_optimizer:  # ddp
         model = DistributedDataParallel(model)
     else:
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=strategy == "zero3")
-        fully_shard(model, reshard_after_forward=strategy == "zero3")
+            fully_shard(block, reshard_after_forward=spec.shards_params)
+        fully_shard(model, reshard_after_forward=spec.shards_params)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def shardwise_model(strategy: str, metrics: bool) -> tuple[shardwise.Engine, torch.nn.Module, torch.optim.Optimizer]:
+def shardwise_model(
+    strategy: str, metrics: bool
+) -> tuple[shardwise.Engine, torch.nn.Module, torch.optim.Optimizer]:
     # metrics on (the default): the engine keeps its loss/throughput/memory records and writes
     # them to a JSONL tracker every 10 steps, as a user's run would
-    extra = {"log_with": "jsonl", "project_dir": tempfile.mkdtemp(prefix="shardwise-bench-"), "log_every_steps": 10} if metrics else {}
+    extra = {
+        "log_with": "jsonl", "project_dir": tempfile.mkdtemp(prefix="shardwise-bench-"), "log_every_steps": 10
+    } if metrics else {}
     engine = shardwise.Engine(strategy=strategy, seed=0, progress=False, **extra)
     torch.manual_seed(0)
     model = GPT()
@@ -75,7 +81,10 @@ def main() -> None:
         engine, sw_model, sw_opt = shardwise_model(strategy, not args.no_metrics)
         raw, raw_opt = raw_model(strategy, engine.device)
         g = torch.Generator().manual_seed(engine.process_index)
-        batches = [torch.randint(0, 4096, (args.batch_size, 129), generator=g).to(engine.device) for _ in range(args.steps)]
+        batches = [
+            torch.randint(0, 4096, (args.batch_size, 129), generator=g).to(engine.device)
+            for _ in range(args.steps)
+        ]
 
         def raw_step(ids: torch.Tensor) -> None:
             lm_loss(raw, ids).backward()
@@ -103,7 +112,10 @@ def main() -> None:
             "ratio": sw_med / raw_med,
             "steps_each": len(raw_t),
         }
-        engine.print(f"{strategy:6s} raw {raw_med * 1e3:8.1f} ms/step  shardwise {sw_med * 1e3:8.1f} ms/step  ratio {sw_med / raw_med:.3f}")
+        engine.print(
+            f"{strategy:6s} raw {raw_med * 1e3:8.1f} ms/step  shardwise {sw_med * 1e3:8.1f} ms/step  "
+            f"ratio {sw_med / raw_med:.3f}"
+        )
     finish_distributed("overhead", {
         "model": "GPT d256 L4 vocab4096 seq128 (tied embeddings)",
         "batch_per_rank": args.batch_size,

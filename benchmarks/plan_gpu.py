@@ -26,9 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shardwise
-from shardwise.plan import Overheads, parse_memory, plan_named, resolve_model
+from shardwise.config import plan_choices
+from shardwise.plan import Overheads, PlanRequest, parse_memory, plan_named, resolve_model
 
-SETUPS = [("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "optimizer"), ("zero3", "params")]
+SETUPS = plan_choices("torch")  # every (strategy, offload) pair the strategy table allows
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -50,7 +51,8 @@ def trial(spec: Any, strategy: str, offload: str, batch: int, precision: str) ->
         out = None
         for _ in range(2):
             data = _to(spec.make_batch(batch), engine.device)
-            out = model(**data) if isinstance(data, dict) else model(data)  # the previous output lives until here
+            # the previous output lives until here
+            out = model(**data) if isinstance(data, dict) else model(data)
             engine.backward(spec.loss_fn(out, data))
             opt.step()
             opt.zero_grad()
@@ -64,13 +66,17 @@ def trial(spec: Any, strategy: str, offload: str, batch: int, precision: str) ->
     return ok, peak
 
 
-def real_max(spec: Any, strategy: str, offload: str, p: int, precision: str, log: list[dict[str, Any]]) -> int | str:
+def real_max(
+    spec: Any, strategy: str, offload: str, p: int, precision: str, log: list[dict[str, Any]]
+) -> int | str:
     """The largest batch that runs, searched around the prediction `p`."""
     def fits(b: int) -> bool:
         t0 = time.perf_counter()
         ok, peak = trial(spec, strategy, offload, b, precision)
-        log.append({"batch": b, "ran": ok, "peak_gib": round(peak / 2**30, 2), "seconds": round(time.perf_counter() - t0, 1)})
-        print(f"    {strategy}+{offload} batch {b}: {'ran' if ok else 'OOM'} (allocator peak {peak / 2**30:.2f} GiB)", flush=True)
+        log.append({"batch": b, "ran": ok, "peak_gib": round(peak / 2**30, 2),
+                    "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"    {strategy}+{offload} batch {b}: {'ran' if ok else 'OOM'} "
+              f"(allocator peak {peak / 2**30:.2f} GiB)", flush=True)
         return ok
 
     if fits(p + 1):
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["gpt2-large", "gpt2-xl"])
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--gpu-memory", default="24GB")
-    ap.add_argument("--precision", default="fp32", help="fp32 by default: the trace applies CPU autocast rules")
+    ap.add_argument("--precision", default="fp32",
+                    help="fp32 by default: the trace applies CPU autocast rules")
     ap.add_argument("--setups", nargs="+", default=[f"{s}+{o}" for s, o in SETUPS])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
@@ -105,21 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     del x
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction((budget - context) / total)
-    print(f"card {budget / 2**30:.1f} GiB = CUDA context {context / 2**30:.2f} GiB (measured) + allocator cap "
-          f"{(budget - context) / 2**30:.2f} GiB; {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    print(f"card {budget / 2**30:.1f} GiB = CUDA context {context / 2**30:.2f} GiB (measured) + "
+          f"allocator cap {(budget - context) / 2**30:.2f} GiB; {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}",
+          flush=True)
     rows: list[dict[str, Any]] = []
     report = {"command": "python benchmarks/plan_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "budget": args.gpu_memory,
+                        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "budget": args.gpu_memory,
                         "measured_cuda_context_gib": round(context / 2**30, 3), "precision": args.precision,
                         "seq_len": args.seq_len, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         t0 = time.perf_counter()
         # the planner's CUDA-context term set to what this process measured (a stated, overridable term)
-        plan = plan_named(name, seq_len=args.seq_len, world_size=1, device_memory=args.gpu_memory,
-                          precision=args.precision, device="cuda", activation_checkpointing=False,
-                          overheads=Overheads(cuda_context=context), workers=4)
-        print(f"{name}: planned in {time.perf_counter() - t0:.1f} s; best {plan.best.name if plan.best else None}", flush=True)
+        request = PlanRequest(world_size=1, device_memory=args.gpu_memory, precision=args.precision,
+                              device="cuda", activation_checkpointing=False,
+                              overheads=Overheads(cuda_context=context), workers=4)
+        plan = plan_named(name, request, seq_len=args.seq_len)
+        best = plan.best.name if plan.best else None
+        print(f"{name}: planned in {time.perf_counter() - t0:.1f} s; best {best}", flush=True)
         spec = resolve_model(name, args.seq_len)
         for setup in args.setups:
             strategy, _, offload = setup.partition("+")
@@ -132,9 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
             (args.out / "plan_gpu.json").write_text(json.dumps(report, indent=1))
-    print("\n| model | setup | predicted max batch | largest batch that ran | within +-1 |\n|---|---|---|---|---|")
+    print("\n| model | setup | predicted max batch | largest batch that ran | within +-1 |\n"
+          "|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['setup']} | {r['predicted']} | {r['real']} | {'yes' if r['within_1'] else 'NO'} |")
+        within = "yes" if r["within_1"] else "NO"
+        print(f"| {r['model']} | {r['setup']} | {r['predicted']} | {r['real']} | {within} |")
     return 0 if all(r["within_1"] for r in rows) else 1
 
 

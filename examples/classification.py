@@ -7,8 +7,9 @@
 The data is made in code (the hub is not needed): each example is "[CLS] a [SEP] b [SEP]"
 over two "topics" (token ranges). Label 1 (paraphrase): b is a noisy copy of a, both on topic
 0. Label 0: a is on topic 1 and b on topic 0. 15% of the labels are flipped (annotation
-noise). Synthetic and easy on purpose, so a tiny model learns it in a short CPU run. Metrics are computed on every process's predictions, gathered without the
-samples repeated to even out the last batch.
+noise). Synthetic and easy on purpose, so a tiny model learns it in a short CPU run. Metrics are
+computed on every process's predictions, gathered without the samples repeated to even out the
+last batch.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def build_model(name: str, block: int) -> torch.nn.Module:
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
     hidden, layers, heads, inter, vocab = PRESETS[name]
-    cfg = DebertaV2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                          intermediate_size=inter, max_position_embeddings=max(512, block), type_vocab_size=2,
-                          num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                          relative_attention=True, position_buckets=min(256, block), pos_att_type=["p2c", "c2p"])
+    cfg = DebertaV2Config(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=inter, max_position_embeddings=max(512, block), type_vocab_size=2,
+        num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        relative_attention=True, position_buckets=min(256, block), pos_att_type=["p2c", "c2p"],
+    )
     return DebertaV2ForSequenceClassification(cfg)
 
 
@@ -60,7 +63,9 @@ def make_pairs(n: int, block: int, seed: int, topics: int = 2, width: int = 30) 
     flip = torch.rand(n, generator=g) < 0.15  # annotation noise: no model scores 100%
     label = torch.where(flip, 1 - label, label)
     ids = torch.cat([torch.full((n, 1), CLS), a, torch.full((n, 1), SEP), b, torch.full((n, 1), SEP)], dim=1)
-    types = torch.cat([torch.zeros(n, half + 2, dtype=torch.long), torch.ones(n, half + 1, dtype=torch.long)], dim=1)
+    types = torch.cat(
+        [torch.zeros(n, half + 2, dtype=torch.long), torch.ones(n, half + 1, dtype=torch.long)], dim=1
+    )
     return TensorDataset(ids, types, label)
 
 
@@ -90,7 +95,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--train-size", type=int, default=512)
-    ap.add_argument("--eval-size", type=int, default=203, help="deliberately not a multiple of the global batch")
+    ap.add_argument(
+        "--eval-size", type=int, default=203, help="deliberately not a multiple of the global batch"
+    )
     ap.add_argument("--metrics-out", default=None, help="write the eval metrics as JSON here")
     add_common_args(ap, steps=60, batch=8, block=32)
     ap.set_defaults(lr=2e-3)  # flat after warm-up (see make_optimizer(decay=False))
@@ -99,7 +106,9 @@ def main() -> None:
     engine = shardwise.Engine(seed=args.seed)
     model = build_model(args.model, args.block_size)
     optimizer, scheduler = make_optimizer(model, args.lr, args.warmup, args.steps, decay=False)
-    train_loader = DataLoader(make_pairs(args.train_size, args.block_size, 0), batch_size=args.batch_size, shuffle=True)
+    train_loader = DataLoader(
+        make_pairs(args.train_size, args.block_size, 0), batch_size=args.batch_size, shuffle=True
+    )
     eval_loader = DataLoader(make_pairs(args.eval_size, args.block_size, 1), batch_size=args.batch_size)
     model, optimizer, scheduler, train_loader, eval_loader = engine.prepare(
         model, optimizer, scheduler, train_loader, eval_loader

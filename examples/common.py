@@ -23,19 +23,27 @@ def add_common_args(ap: argparse.ArgumentParser, *, steps: int, batch: int, bloc
     ap.add_argument("--warmup", type=int, default=5, help="linear warm-up steps")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (checkpoint_dir in the config)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the latest checkpoint (checkpoint_dir in the config)")
     ap.add_argument("--output-dir", default=None, help="save the trained model here (safetensors)")
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0, help="seeds the model's init and the data order (every process)")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="seeds the model's init and the data order (every process)"
+    )
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, warmup: int, steps: int, *, decay: bool = True) -> tuple[Any, Any]:
+def make_optimizer(
+    model: torch.nn.Module, lr: float, warmup: int, steps: int, *, decay: bool = True
+) -> tuple[Any, Any]:
     """AdamW without weight decay on biases and norms, linear warm-up then linear decay (or flat)."""
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=lr)
+    opt = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=lr
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * (max(0.0, 1 - s / max(1, steps)) if decay else 1.0)
+        opt,
+        lambda s: min(1.0, (s + 1) / max(1, warmup)) * (max(0.0, 1 - s / max(1, steps)) if decay else 1.0),
     )
     return opt, sched
 

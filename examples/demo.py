@@ -12,67 +12,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpt import GPT  # GPT-2 shaped, plain torch (the benchmarks train the same class)
 
 import shardwise
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class ByteGPT(nn.Module):
-    """GPT-2 shaped (learned positions, pre-norm blocks, tied embedding), over 256 byte values."""
-
-    def __init__(self, d: int = 192, layers: int = 4, heads: int = 4, block: int = 64) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(256, d)
-        self.wpe = nn.Embedding(block, d)
-        self.blocks = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, 256, bias=False)
-        self.head.weight = self.wte.weight  # tied input/output embedding
-        for m in self.modules():  # GPT-2's initialisation
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 class ByteWindows(Dataset):
@@ -89,6 +42,11 @@ class ByteWindows(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         s = self.starts[i]
         return self.data[s : s + self.block + 1]
+
+
+def byte_gpt(block: int) -> GPT:
+    """The demo's model: a small GPT over the 256 byte values."""
+    return GPT(vocab=256, d=192, layers=4, heads=4, block=block)
 
 
 def local_text(paths: list[str]) -> bytes:
@@ -116,21 +74,25 @@ def main() -> None:
 
     engine = shardwise.Engine(
         strategy=args.strategy, offload=args.offload, precision=args.precision, seed=0,
-        log_with="jsonl", project_dir=args.run_dir, log_every_steps=10,  # metrics.jsonl for `shardwise report`
+        # metrics.jsonl for `shardwise report`
+        log_with="jsonl", project_dir=args.run_dir, log_every_steps=10,
     )
     engine.init_trackers("demo", config=vars(args))
-    model = ByteGPT(block=args.block_size)
+    model = byte_gpt(args.block_size)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(  # 10 warm-up steps, then a cosine to zero
+        optimizer,
+        lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)),
     )
-    loader = DataLoader(ByteWindows(local_text(args.text), args.block_size), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(
+        ByteWindows(local_text(args.text), args.block_size), batch_size=args.batch_size, shuffle=True
+    )
     model, optimizer, scheduler, loader = engine.prepare(model, optimizer, scheduler, loader)
-    n_params = sum(p.numel() for p in ByteGPT(block=args.block_size).parameters())
+    n_params = sum(p.numel() for p in byte_gpt(args.block_size).parameters())
     engine.print(
         f"shardwise {shardwise.__version__}: {args.strategy} (offload {args.offload}, {args.precision}) on "
         f"{engine.num_processes} process(es), device {engine.device.type}; {n_params / 1e6:.2f}M parameters; "
@@ -159,7 +121,8 @@ def main() -> None:
             if step == args.steps:
                 break
     full = n_params * 4 / 2**20
-    engine.print(f"unsharded, one process would hold {full:.2f} MiB each of params and grads, {2 * full:.2f} MiB of Adam state")
+    engine.print(f"unsharded, one process would hold {full:.2f} MiB each of params and grads, "
+                 f"{2 * full:.2f} MiB of Adam state")
     for rank in range(engine.num_processes):  # each rank reports its own share, in order
         if rank == engine.process_index:
             print(f"rank {rank} holds: {report}", flush=True)

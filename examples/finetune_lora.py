@@ -40,8 +40,9 @@ def build_model(name: str) -> torch.nn.Module:
     d, layers, heads = PRESETS[name]
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=d, n_layer=layers, n_head=heads,
                      pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
+    # fan_in_fan_out: GPT-2's Conv1D stores weights transposed
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"], lora_dropout=0.0,
-                           fan_in_fan_out=True, task_type="CAUSAL_LM")  # GPT-2's Conv1D stores weights transposed
+                           fan_in_fan_out=True, task_type="CAUSAL_LM")
     return peft.get_peft_model(GPT2LMHeadModel(cfg), lora)
 
 
@@ -116,8 +117,8 @@ def main() -> None:
     loader = DataLoader(Runs(args.steps * args.grad_accum * args.batch_size * engine.num_processes),
                         batch_size=args.batch_size, shuffle=True, collate_fn=pad)
     model, optimizer, loader = engine.prepare(model, optimizer, loader)
-    engine.print(f"{args.model} + LoRA: {trainable:,} of {total:,} parameters train, {engine.config.strategy}, "
-                 f"{engine.config.precision}, {engine.num_processes} process(es)")
+    engine.print(f"{args.model} + LoRA: {trainable:,} of {total:,} parameters train, "
+                 f"{engine.config.strategy}, {engine.config.precision}, {engine.num_processes} process(es)")
 
     window: list[float] = []
     for batch in loader:

@@ -36,7 +36,8 @@ def build_model(name: str, block: int) -> torch.nn.Module:
     d, layers, heads, ffn, vocab = PRESETS[name]
     cfg = BlenderbotConfig(
         vocab_size=vocab, d_model=d, encoder_layers=layers, decoder_layers=12 if name != "tiny" else layers,
-        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
+        encoder_attention_heads=heads, decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
         max_position_embeddings=max(128, block), dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS,
     )
@@ -65,12 +66,15 @@ def main() -> None:
     engine = shardwise.Engine(seed=args.seed)
     model = build_model(args.model, args.block_size)
     optimizer, scheduler = make_optimizer(model, args.lr, args.warmup, args.steps, decay=False)
-    train_loader = DataLoader(make_dialogues(512, args.block_size, 0), batch_size=args.batch_size, shuffle=True)
+    train_loader = DataLoader(
+        make_dialogues(512, args.block_size, 0), batch_size=args.batch_size, shuffle=True
+    )
     eval_loader = DataLoader(make_dialogues(61, args.block_size, 1), batch_size=args.batch_size)
     model, optimizer, scheduler, train_loader, eval_loader = engine.prepare(
         model, optimizer, scheduler, train_loader, eval_loader
     )
-    train(engine, model, optimizer, scheduler, train_loader, args, s2s_loss, lambda b: b[0].numel() + b[1].numel())
+    train(engine, model, optimizer, scheduler, train_loader, args, s2s_loss,
+          lambda b: b[0].numel() + b[1].numel())
 
     model.eval()
     losses, exact = [], []
@@ -86,8 +90,8 @@ def main() -> None:
             lo, ex = engine.gather_for_metrics((loss[None].repeat(len(msg)), hit))
             losses.append(lo)
             exact.append(ex)
-    engine.print(f"eval loss {torch.cat(losses).mean():.4f}  exact-match replies {torch.cat(exact).mean():.3f}  "
-                 f"({len(torch.cat(exact))} dialogues)")
+    engine.print(f"eval loss {torch.cat(losses).mean():.4f}  "
+                 f"exact-match replies {torch.cat(exact).mean():.3f}  ({len(torch.cat(exact))} dialogues)")
     engine.end_training()
 
 

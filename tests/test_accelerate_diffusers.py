@@ -29,7 +29,8 @@ def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
-def _refused(script: Path, tmp: Path, label: str, config: str, *extra: str) -> tuple[str, float, dict[str, Any]]:
+def _refused(script: Path, tmp: Path, label: str, config: str,
+             *extra: str) -> tuple[str, float, dict[str, Any]]:
     """A run expected to stop with an error: its stderr, its seconds, and what it recorded."""
     import json
 
@@ -38,8 +39,8 @@ def _refused(script: Path, tmp: Path, label: str, config: str, *extra: str) -> t
     cfg.write_text(config)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
            "SHARDWISE_CONFIG": str(cfg)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           "--cpu", "--out", str(out), "--project_dir", str(tmp / label), *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), "--cpu", "--out", str(out), "--project_dir", str(tmp / label), *extra]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -53,7 +54,9 @@ def _refused(script: Path, tmp: Path, label: str, config: str, *extra: str) -> t
     return err, time.monotonic() - start, json.loads(out.read_text())
 
 
-def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lone_sharded_use(tmp_path: Path) -> None:
+def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lone_sharded_use(
+    tmp_path: Path
+) -> None:
     pytest.importorskip("diffusers")  # and accelerate, the reference: both in the test extra
     from test_accelerate_scripts import HERE, _run, _swapped
 
@@ -64,7 +67,8 @@ def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lo
     assert [s for s, _ in ddp["losses"]] == [s for s, _ in ref["losses"]] == list(range(1, 9))
     for (_, a), (_, b) in zip(ddp["losses"], ref["losses"]):
         assert _close(a, b, 1e-5), (a, b)
-    assert [s["dir"] for s in ddp["saved"]] == [s["dir"] for s in ref["saved"]] == ["checkpoint-4", "checkpoint-8"]
+    assert ([s["dir"] for s in ddp["saved"]] == [s["dir"] for s in ref["saved"]]
+            == ["checkpoint-4", "checkpoint-8"])
     for a, b in zip(ddp["saved"], ref["saved"]):
         assert _close(a["ema"], b["ema"], 1e-5)
     assert len(ddp["samples"]) == len(ref["samples"]) == 2
@@ -85,7 +89,8 @@ def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lo
 
     # zero3: epoch 0 is Accelerate's, then the main process's sampling with the sharded UNet is
     # refused in one line, within seconds (it used to wait in the all-gather forever)
-    err, seconds, z3 = _refused(ours, tmp_path, "zero3", "strategy: zero3\n", "--no_ema", "--checkpointing_steps", "0")
+    err, seconds, z3 = _refused(ours, tmp_path, "zero3", "strategy: zero3\n", "--no_ema",
+                                "--checkpointing_steps", "0")
     assert [s for s, _ in z3["losses"]] == [1, 2, 3, 4]
     for (_, a), (_, b) in zip(z3["losses"], ref["losses"]):
         assert _close(a, b, 1e-4), (a, b)
@@ -105,8 +110,10 @@ def _lone_calls(folder: str, strategy: str) -> dict[str, Any]:
     model, opt = acc.prepare(model, opt)
     calls: list[tuple[str, Any]] = []
     save_handle = acc.register_save_state_pre_hook(
-        lambda models, weights, out: calls.append(("save", (len(models), sorted(weights[0]), Path(out).name))))
-    acc.register_load_state_pre_hook(lambda models, out: calls.append(("load", (len(models), Path(out).name))))
+        lambda models, weights, out: calls.append(
+            ("save", (len(models), sorted(weights[0]), Path(out).name))))
+    acc.register_load_state_pre_hook(
+        lambda models, out: calls.append(("load", (len(models), Path(out).name))))
     g = torch.Generator().manual_seed(1)
     data = [torch.randn(4, 6, generator=g) for _ in range(2 * acc.num_processes)]
     for i in range(2):
@@ -182,7 +189,8 @@ def test_lone_save_state_and_forward(tmp_path: Path) -> None:
     assert sorted(p.name for p in (ddp_dir / "alone" / "rng").iterdir()) == ["rank0.pt"]
     assert sorted(p.name for p in (ddp_dir / "late_main" / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
     # zero3: refused in one line after the arrival wait, not hung
-    assert z3[0]["alone"].startswith("save_state() was called on process 0 alone") and "\n" not in z3[0]["alone"]
+    assert (z3[0]["alone"].startswith("save_state() was called on process 0 alone")
+            and "\n" not in z3[0]["alone"])
     assert z3[0]["alone_s"] < 10  # the other process went on to wait_for_everyone: found at once
     assert z3[0]["forward"].startswith("a forward of the sharded Sequential ran on one process alone")
     assert not (z3_dir / "alone").exists()

@@ -37,8 +37,8 @@ def _run(script: Path, tmp: Path, label: str, config: str | None, *extra: str) -
         cfg = tmp / f"{label}.yaml"
         cfg.write_text(config)
         env["SHARDWISE_CONFIG"] = str(cfg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           "--cpu", "--out", str(out), "--project_dir", str(tmp / label), *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), "--cpu", "--out", str(out), "--project_dir", str(tmp / label), *extra]
     # Accelerate's own runs sometimes print their results and then hang in gloo's process-group
     # teardown at exit (../shared/notes/deepspeed-on-cpu.md): a run that wrote its results and then
     # hung is stopped and counted; any other outcome must be a clean exit.
@@ -92,17 +92,20 @@ def test_checkpointing_script_gives_accelerates_numbers_and_resumes_as_accelerat
                     "--checkpointing_steps", "21", *extra)
 
     ref = run(script, "acc", None)
-    ref_resumed = run(script, "acc_resumed", None, "--resume_from_checkpoint", str(tmp_path / "acc_ckpt" / "step_21"))
+    ref_resumed = run(script, "acc_resumed", None, "--resume_from_checkpoint",
+                      str(tmp_path / "acc_ckpt" / "step_21"))
     got = run(ours, "ddp", "strategy: ddp\n")
     resumed = run(ours, "zero3_resumed", "strategy: zero3\n", "--resume_from_checkpoint",
                   str(tmp_path / "ddp_ckpt" / "step_21"))
     assert len(ref["losses"]) == 45 and resumed["losses"][0][0] == 22
-    assert ref_resumed["lrs"] == pytest.approx(ref["lrs"][21:]) and ref_resumed["losses"] != ref["losses"][21:]
+    assert (ref_resumed["lrs"] == pytest.approx(ref["lrs"][21:])
+            and ref_resumed["losses"] != ref["losses"][21:])
     for label, a, b, tol in (("straight", got, ref, 1e-6), ("resumed", resumed, ref_resumed, 1e-5)):
         assert [s for s, _ in a["losses"]] == [s for s, _ in b["losses"]], label
         worst = max(abs(x - y) for (_, xs), (_, ys) in zip(a["losses"], b["losses"]) for x, y in zip(xs, ys))
         assert worst <= tol, f"{label}: per-process losses differ from Accelerate's by {worst:.2e}"
-        assert a["lrs"] == pytest.approx(b["lrs"], rel=1e-9, abs=1e-12), label  # OneCycleLR, guarded at its end
+        # OneCycleLR, guarded at its end
+        assert a["lrs"] == pytest.approx(b["lrs"], rel=1e-9, abs=1e-12), label
         for x, y in zip(a["metrics"], b["metrics"], strict=True):
             assert (x["epoch"], x["seen"]) == (y["epoch"], y["seen"]), label
             assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1 / 45), label  # one sample at most
@@ -128,7 +131,8 @@ def test_drop_in_rules_script_gives_accelerates_numbers(tmp_path: Path) -> None:
     ref = run(script, "acc", None)
     ref_resumed = run(script, "acc_resumed", None, *resume, str(tmp_path / "acc_ckpt" / "e1_b5_s8"))
     got = {s: run(ours, s, f"strategy: {s}\n") for s in ("ddp", "zero3")}
-    got["zero3_resumed"] = run(ours, "zero3_resumed", "strategy: zero3\n", *resume, str(tmp_path / "ddp_ckpt" / "e1_b5_s8"))
+    got["zero3_resumed"] = run(ours, "zero3_resumed", "strategy: zero3\n", *resume,
+                               str(tmp_path / "ddp_ckpt" / "e1_b5_s8"))
     assert ref["tried"] == [9, 8] and ref["gathered"] == [48, 48, 48] and ref["end_after_loop"] == [False] * 3
     assert ref_resumed["losses"][0][0] == 9 and len(ref_resumed["losses"]) == len(ref["losses"]) - 8
     for label, tol in (("ddp", 1e-5), ("zero3", 1e-4), ("zero3_resumed", 1e-4)):

@@ -61,8 +61,8 @@ EVAL_IDS = W.Tokens(2, seed=3).data
 def _prompts() -> dict[str, Any]:
     """Greedy generation of 5 tokens after the first 3 of EVAL_IDS (8 positions: W.SEQ)."""
     ids = EVAL_IDS[:, :3]
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 5, "min_new_tokens": 5,
-            "do_sample": False, "pad_token_id": 0}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 5,
+            "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -81,7 +81,8 @@ def _grad_bytes(model: Any) -> int:
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of Adam's moments (not the step counters) the torch optimizer holds on this process."""
-    return sum(_nbytes(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim)
+    return sum(_nbytes(v) for st in optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.ndim)
 
 
 def _train(backend: str, strategy: str, folder: str) -> dict[str, Any]:
@@ -120,8 +121,8 @@ def _train(backend: str, strategy: str, folder: str) -> dict[str, Any]:
         except RuntimeError as err:
             refusal = str(err)
     engine.free_memory()
-    return {"losses": losses, "state": state, "logits": logits, "tokens": tokens, "refusal": refusal, "trainable": trainable,
-            "grad_bytes": grads, "state_bytes": _state_bytes(inner)}
+    return {"losses": losses, "state": state, "logits": logits, "tokens": tokens, "refusal": refusal,
+            "trainable": trainable, "grad_bytes": grads, "state_bytes": _state_bytes(inner)}
 
 
 def _runs(folder: str) -> dict[str, Any]:
@@ -160,7 +161,8 @@ def test_lora_trains_as_one_process(runs: dict[str, Any], case: tuple[str, str])
     assert W.close(got["losses"], ref["losses"]) <= 1e-5, (got["losses"], ref["losses"])
     lora_keys = {k for k in ref["state"] if "lora_" in k}
     assert len(lora_keys) == 12 and got["state"].keys() == ref["state"].keys()
-    assert W.max_diff({k: got["state"][k] for k in lora_keys}, {k: ref["state"][k] for k in lora_keys}) <= 2e-5
+    assert W.max_diff({k: got["state"][k] for k in lora_keys},
+                      {k: ref["state"][k] for k in lora_keys}) <= 2e-5
     moved = max((ref["state"][k] - ref["initial"][k]).abs().max().item() for k in lora_keys)
     assert moved > 1e-3  # the adapter really trained
     for k in ref["state"].keys() - lora_keys:  # the frozen base, bit for bit
@@ -174,7 +176,8 @@ def test_grads_and_optimizer_hold_the_trainable_share(runs: dict[str, Any], case
     for rank in runs["ranks"]:
         got = rank[case]
         share = 4 * got["trainable"] // 2
-        assert (got["grad_bytes"], got["state_bytes"]) == (share, 2 * share), (got["grad_bytes"], got["state_bytes"])
+        assert (got["grad_bytes"], got["state_bytes"]) == (share, 2 * share), (
+            got["grad_bytes"], got["state_bytes"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
@@ -183,7 +186,8 @@ def test_adapter_folder_reloads_in_a_plain_process(runs: dict[str, Any], case: t
 
     folder = runs["folder"] / _key(case)
     trained = runs["ranks"][0][case]["logits"]
-    assert sorted(p.name for p in (folder / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (folder / "adapter").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((folder / "adapter" / "adapter_config.json").read_text())["r"] == 4
     base_logits = _logits(W.build("gpt2"))
     for name in ("adapter", "idiom"):  # save_model's, and save_pretrained given the full state dict
@@ -210,7 +214,8 @@ def test_merged_export_loads_with_transformers(runs: dict[str, Any], case: tuple
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_main_process_save_pretrained_is_refused(runs: dict[str, Any], case: tuple[str, str]) -> None:
     refusal = runs["ranks"][0][case]["refusal"]
-    assert "\n" not in refusal and "sharded" in refusal and "engine.save_model(model, dir)" in refusal, refusal
+    assert ("\n" not in refusal and "sharded" in refusal
+            and "engine.save_model(model, dir)" in refusal), refusal
     assert not (runs["folder"] / _key(case) / "direct").exists()
 
 
@@ -229,6 +234,7 @@ def test_merge_adapters_refused_for_a_plain_model(tmp_path: Path) -> None:
 
     engine = shardwise.Engine(cpu=True)
     model = engine.prepare(W.build("tiny"))
-    with pytest.raises(CheckpointError, match="merge_adapters=True\\): TinyLM is not a peft model; drop merge_adapters"):
+    with pytest.raises(CheckpointError, match="merge_adapters=True\\): TinyLM is not a peft model; "
+                                              "drop merge_adapters"):
         engine.save_model(model, tmp_path / "m", merge_adapters=True)
     assert not (tmp_path / "m").exists()

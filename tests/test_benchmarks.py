@@ -51,8 +51,10 @@ def test_offload_gpu_dry_run_compares_the_same_training(tmp_path: Path) -> None:
     (same first loss), and one JSON comes out with tokens/s for each."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "offload_gpu.py"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), "--dry-run", "--rounds", "2", "--steps", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--rounds", "2", "--steps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.iterdir()
     rows = json.loads(path.read_text())["rows"]
@@ -68,14 +70,18 @@ def test_host_optimizer_runs_every_way_and_reports_ratios(tmp_path: Path) -> Non
     pytest.importorskip("deepspeed")
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "host_optimizer.py"
     env = {**os.environ, "MASTER_PORT": "29631"}
-    proc = subprocess.run([sys.executable, str(script), "--sizes", "0.25", "--rounds", "2", "--steps", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--sizes", "0.25", "--rounds", "2", "--steps", "1",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=900, check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.iterdir()
     (size,) = json.loads(path.read_text())["results"].values()
     ways = size["ways"]
-    assert set(ways) == {"plain", "foreach", "fused", "ds_cpu_adam", "shardwise", "shardwise_dsk", "shardwise_ds",
-                         "deepspeed"}
+    assert set(ways) == {
+        "plain", "foreach", "fused", "ds_cpu_adam", "shardwise", "shardwise_dsk", "shardwise_ds", "deepspeed"
+    }
     for row in ways.values():
         lo, hi = row["spread_ms"]
         assert row["elements_per_s"] > 0 and 0 < lo <= row["ms"] <= hi

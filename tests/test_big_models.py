@@ -61,8 +61,9 @@ class WithRotary(nn.Module):
 def tiny_llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=W.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=W.VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                        max_position_embeddings=16))
 
 
 def _gathered(engine: Any, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -77,14 +78,15 @@ def _init_all() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in INIT_STRATEGIES:
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED)
-        for name, build in (("tiny", lambda: W.TinyLM()), ("gpt2", lambda: W.build("gpt2")), ("rotary", WithRotary),
-                            ("own", OwnInit), ("llama_empty", tiny_llama)):
+        for name, build in (("tiny", lambda: W.TinyLM()), ("gpt2", lambda: W.build("gpt2")),
+                            ("rotary", WithRotary), ("own", OwnInit), ("llama_empty", tiny_llama)):
             torch.manual_seed(1234)
             with engine.init_empty():
                 model = build()
             assert all(p.is_meta for p in model.parameters())
             model = engine.prepare(model)
-            local = {n: p._local_tensor.clone() for n, p in model.named_parameters() if hasattr(p, "_local_tensor")}
+            local = {n: p._local_tensor.clone() for n, p in model.named_parameters()
+                     if hasattr(p, "_local_tensor")}
             out[(strategy, name)] = {"state": _gathered(engine, model), "local": local}
         with torch.device("meta"):  # built by the user on the meta device: buffers too
             llama = tiny_llama()
@@ -214,7 +216,8 @@ def load_runs(backend: str, configs: list[dict[str, str]], path: str) -> dict[st
         model = engine.from_pretrained(GPT2LMHeadModel, path)
         opt = W.make_optimizer(model)  # made over the empty model, rebound at prepare
         model, opt = engine.prepare(model, opt)
-        out[(key, "from_pretrained")] = {"loaded": engine.get_state_dict(model), **shardwise_steps(engine, model, opt)}
+        out[(key, "from_pretrained")] = {"loaded": engine.get_state_dict(model),
+                                         **shardwise_steps(engine, model, opt)}
     return out
 
 

@@ -58,7 +58,8 @@ def _train(engine: Any, steps: int, *, load: str | None = None, save: str | None
                 break
     if save:
         engine.save_state(save) if save != "auto" else engine.save_state(keep_last=1)
-    return {"losses": losses, "state": engine.get_state_dict(model), "step": engine.step, "lr": sched.get_last_lr()}
+    return {"losses": losses, "state": engine.get_state_dict(model), "step": engine.step,
+            "lr": sched.get_last_lr()}
 
 
 def _reference(steps: int = 8) -> dict[str, Any]:
@@ -121,7 +122,8 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     first = spawn(_first_half_then_more, 2, str(b))[0]
     listing = sorted(p.name for p in (b / "checkpoints").iterdir())
     second = spawn(_second_half, 2, str(b))[0]
-    return {"straight": straight, "first": first, "second": second, "listing": listing, "root": b / "checkpoints"}
+    return {"straight": straight, "first": first, "second": second, "listing": listing,
+            "root": b / "checkpoints"}
 
 
 def test_exact_resume_in_new_processes_is_bit_identical(exact: dict) -> None:
@@ -139,7 +141,8 @@ def test_default_folders_latest_and_keep_last(exact: dict) -> None:
 
 # -- the reshard matrix -------------------------------------------------------------------------
 SOURCES = ["zero3", "zero2", "zero1", "ddp"]
-TARGETS = ["zero3", "ddp", "zero2+optimizer", "zero3+params", "zero1+optimizer"]  # every source is a target too
+# every source is a target too
+TARGETS = ["zero3", "ddp", "zero2+optimizer", "zero3+params", "zero1+optimizer"]
 
 
 def _save_sources(folder: str) -> dict[str, Any]:
@@ -255,13 +258,15 @@ def test_save_model_and_export_give_what_transformers_loads(tmp_path: Path) -> N
         back = GPT2LMHeadModel.from_pretrained(tmp_path / folder)
         with torch.no_grad():
             assert torch.equal(back(W.Tokens(2, seed=3).data).logits, live["logits"])
-    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--max-shard-size", "40KB"]) == 0
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"),
+                     "--max-shard-size", "40KB"]) == 0
     made = sorted(p.name for p in (tmp_path / "model").iterdir())
     assert made == sorted(p.name for p in (tmp_path / "exported").iterdir())
     for name in made:
         assert (tmp_path / "model" / name).read_bytes() == (tmp_path / "exported" / name).read_bytes(), name
     # exporting again replaces the export's own files, byte for byte the same
-    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--max-shard-size", "40KB"]) == 0
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"),
+                     "--max-shard-size", "40KB"]) == 0
     assert made == sorted(p.name for p in (tmp_path / "exported").iterdir())
     for name in made:
         assert (tmp_path / "model" / name).read_bytes() == (tmp_path / "exported" / name).read_bytes(), name
@@ -330,11 +335,13 @@ def _tamper(folder: Path, case: str) -> Any:
         meta_path.write_text(json.dumps(meta))
     elif case in ("wrong model (shapes)", "wrong model (names)"):
         pass
-    return {"wrong model (shapes)": lambda: W.TinyLM(d=16), "wrong model (names)": lambda: W.build("gpt2")}.get(case, lambda: W.build("tiny"))()
+    return {"wrong model (shapes)": lambda: W.TinyLM(d=16),
+            "wrong model (names)": lambda: W.build("gpt2")}.get(case, lambda: W.build("tiny"))()
 
 
 BAD = {
-    "wrong model (shapes)": "model 0 does not match the checkpoint: mis-shaped blocks.0.down.bias [32] vs [16]",
+    "wrong model (shapes)": "model 0 does not match the checkpoint: mis-shaped blocks.0.down.bias "
+                            "[32] vs [16]",
     "wrong model (names)": "model 0 does not match the checkpoint: missing lm_head.weight",
     "truncated shard": "truncated or changed",
     "missing shard": "missing from the checkpoint",
@@ -342,7 +349,8 @@ BAD = {
     "pickled code in the index": "posix.system is not allowed in a checkpoint index",
     "pickled code in engine state": "unreadable with weights-only loading",
     "world size metadata": "says world size 3 but holds the states of 1 process(es)",
-    "no meta.json (unfinished save)": "no meta.json: not a shardwise checkpoint, or a save that never finished",
+    "no meta.json (unfinished save)": "no meta.json: not a shardwise checkpoint, or a save that "
+                                      "never finished",
     "corrupted meta.json": "meta.json: corrupted",
     "not a shardwise checkpoint": "not a shardwise checkpoint",
 }

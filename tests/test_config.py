@@ -30,7 +30,9 @@ def _golden(name: str, text: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "accelerate").glob("*.yaml")))
-def test_accelerate_yaml_translates_to_golden(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_accelerate_yaml_translates_to_golden(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(FIXTURES / "accelerate")
     out = tmp_path / "shardwise.yaml"
     assert cli.main(["config", "--from-accelerate", name, "--output", str(out)]) == 0
@@ -44,7 +46,9 @@ def test_issue_example_becomes_zero3_on_two_processes_fp32() -> None:
 
 
 @pytest.mark.parametrize("name", ["tutorial_zero2.json", "tutorial_zero3_offload.json"])
-def test_deepspeed_json_translates_to_golden(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_deepspeed_json_translates_to_golden(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(FIXTURES / "deepspeed")
     assert cli.main(["config", "show", "--config", name]) == 0
     _golden(f"deepspeed/{name}.yaml", capsys.readouterr().out)
@@ -53,7 +57,8 @@ def test_deepspeed_json_translates_to_golden(name: str, monkeypatch: pytest.Monk
 def test_deepspeed_translation_details() -> None:
     z2 = load_config(FIXTURES / "deepspeed" / "tutorial_zero2.json")
     assert (z2.strategy, z2.offload, z2.precision, z2.max_grad_norm) == ("zero2", "none", "fp16", 1.0)
-    assert z2.loss_scale.init_scale == 2**15 and z2.loss_scale.hysteresis == 2 and z2.loss_scale.growth_interval == 1000
+    scale = z2.loss_scale
+    assert scale.init_scale == 2**15 and scale.hysteresis == 2 and scale.growth_interval == 1000
     assert z2.optimizer is not None and z2.optimizer.lr == "auto" and z2.scheduler.type == "WarmupDecayLR"
     z3 = load_config(FIXTURES / "deepspeed" / "tutorial_zero3_offload.json")
     assert (z3.strategy, z3.offload) == ("zero3", "params")
@@ -72,7 +77,9 @@ BAD = {
     "node_rank_out_of_range.yaml": "launch.node_rank=2 must lie in 0..1",
     "ds_bad_stage.json": "zero_optimization.stage: expected 0, 1, 2 or 3, found 4",
     "ds_nvme.json": "'nvme' offload is not supported",
-    "ds_batch_mismatch.json": "train_batch_size=10 but micro_batch_size 2 x grad_accum_steps 1 x 2 processes = 4",
+    "ds_batch_mismatch.json": (
+        "train_batch_size=10 but micro_batch_size 2 x grad_accum_steps 1 x 2 processes = 4"
+    ),
     "ds_unknown_optimizer.json": "'Lamb' is not supported; choose one of: AdamW, Adam, SGD",
     "zero_accumulation.yaml": "grad_accum_steps=0 must be an integer >= 1",
     "precision_not_a_name.yaml": "precision: expected 'fp32', 'bf16' or 'fp16', found 16",
@@ -103,7 +110,9 @@ def test_malformed_config_is_refused_before_start(
     name: str, no_torchrun: list, capsys: pytest.CaptureFixture[str]
 ) -> None:
     script = HERE / "scripts" / "train_from_config.py"
-    code = cli.main(["launch", "--config", str(FIXTURES / "bad" / name), "--nproc-per-node", "2", str(script)])
+    code = cli.main(
+        ["launch", "--config", str(FIXTURES / "bad" / name), "--nproc-per-node", "2", str(script)]
+    )
     err = capsys.readouterr().err
     assert code == 2 and not no_torchrun
     assert err.count("\n") == 1 and err.startswith("shardwise: error: "), err
@@ -120,9 +129,13 @@ def test_launch_builds_torchrun_argv_from_file_and_flags(no_torchrun: list, tmp_
     cfg.write_text("strategy: zero3\nlaunch:\n  num_processes: 4\n  max_restarts: 2\n")
     script = tmp_path / "train.py"
     script.write_text("")
-    assert cli.main(["launch", "--config", str(cfg), "--nproc-per-node", "2", "--log-dir", "logs", "-t", "3", str(script), "--lr", "1"]) == 0
+    flags = ["--config", str(cfg), "--nproc-per-node", "2", "--log-dir", "logs", "-t", "3"]
+    assert cli.main(["launch", *flags, str(script), "--lr", "1"]) == 0
     (argv,) = no_torchrun
-    assert argv == ["--nproc-per-node", "2", "--standalone", "--max-restarts", "2", "--log-dir", "logs", "--tee", "3", str(script), "--lr", "1"]
+    assert argv == [
+        "--nproc-per-node", "2", "--standalone", "--max-restarts", "2", "--log-dir", "logs", "--tee", "3",
+        str(script), "--lr", "1",
+    ]
 
 
 def test_torchrun_argv_multi_node() -> None:
@@ -139,7 +152,9 @@ def test_torchrun_argv_multi_node() -> None:
     assert "--master-addr" in torchrun_argv(static, "t.py")
 
 
-def test_flags_override_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_flags_override_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     Path("shardwise.yaml").write_text("strategy: zero3\nprecision: bf16\n")  # picked up by default
     assert cli.main(["config", "show", "--strategy", "zero1"]) == 0
@@ -167,18 +182,24 @@ def test_plain_script_reads_config_argument(tmp_path: Path, monkeypatch: pytest.
     assert shardwise.Engine().config.strategy == "zero1"
 
 
-def test_questionnaire_validates_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_questionnaire_validates_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     answers = iter(["zero4", "zero3", "bf16", "", "2", "", "yes", "2", "1"])
     monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
     out = tmp_path / "shardwise.yaml"
     assert cli.main(["config", "--output", str(out)]) == 0
-    assert "strategy: expected 'ddp', 'zero1', 'zero2', 'zero3' or 'auto', found 'zero4'" in capsys.readouterr().out
+    expected = "strategy: expected 'ddp', 'zero1', 'zero2', 'zero3' or 'auto', found 'zero4'"
+    assert expected in capsys.readouterr().out
     cfg = load_config(out)
-    assert (cfg.strategy, cfg.precision, cfg.grad_accum_steps, cfg.activation_checkpointing) == ("zero3", "bf16", 2, True)
+    got = (cfg.strategy, cfg.precision, cfg.grad_accum_steps, cfg.activation_checkpointing)
+    assert got == ("zero3", "bf16", 2, True)
     assert (cfg.launch.num_processes, cfg.launch.num_nodes) == (2, 1)
 
 
-def test_config_with_flags_is_non_interactive_and_refuses_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_with_flags_is_non_interactive_and_refuses_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "s.yaml"
     assert cli.main(["config", "-o", str(out), "--strategy", "zero2", "--num-processes", "4"]) == 0
     assert load_config(out).launch.num_processes == 4
@@ -191,7 +212,15 @@ def test_env_report(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
-    for needle in (f"torch:         {torch.__version__}", "shardwise:", "deepspeed:", "transformers:", "backends:      gloo", "cpus:", "memory:"):
+    for needle in (
+        f"torch:         {torch.__version__}",
+        "shardwise:",
+        "deepspeed:",
+        "transformers:",
+        "backends:      gloo",
+        "cpus:",
+        "memory:",
+    ):
         assert needle in out
 
 
@@ -209,7 +238,9 @@ def _describe(parser, prefix: str = "shardwise") -> list[str]:
         if action.choices and isinstance(action.choices, dict):
             for name, sub in sorted(action.choices.items()):
                 lines += _describe(sub, f"{prefix} {name}")
-        elif set(action.option_strings) & torchrun or action.dest in ("training_script", "training_script_args"):
+        elif set(action.option_strings) & torchrun or action.dest in (
+            "training_script", "training_script_args"
+        ):
             continue
         elif action.option_strings:
             lines.append(f"{prefix} {' '.join(action.option_strings)}")

@@ -37,7 +37,11 @@ def _all() -> dict[Any, Any]:
         for cfg in TORCH + (DEEPSPEED if HAS_DS else []):
             out[(name, _key(cfg))] = W.train_engine(name, dict(cfg), **RUN)
     for precision in ("bf16", "fp16"):
-        for cfg in ({"strategy": "zero3"}, {"strategy": "zero2", "offload": "optimizer"}, {"backend": "deepspeed", "strategy": "zero2"}):
+        for cfg in (
+            {"strategy": "zero3"},
+            {"strategy": "zero2", "offload": "optimizer"},
+            {"backend": "deepspeed", "strategy": "zero2"},
+        ):
             if cfg.get("backend") == "deepspeed" and not HAS_DS:
                 continue
             out[(precision, _key(cfg))] = W.train_engine("gpt2", {"precision": precision, **cfg}, **RUN)
@@ -45,7 +49,8 @@ def _all() -> dict[Any, Any]:
         for src, dst in (("zero3+optimizer", "zero2+optimizer"), ("zero1+optimizer", "zero3+params")):
             straight = CK._train(_engine(dst), 8)
             first = CK._train(_engine(src), 4, save=f"{folder}/{src}")
-            out[("resume", src, dst)] = (straight, first["losses"], CK._train(_engine(dst), 4, load=f"{folder}/{src}"))
+            resumed = CK._train(_engine(dst), 4, load=f"{folder}/{src}")
+            out[("resume", src, dst)] = (straight, first["losses"], resumed)
     return out
 
 
@@ -75,7 +80,8 @@ def test_cuda_matches_single_process(runs: dict, refs: dict, name: str, cfg: dic
     if cfg.get("backend") == "deepspeed" and not HAS_DS:
         pytest.skip("deepspeed not installed")
     run, ref = runs[(name, _key(cfg))], refs[name]
-    print(f"{name} {_key(cfg)}: losses {W.close(run['losses'], ref['losses']):.2e} weights {W.max_diff(run['state'], ref['state']):.2e}")
+    print(f"{name} {_key(cfg)}: losses {W.close(run['losses'], ref['losses']):.2e} "
+          f"weights {W.max_diff(run['state'], ref['state']):.2e}")
     assert W.close(run["losses"], ref["losses"]) < 1e-5
     assert W.max_diff(run["state"], ref["state"]) < 2e-5
 

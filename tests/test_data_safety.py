@@ -162,13 +162,15 @@ def careless_user(backend: str, folder: str) -> dict[str, Any]:
 REFUSALS = {  # case -> what the one line must say
     "shadow": "foreign/model.safetensors: was not written by shardwise and would shadow the sharded weights",
     "save_model onto a file": "outputs/results.txt: is a file, not a folder",
-    "foreign folder": "outputs: holds files that are not a shardwise checkpoint (config.json, model.safetensors, "
+    "foreign folder": "outputs: holds files that are not a shardwise checkpoint (config.json, "
+                      "model.safetensors, "
                       "results.txt and 1 more)",
     "file": "outputs/results.txt: is a file, not a checkpoint; nothing was written",
     "cwd": "run: is the current directory; save into a subfolder",
     "parent of cwd": "..: is the current directory or holds it",
     "empty cwd": "empty: is the current directory",
-    "checkpoint with a user's file": "ckpt_with_notes: holds files that are not a shardwise checkpoint (.metadata",
+    "checkpoint with a user's file": "ckpt_with_notes: holds files that are not a shardwise checkpoint "
+                                     "(.metadata",
     "disk full": "ckpt: could not write the checkpoint's tensors: File too large",
     "adamw into sgd": "ckpt: optimizer 0 (SGD) needs '",
     "flipped shard": "flipped/__",
@@ -183,8 +185,10 @@ def check_careless(runs: list[dict[str, Any]], folder: Path) -> None:
 
     out = runs[0]
     assert out["after_save_model"] == ["config.json", "model.safetensors", "results.txt", "tokenizer.json"]
-    assert "model.safetensors" not in out["after_split"] and "model.safetensors.index.json" in out["after_split"]
-    assert {n for n in out["after_split"] if n.startswith("model-")} and "tokenizer.json" in out["after_split"]
+    assert ("model.safetensors" not in out["after_split"]
+            and "model.safetensors.index.json" in out["after_split"])
+    assert ({n for n in out["after_split"] if n.startswith("model-")}
+            and "tokenizer.json" in out["after_split"])
     assert out["after_one_file_again"] == out["after_save_model"]
     assert out["user_files"] == USER_FILES
     saved = load_file(folder / "run" / "outputs" / "model.safetensors")
@@ -194,9 +198,11 @@ def check_careless(runs: list[dict[str, Any]], folder: Path) -> None:
         assert messages[0] is not None, f"{case}: not refused"
         assert all(m == messages[0] for m in messages), f"{case}: processes disagree: {messages}"
         assert "\n" not in messages[0] and needle in messages[0], (case, messages[0])
-    assert "checksum mismatch" in out["refused"]["flipped shard"] and ".distcp" in out["refused"]["flipped shard"]
+    assert ("checksum mismatch" in out["refused"]["flipped shard"]
+            and ".distcp" in out["refused"]["flipped shard"])
     assert "raise it, or save elsewhere" in out["refused"]["disk full"]
-    assert "; it needs " in out["refused"]["disk full"] and " bytes)" in out["refused"]["disk full"]  # the bytes needed
+    assert ("; it needs " in out["refused"]["disk full"]
+            and " bytes)" in out["refused"]["disk full"])  # the bytes needed
     assert "prepare AdamW as when it was saved" in out["refused"]["adamw into sgd"]
     assert out["untouched_after_refusals"] and out["untouched_after_notes"]
     assert out["previous_kept_after_disk_full"]
@@ -216,8 +222,9 @@ def test_careless_user_loses_nothing(careless: tuple[list[dict[str, Any]], Path]
     check_careless(*careless)
 
 
-def test_export_refuses_a_corrupted_checkpoint_and_keeps_user_files(careless: tuple[list[dict[str, Any]], Path],
-                                                                    tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_export_refuses_a_corrupted_checkpoint_and_keeps_user_files(
+    careless: tuple[list[dict[str, Any]], Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from shardwise import cli
 
     run = careless[1] / "run"
@@ -243,7 +250,8 @@ def test_verify_finds_flipped_bytes_in_an_export(careless: tuple[list[dict[str, 
 
     out = tmp_path / "exported"
     split = where == "shard"
-    assert cli.main(["export", str(careless[1] / "run" / "ckpt"), str(out), *(["--max-shard-size", "40KB"] * split)]) == 0
+    assert cli.main(["export", str(careless[1] / "run" / "ckpt"), str(out),
+                     *(["--max-shard-size", "40KB"] * split)]) == 0
     assert len(verify(out)) >= 2
     victim = min(out.glob("model-*.safetensors")) if split else out / where
     if where == "config.json":
@@ -298,7 +306,8 @@ def test_sigkill_during_save_model_leaves_the_folder_whole(tmp_path: Path) -> No
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(_killed_in_save_model, 2, str(tmp_path), timeout=300)
     target = tmp_path / "outputs"
-    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "tokenizer.json"]  # nothing partial
+    assert sorted(os.listdir(target)) == [
+        "config.json", "model.safetensors", "tokenizer.json"]  # nothing partial
     assert len(verify(target)) == 2  # the earlier save, whole
     GPT2LMHeadModel.from_pretrained(target)
     assert (tmp_path / ".outputs.incomplete").is_dir()  # what the killed save staged, beside the folder

@@ -65,7 +65,8 @@ def _two_models(backend: str, strategy: str) -> dict[str, Any]:
             engine.backward(loss)
             opt.step()
             opt.zero_grad()
-    return {"a": engine.get_state_dict(a), "b": engine.get_state_dict(b), "types": [type(opt_a.optimizer).__name__, type(opt_b.optimizer).__name__]}
+    return {"a": engine.get_state_dict(a), "b": engine.get_state_dict(b),
+            "types": [type(opt_a.optimizer).__name__, type(opt_b.optimizer).__name__]}
 
 
 def _two_models_reference(world: int) -> dict[str, Any]:
@@ -151,22 +152,26 @@ def _everything(folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in MODELS:
         for cfg in CONFIGS:
-            out[("eq", name, _key(cfg))] = W.train_engine(name, {"cpu": True, "backend": "deepspeed", **cfg}, **RUN)
+            out[("eq", name, _key(cfg))] = W.train_engine(
+                name, {"cpu": True, "backend": "deepspeed", **cfg}, **RUN)
     for backend in ("torch", "deepspeed"):
         for precision in ("fp32", "bf16"):
             kw = {"cpu": True, "backend": backend, "strategy": "zero3", "precision": precision}
-            out[("engines", backend, precision)] = W.train_engine("tiny", kw, batch=2, accum=2, steps=2, clip=CLIP)
+            out[("engines", backend, precision)] = W.train_engine(
+                "tiny", kw, batch=2, accum=2, steps=2, clip=CLIP)
     out["config_clip"] = W.train_engine(
         "tiny", {"cpu": True, "backend": "deepspeed", "strategy": "zero2", "max_grad_norm": CLIP},
         batch=2, accum=2, steps=4, clip=None,  # the script never clips; the config's bound applies
     )
     for strategy in ("zero2", "zero3"):
-        out[("clip once", strategy)] = EQ.clip_once_runs({"cpu": True, "backend": "deepspeed", "strategy": strategy})
+        out[("clip once", strategy)] = EQ.clip_once_runs(
+            {"cpu": True, "backend": "deepspeed", "strategy": strategy})
     out["kernel"] = _kernel_runs()
     out["two_models"] = _two_models("deepspeed", "zero3")
     out["save_model"] = _save_model_zero3(f"{folder}/export")
     saved = {src: CK._train(_engine(src), 4, save=f"{folder}/{src}") for src, _ in CROSS}
-    out["cross"] = {(s, d): (saved[s]["losses"], CK._train(_engine(d), 4, load=f"{folder}/{s}")) for s, d in CROSS}
+    out["cross"] = {(s, d): (saved[s]["losses"], CK._train(_engine(d), 4, load=f"{folder}/{s}"))
+                    for s, d in CROSS}
     out["load"] = BM.load_runs("deepspeed", LOAD_CONFIGS, f"{folder}/gpt2-pretrained")
     out["careless"] = DS.careless_user("deepspeed", f"{folder}/careless")  # last: it changes directory
     return out
@@ -286,17 +291,19 @@ def test_deepspeed_config_translation() -> None:
     from shardwise.strategies.deepspeed import deepspeed_config
 
     cpu = torch.device("cpu")
-    ds = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero3", offload="params", precision="bf16",
-                                       max_grad_norm=1.0), device=cpu, numel=1000)
+    ds = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero3", offload="params",
+                                       precision="bf16", max_grad_norm=1.0), device=cpu, numel=1000)
     zero = ds["zero_optimization"]
-    assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
+    assert (zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu"
+            and zero["offload_optimizer"]["device"] == "cpu")
     assert zero["reduce_bucket_size"] == 1000 and zero["stage3_param_persistence_threshold"] == 0
     assert zero["stage3_max_reuse_distance"] == 0  # resharded after forward, as FSDP2's zero3
     assert ds["gradient_clipping"] == 1.0 and ds["gradient_accumulation_steps"] == 1
     assert ds["torch_autocast"]["dtype"] == "bfloat16" and "bf16" not in ds
     assert ds["zero_force_ds_cpu_optimizer"] is False
     z1 = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero1"), device=cpu, numel=10**9)
-    assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 2**24, "allgather_bucket_size": 2**24}
+    assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 2**24,
+                                       "allgather_bucket_size": 2**24}
 
 
 def test_deepspeed_json_tuning_keys_pass_through(tmp_path: Path) -> None:
@@ -306,7 +313,8 @@ def test_deepspeed_json_tuning_keys_pass_through(tmp_path: Path) -> None:
     from shardwise.strategies.deepspeed import deepspeed_config
 
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True, "sub_group_size": "auto",
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True,
+                                                      "sub_group_size": "auto",
                                                       "stage3_max_live_parameters": 1e8}}))
     cfg = EngineConfig(backend="deepspeed", strategy="zero2", deepspeed_config=str(path))
     zero = deepspeed_config(cfg, device=torch.device("cpu"), numel=10)["zero_optimization"]
@@ -328,7 +336,8 @@ def test_bad_deepspeed_combinations_are_refused() -> None:
     import shardwise
     from shardwise import ConfigError
 
-    with pytest.raises(ConfigError, match=r"strategy='ddp' is not run by backend='deepspeed'.*zero1, zero2 or zero3"):
+    with pytest.raises(ConfigError, match=r"strategy='ddp' is not run by backend='deepspeed'"
+                                          r".*zero1, zero2 or zero3"):
         shardwise.Engine(backend="deepspeed", strategy="ddp", cpu=True)
     with pytest.raises(ConfigError, match=r"fp16.*needs CUDA.*bf16"):
         shardwise.Engine(backend="deepspeed", strategy="zero2", precision="fp16", cpu=True)
@@ -346,7 +355,8 @@ def test_without_deepspeed_one_clear_error(tmp_path: Path) -> None:
         "print('OK', e.prepare(nn.Linear(2, 2)).__class__.__name__)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "ERR backend='deepspeed' needs DeepSpeed" in proc.stdout
     assert "pip install 'shardwise[deepspeed]'" in proc.stdout
@@ -394,11 +404,13 @@ def test_deepspeed_host_kernel_is_adam_in_torch_state() -> None:
         assert sorted(st) == sorted(rst) and st["step"].dtype == rst["step"].dtype and float(st["step"]) == 6
         assert (st["exp_avg_sq"] - rst["exp_avg_sq"]).abs().max().item() < 1e-6
 
-    with pytest.raises(ValueError, match="steps Adam and AdamW only, and the optimizer is SGD: use host_kernel='torch'"):
+    with pytest.raises(ValueError, match="steps Adam and AdamW only, and the optimizer is SGD: "
+                                         "use host_kernel='torch'"):
         DeepSpeedAdam.for_optimizer(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
     with pytest.raises(ValueError, match=r"cannot step AdamW\(amsgrad=True\)"):
         DeepSpeedAdam.for_optimizer(torch.optim.AdamW([torch.zeros(2, requires_grad=True)], amsgrad=True))
-    with pytest.raises(ValueError, match="this run steps on cuda with offload='none': set offload, or host_kernel='torch'"):
+    with pytest.raises(ValueError, match="this run steps on cuda with offload='none': "
+                                         "set offload, or host_kernel='torch'"):
         host_kernel(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]), "deepspeed", on_host=False,
                     device=torch.device("cuda"))
     from shardwise.config import ConfigError, EngineConfig

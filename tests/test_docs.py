@@ -70,7 +70,9 @@ def test_relative_links_resolve(page: Path) -> None:
         dest = (page.parent / path).resolve() if path else page
         assert dest.exists(), f"{_name(page)}: link {target!r} points to a missing file"
         if anchor and dest.suffix == ".md":
-            assert anchor in _anchors(dest.read_text()), f"{_name(page)}: link {target!r}: no heading #{anchor}"
+            assert anchor in _anchors(dest.read_text()), (
+                f"{_name(page)}: link {target!r}: no heading #{anchor}"
+            )
 
 
 def test_pages_were_found() -> None:

@@ -117,13 +117,15 @@ def _work() -> dict[str, Any]:
     import shardwise
 
     out: dict[str, Any] = {}
-    out["two_models"] = _two_models(shardwise.Engine(strategy="zero3", cpu=True, grad_accum_steps=2, seed=W.SEED))
+    out["two_models"] = _two_models(shardwise.Engine(strategy="zero3", cpu=True, grad_accum_steps=2,
+                                                     seed=W.SEED))
     for strategy in ("zero3", "ddp"):
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED)
         out[f"metrics-{strategy}"] = _metrics(engine)
     out["subset_norm"] = _subset_norm(shardwise.Engine(strategy="zero3", cpu=True))
     out["accumulation"] = {
-        s: _accumulation(shardwise.Engine(strategy=s, cpu=True, grad_accum_steps=2)) for s in ("zero2", "zero1")
+        s: _accumulation(shardwise.Engine(strategy=s, cpu=True, grad_accum_steps=2))
+        for s in ("zero2", "zero1")
     }
     out["gather_mismatch"] = _gather_mismatch(shardwise.Engine(strategy="ddp", cpu=True))
     return out
@@ -136,7 +138,8 @@ def _gather_mismatch(engine: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     rank = engine.process_index
-    for case, t in (("trailing shape", torch.zeros(2, 3 + rank)), ("dtype", torch.zeros(2, dtype=[torch.float32, torch.int64][rank]))):
+    for case, t in (("trailing shape", torch.zeros(2, 3 + rank)),
+                    ("dtype", torch.zeros(2, dtype=[torch.float32, torch.int64][rank]))):
         try:
             engine.gather(t)
             out[case] = None
@@ -192,8 +195,10 @@ def test_accumulate_defers_steps(results: list, strategy: str) -> None:
 def test_gather_refuses_shapes_that_differ_across_processes(results: list) -> None:
     for r in results:
         g = r["gather_mismatch"]
-        assert g["trailing shape"] == ("gather needs the same dtype and the same shape except dim 0 on every process "
-                                       "(dim 0 may differ): rank 0 has float32 (2, 3); rank 1 has float32 (2, 4)")
+        assert g["trailing shape"] == ("gather needs the same dtype and the same shape except dim 0 "
+                                       "on every process "
+                                       "(dim 0 may differ): rank 0 has float32 (2, 3); "
+                                       "rank 1 has float32 (2, 4)")
         assert "rank 0 has float32 (2,); rank 1 has int64 (2,)" in g["dtype"]
         assert g["lengths"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         assert g["max"] == [1.0, 0.0] and g["min"] == [0.0, -1.0]

@@ -90,7 +90,9 @@ def test_custom_batch_sampler_is_refused(engine: shardwise.Engine) -> None:
 def test_contradicting_train_batch_size_is_refused_before_sharding() -> None:
     engine = shardwise.Engine(strategy="zero3", cpu=True, train_batch_size=5)
     model = W.build("tiny")
-    with pytest.raises(ConfigError, match=r"train_batch_size=5 but micro_batch_size 2 x grad_accum_steps 1 x 1 processes = 2"):
+    with pytest.raises(
+        ConfigError, match=r"train_batch_size=5 but micro_batch_size 2 x grad_accum_steps 1 x 1 processes = 2"
+    ):
         engine.prepare(model, DataLoader(W.Tokens(8), batch_size=2))
     assert type(model) is W.TinyLM  # nothing was sharded
 
@@ -100,12 +102,16 @@ def test_careless_calls_get_one_line_before_any_work() -> None:
     with pytest.raises(RuntimeError, match=r"backward\(\) before prepare\(\): prepare the model"):
         engine.backward(torch.ones((), requires_grad=True))
     frozen = W.build("tiny").requires_grad_(False)  # alone it is prepared for inference (test_finetune)
-    with pytest.raises(ValueError, match=r"AdamW holds 23 parameter\(s\) of TinyLM, which has no trainable parameters"):
+    with pytest.raises(
+        ValueError, match=r"AdamW holds 23 parameter\(s\) of TinyLM, which has no trainable parameters"
+    ):
         engine.prepare(frozen, W.make_optimizer(frozen))
     model = engine.prepare(W.build("tiny"))
     engine.backward(W.lm_loss(model, W.Tokens(2).data))
     for bad in (-1.0, 0.0):
-        with pytest.raises(ValueError, match=r"clip_grad_norm_\(max_norm=.*\): the bound must be a number > 0"):
+        with pytest.raises(
+            ValueError, match=r"clip_grad_norm_\(max_norm=.*\): the bound must be a number > 0"
+        ):
             engine.clip_grad_norm_(model.parameters(), bad)
 
 

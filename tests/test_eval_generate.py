@@ -40,7 +40,8 @@ def _build(kind: str) -> nn.Module:
         import peft
 
         torch.manual_seed(99)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                           fan_in_fan_out=True))
     return model
 
 
@@ -108,7 +109,8 @@ def _run(backend: str, strategy: str, kind: str, folder: str) -> dict[str, Any]:
                 saved[name] = str(err)
     engine.free_memory()
     return {"full": full, "block": block, "rest": rest, "during": during, "after_eval": after_eval,
-            "report": report, "after_generate": after_generate, "tokens": tokens, "state": state, "saved": saved}
+            "report": report, "after_generate": after_generate, "tokens": tokens, "state": state,
+            "saved": saved}
 
 
 def _all(folder: str) -> dict[tuple[str, str, str], dict[str, Any]]:
@@ -126,11 +128,14 @@ def _key(case: tuple[str, str, str]) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
-def test_eval_forward_and_generate_hold_only_the_shard(runs: dict[str, Any], case: tuple[str, str, str]) -> None:
+def test_eval_forward_and_generate_hold_only_the_shard(
+    runs: dict[str, Any], case: tuple[str, str, str]
+) -> None:
     for r in runs["ranks"]:
         run = r[case]
         replicated = case[:2] == ("deepspeed", "zero2")  # DeepSpeed's zero2 keeps whole parameters
-        assert run["rest"] == (run["full"] if replicated else pytest.approx(run["full"] / 2, rel=0.02)), run["rest"]
+        assert run["rest"] == (run["full"] if replicated
+                               else pytest.approx(run["full"] / 2, rel=0.02)), run["rest"]
         assert run["after_eval"] == run["rest"] and run["after_generate"] == run["rest"], run
         peak = max(h for h, _ in run["during"])
         if case[:2] == ("torch", "zero3"):  # FSDP2 reshards each block after its forward

@@ -48,9 +48,10 @@ def test_example_runs(script: str, config: str, expect: str, tmp_path: Path) -> 
 def test_example_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     """causal_lm.py under zero2, then resumed under zero3 to the end: perplexity and export."""
     _launch("zero2.yaml", "causal_lm.py", "--steps", "4", "--save-every", "4", cwd=tmp_path)
-    out = _launch("zero3.yaml", "causal_lm.py", "--steps", "6", "--resume", "--log-every", "1", "--save-every", "3",
-                  "--output-dir", str(tmp_path / "model"), cwd=tmp_path)
-    assert "resumed from checkpoints/step_4 at step 4" in out and "step     5" in out and "step     1 " not in out
+    out = _launch("zero3.yaml", "causal_lm.py", "--steps", "6", "--resume", "--log-every", "1",
+                  "--save-every", "3", "--output-dir", str(tmp_path / "model"), cwd=tmp_path)
+    assert "resumed from checkpoints/step_4 at step 4" in out
+    assert "step     5" in out and "step     1 " not in out
     assert "perplexity" in out and (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_6"
     assert any((tmp_path / "model").glob("*.safetensors")) and (tmp_path / "model" / "config.json").is_file()
 
@@ -73,7 +74,8 @@ def test_finetune_lora_example(tmp_path: Path) -> None:
     out = _launch("zero3.yaml", "finetune_lora.py", "--steps", "4", "--eval-every", "2",
                   "--output-dir", str(tmp_path / "adapter"), cwd=tmp_path)
     assert "eval step     2" in out and "eval step     4" in out and "step     4  loss" in out
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    saved = sorted(p.name for p in (tmp_path / "adapter").iterdir())
+    assert saved == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
 
 

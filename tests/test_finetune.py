@@ -134,7 +134,8 @@ def _dpo(backend: str, strategy: str, mode: str, folder: str) -> dict[str, Any]:
         engine.load_state(f"{folder}/{backend}-{strategy}")
         resumed = engine.get_state_dict(ref)
     ref_ids = {id(p) for p in ref.parameters()}
-    held = [p for o in engine.session.optimizers for p in [*o.runner.params(), *o.optimizer.state] if id(p) in ref_ids]
+    held = [p for o in engine.session.optimizers for p in [*o.runner.params(), *o.optimizer.state]
+            if id(p) in ref_ids]
     return {
         "losses": losses,
         "policy": engine.get_state_dict(policy),
@@ -183,11 +184,14 @@ def _check(run: dict[str, Any], ref: dict[str, Any], case: tuple[str, str, str])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
-def test_dpo_with_a_frozen_reference_equals_one_process(runs: dict, ref: dict, case: tuple[str, str, str]) -> None:
+def test_dpo_with_a_frozen_reference_equals_one_process(
+    runs: dict, ref: dict, case: tuple[str, str, str]
+) -> None:
     _check(runs[case], ref, case)
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed (pip install 'shardwise[deepspeed]'); CI installs it")
+@pytest.mark.skipif(not HAS_DEEPSPEED,
+                    reason="deepspeed not installed (pip install 'shardwise[deepspeed]'); CI installs it")
 @pytest.mark.parametrize("case", DS_CASES, ids=lambda c: "-".join(c))
 def test_dpo_on_deepspeed_with_a_frozen_reference_equals_one_process(
     runs: dict, ref: dict, case: tuple[str, str, str]
@@ -204,12 +208,14 @@ def test_frozen_and_parameterless_models_prepare_on_one_process() -> None:
     relu = engine.prepare(nn.ReLU())
     assert torch.equal(relu(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
     frozen = W.build("tiny").requires_grad_(False)
-    with pytest.raises(ValueError, match=r"^AdamW holds 23 parameter\(s\) of TinyLM, which has no trainable parameters "
+    with pytest.raises(ValueError, match=r"^AdamW holds 23 parameter\(s\) of TinyLM, "
+                       r"which has no trainable parameters "
                        r"\(all frozen\) and is prepared for inference only: unfreeze what should train"):
         engine.prepare(frozen, W.make_optimizer(frozen))
     assert type(frozen) is W.TinyLM  # refused before sharding
     acc = shardwise.Accelerator(cpu=True, strategy="ddp")
     teacher = acc.prepare_model(W.build("tiny"), evaluation_mode=True)
     assert type(teacher) is W.TinyLM  # no DDP wrapper
-    with pytest.raises(ValueError, match=r"which is prepared with evaluation_mode=True .*: prepare it without evaluation_mode"):
+    with pytest.raises(ValueError, match=r"which is prepared with evaluation_mode=True .*: "
+                                         r"prepare it without evaluation_mode"):
         acc.prepare(torch.optim.SGD(teacher.parameters(), lr=0.1))

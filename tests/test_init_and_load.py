@@ -31,7 +31,8 @@ class OwnInit(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(W.VOCAB, 16, padding_idx=3)
         self.body = nn.Linear(16, 16)
-        self.register_buffer("noise", torch.randn(16))  # drawn between parameters: the generator must keep step
+        # drawn between parameters: the generator must keep step
+        self.register_buffer("noise", torch.randn(16))
         self.head = nn.Linear(16, W.VOCAB)
         nn.init.zeros_(self.head.weight)
         self.scale = nn.Parameter(torch.ones(16))
@@ -113,7 +114,8 @@ def make_folders(root: Path) -> dict[str, Any]:
     for name, rename in {**PREFIXED, "unknown": lambda k: "encoder." + k}.items():
         (root / name).mkdir()
         shutil.copy(root / "gpt2" / "config.json", root / name / "config.json")
-        save_file({rename(k): v for k, v in saved.items()}, root / name / "model.safetensors", metadata={"format": "pt"})
+        renamed = {rename(k): v for k, v in saved.items()}
+        save_file(renamed, root / name / "model.safetensors", metadata={"format": "pt"})
         folders[name] = str(root / name)
     torch.manual_seed(5)
     llama = tiny_llama()
@@ -160,10 +162,14 @@ def _runs(folders: dict[str, str], gpt2: str, llama: str) -> dict[str, Any]:
         model = engine.prepare(W.build("gpt2"))
         engine.load_model(model, path)
         out[f"load_model:{name}"] = engine.get_state_dict(model)
-    out["refused:unknown"] = _refusal(lambda: engine.prepare(engine.from_pretrained(GPT2LMHeadModel, folders["unknown"])))
+    out["refused:unknown"] = _refusal(
+        lambda: engine.prepare(engine.from_pretrained(GPT2LMHeadModel, folders["unknown"]))
+    )
     model = engine.prepare(W.build("gpt2"))
     out["refused:unknown load_model"] = _refusal(lambda: engine.load_model(model, folders["unknown"]))
-    model = engine.prepare(engine.from_pretrained(GPT2LMHeadModel, folders["unknown"], key_map={"encoder.": ""}))
+    model = engine.prepare(
+        engine.from_pretrained(GPT2LMHeadModel, folders["unknown"], key_map={"encoder.": ""})
+    )
     out["key_map"] = engine.get_state_dict(model)
     out["llama"] = engine.get_state_dict(engine.prepare(engine.from_pretrained(LlamaForCausalLM, llama)))
     # item 6: load_state_dict after init_empty is kept, whole or in part, on replicas and shards
@@ -218,7 +224,9 @@ def test_keys_under_a_wrapper_prefix_load_bit_for_bit(runs: dict[str, Any], name
         assert torch.equal(got["lm_head.weight"], saved["transformer.wte.weight"])  # still tied
 
 
-def test_an_unknown_prefix_is_refused_key_map_renames_it_and_a_llamas_own_prefix_stays(runs: dict[str, Any]) -> None:
+def test_an_unknown_prefix_is_refused_key_map_renames_it_and_a_llamas_own_prefix_stays(
+    runs: dict[str, Any],
+) -> None:
     for case in ("refused:unknown", "refused:unknown load_model"):
         lines = [r[case] for r in runs["ranks"]]
         assert lines[0] is not None and all(x == lines[0] for x in lines), lines

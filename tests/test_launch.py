@@ -48,7 +48,9 @@ def reference() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("settings", STRATEGIES, ids=lambda s: "+".join(s.values()))
-def test_each_strategy_from_yaml_matches_the_reference(settings: dict, reference: dict, tmp_path: Path) -> None:
+def test_each_strategy_from_yaml_matches_the_reference(
+    settings: dict, reference: dict, tmp_path: Path
+) -> None:
     cfg = tmp_path / "shardwise.yaml"
     cfg.write_text(yaml.safe_dump({**settings, "grad_accum_steps": 2, "cpu": True, "seed": W.SEED,
                                   "launch": {"num_processes": 2}}))
@@ -71,7 +73,8 @@ def _two_nodes(out: Path) -> tuple[list[int | None], list[str]]:
             shardwise_cmd(
                 "launch", "--num-nodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
                 "--main-address", "127.0.0.1", "--main-port", port, "--strategy", "zero3",
-                "--grad-accum-steps", "2", "--seed", str(W.SEED), "--cpu", str(TRAIN), "--out", str(out / f"node{rank}.pt"),
+                "--grad-accum-steps", "2", "--seed", str(W.SEED), "--cpu", str(TRAIN),
+                "--out", str(out / f"node{rank}.pt"),
             ),
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
@@ -98,11 +101,14 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_p
     [
         ("tutorial_zero2.json", [], "fp16"),
         pytest.param("tutorial_zero3_offload.json", ["--precision", "bf16", "--backend", "deepspeed"], "bf16",
-                     marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="no deepspeed"),
+                     marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                              reason="no deepspeed"),
                      id="deepspeed-engine"),
     ],
 )
-def test_tutorial_deepspeed_json_runs_with_autos_filled(name: str, extra: list[str], precision: str, tmp_path: Path) -> None:
+def test_tutorial_deepspeed_json_runs_with_autos_filled(
+    name: str, extra: list[str], precision: str, tmp_path: Path
+) -> None:
     out = tmp_path / "result.pt"
     ds = Path(__file__).parent / "fixtures" / "deepspeed" / name
     proc = _run(shardwise_cmd("launch", "--deepspeed", str(ds), "--nproc-per-node", "2", "--cpu", *extra,
@@ -134,7 +140,8 @@ def test_script_exit_code_comes_back() -> None:
 
 
 def test_bad_config_refused_with_nothing_started(tmp_path: Path) -> None:
-    proc = _run(shardwise_cmd("launch", "--config", str(Path(__file__).parent / "fixtures" / "bad" / "unknown_key.yaml"),
+    proc = _run(shardwise_cmd("launch", "--config",
+                              str(Path(__file__).parent / "fixtures" / "bad" / "unknown_key.yaml"),
                               str(SCRIPTS / "exit_with.py"), "0"), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -147,7 +154,8 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("SHARDWISE_CONFIG", None)
     launcher = subprocess.Popen(
-        shardwise_cmd("launch", "--nproc-per-node", "2", "--cpu", str(SCRIPTS / "sleep_forever.py"), str(tmp_path)),
+        shardwise_cmd("launch", "--nproc-per-node", "2", "--cpu", str(SCRIPTS / "sleep_forever.py"),
+                      str(tmp_path)),
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
@@ -178,7 +186,8 @@ def test_gloo_abort_hint_only_on_an_abort_without_a_python_error(tmp_path: Path)
     hint = "gloo's start-up abort"
     abort, = describe_failures({0: failure(-signal.SIGABRT, str(tmp_path / "none.json"))})
     assert "was killed by SIGABRT" in abort and hint in abort
-    python_abort, = describe_failures({0: failure(-signal.SIGABRT, str(raised))})  # a Python error, then abort
+    # a Python error, then abort
+    python_abort, = describe_failures({0: failure(-signal.SIGABRT, str(raised))})
     assert python_abort.endswith(": ValueError: bad batch") and hint not in python_abort
     ordinary, = describe_failures({1: failure(1, str(raised))})
     assert ordinary.endswith("exited with code 1: ValueError: bad batch") and hint not in ordinary
@@ -190,6 +199,7 @@ def test_a_stop_signal_line_says_what_was_saved() -> None:
     saved = [{"attempt": 0, "step": 4, "seconds": 0.1, "path": "ck/step_4", "stop": ""},
              {"attempt": 0, "step": 4, "seconds": 0.25, "path": "ck/step_4", "stop": "SIGTERM"}]
     assert describe_stop(signal.SIGTERM, 1, saved) == (
-        "stopped by SIGTERM (and 1 more signal(s), ignored while the workers saved); the workers saved ck/step_4 "
+        "stopped by SIGTERM (and 1 more signal(s), ignored while the workers saved); "
+        "the workers saved ck/step_4 "
         "(step 4) in 0.25 s and exited 75; the same command resumes from step 4")
     assert describe_stop(signal.SIGINT, 0, saved[:1]).startswith("stopped by SIGINT; nothing could be saved")

@@ -1,18 +1,23 @@
-"""The shape of the package: no import circles, no module over 600 lines, names that stay put.
+"""The shape of the package: no import circles, no module over 500 lines, strategy knowledge in
+one place, no reach into another object's private fields.
 
 Imports are read from the source (module-level and inside functions alike, since a lazy import
-is still a dependency), so a circle is found however it is hidden.
+is still a dependency), so a circle is found however it is hidden. The other checks read the
+syntax tree too: a string comparison of a strategy, offload or backend name outside the strategy
+layer, or an `obj._private` read outside the shims, fails with the file and line.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 PACKAGE = "shardwise"
+MAX_LINES = 500
 
 
 def _module_name(path: Path) -> str:
@@ -101,4 +106,152 @@ def test_nothing_below_the_engine_imports_it() -> None:
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
 def test_module_size(path: Path) -> None:
     lines = len(path.read_text().splitlines())
-    assert lines <= 600, f"{path.relative_to(SRC)} has {lines} lines; split it where the code has seams"
+    assert lines <= MAX_LINES, f"{path.relative_to(SRC)} has {lines} lines; split it where the code has seams"
+
+
+# -- strategy knowledge lives in the spec tables ------------------------------------------------
+# The layer that may name strategies: the strategies themselves, the config tree that holds the
+# tables (config.StrategySpec & co.), and the translation of other tools' files and of flags.
+NAME_LAYER = ("strategies/", "specs.py", "config.py", "imports.py", "config_io.py")
+# names only a strategy, offload or backend has: any comparison against them is strategy knowledge
+UNAMBIGUOUS = {"ddp", "zero1", "zero2", "zero3", "deepspeed"}
+# words that are names here but ordinary words elsewhere ("torch" a pickle module, "optimizer" a
+# key): a comparison counts when the other side is a strategy, offload, backend or precision field
+AMBIGUOUS = {"auto", "none", "optimizer", "params", "torch", "fp16", "bf16", "fp32"}
+FIELD = re.compile(r"strateg|offload|backend|precision")
+PRECISION_LAYER = ("precision.py",)  # the precision component decides on its own name
+
+
+def _constants(node: ast.expr) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {c for e in node.elts for c in _constants(e)}
+    return set()
+
+
+def name_comparisons(source: str) -> list[tuple[int, str]]:
+    """(line, source) of each comparison of a strategy, offload, backend or precision name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        if not all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot))
+                   for op in node.ops):
+            continue
+        sides = [node.left, *node.comparators]
+        for i, side in enumerate(sides):
+            names = _constants(side)
+            others = " ".join(ast.unparse(o) for j, o in enumerate(sides) if j != i)
+            if names & UNAMBIGUOUS or (names & AMBIGUOUS and FIELD.search(others)):
+                found.append((node.lineno, ast.unparse(node)))
+                break
+    return found
+
+
+def test_the_name_comparison_finder_finds_them() -> None:
+    code = (
+        'a = cfg.offload == "none"\n'
+        'b = c.strategy in ("zero2", "zero3")\n'
+        'c = x == "zero3"\n'
+        'd = self.config.backend != "deepspeed"\n'
+        'e = name == "optimizer"\n'  # a key, not an offload: not counted
+        'f = module == "torch"\n'
+    )
+    assert sorted(line for line, _ in name_comparisons(code)) == [1, 2, 3, 4]
+
+
+def test_no_strategy_name_compared_outside_the_strategy_layer() -> None:
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = str(path.relative_to(SRC))
+        if rel.startswith(NAME_LAYER) or rel in NAME_LAYER:
+            continue
+        for line, text in name_comparisons(path.read_text()):
+            if rel in PRECISION_LAYER and not (_constants(ast.parse(text, mode="eval").body) & UNAMBIGUOUS):
+                continue
+            found.append(f"{rel}:{line}: {text}")
+    assert not found, ("ask config.STRATEGY_TABLE / OFFLOAD_TABLE / BACKEND_TABLE (a spec property) instead "
+                       "of comparing names:\n" + "\n".join(found))
+
+
+# -- no reach into another object's private fields -----------------------------------------------
+# The shims: the only modules that may touch another library's private names, each listing them
+# in its docstring with the versions it was checked against.
+SHIMS = ("internals.py", "strategies/deepspeed_internals.py", "plan/fakes.py")
+# private names that are the documented way to do something, allowed anywhere
+IDIOMS = {
+    "_parameters", "_buffers", "_modules",  # nn.Module's registries (torch's own advice for subclasses)
+    "_exit", "_getframe",  # os._exit, sys._getframe
+    "_replace", "_asdict", "_fields", "_make",  # namedtuple's public API
+}
+# one more library's private name, kept in the one function that needs it (file -> names)
+ALLOWED = {
+    # accelerate's PartialState, shared so accelerate.logging works
+    "accelerate_extras.py": {"_shared_state"},
+    "cli.py": {"_actions"},  # torchrun's own argparse parser: argparse lists its flags no other way
+}
+
+
+def private_reads(source: str) -> list[tuple[int, str]]:
+    """(line, source) of each `obj._name` where obj is not self/cls, and each import of a private
+    module or name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            attr = node.attr
+            if not attr.startswith("_") or attr.startswith("__") or attr in IDIOMS:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if (any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+                    or private):
+                found.append((node.lineno, f"from {'.' * node.level}{module} import "
+                                           f"{', '.join(a.name for a in node.names)}"))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if any(part.startswith("_") and not part.startswith("__") for part in a.name.split(".")):
+                    found.append((node.lineno, f"import {a.name}"))
+    return found
+
+
+def test_the_private_read_finder_finds_them() -> None:
+    code = (
+        "a = loader._epoch\n"
+        "b = self._epoch\n"
+        "c = m._parameters\n"
+        "from torch.utils._pytree import tree_leaves\n"
+        "from .presets import _batch_dim\n"
+        "d = super()._x\n"
+    )
+    assert sorted(line for line, _ in private_reads(code)) == [1, 4, 5, 6]
+
+
+def test_no_private_reach_through_outside_the_shims() -> None:
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = str(path.relative_to(SRC))
+        if rel in SHIMS:
+            continue
+        allowed = ALLOWED.get(rel, set())
+        for line, text in private_reads(path.read_text()):
+            if text.rsplit(".", 1)[-1] in allowed:
+                continue
+            found.append(f"{rel}:{line}: {text}")
+    assert not found, ("add a public method on the owner, or put a library's private name behind a function "
+                       "in a shim (" + ", ".join(SHIMS) + "):\n" + "\n".join(found))
+
+
+def test_shims_list_what_they_touch() -> None:
+    for rel in SHIMS:
+        path = SRC / rel
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "checked against" in doc, (
+            f"{rel}: its docstring must say which versions it was checked against")
+        names = {t.rsplit(".", 1)[-1] for _, t in private_reads(path.read_text()) if "import" not in t}
+        missing = sorted(n for n in names if n not in doc)
+        assert not missing, f"{rel}: its docstring does not list {missing}"

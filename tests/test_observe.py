@@ -25,7 +25,8 @@ def _tracked_run(out: str) -> dict[str, Any]:
     """zero3, log_with jsonl and tensorboard, a record every step; the script's own mean losses."""
     import shardwise
 
-    engine = shardwise.Engine(strategy="zero3", seed=W.SEED, cpu=True, log_with=["jsonl", "tensorboard", "wandb"],
+    engine = shardwise.Engine(strategy="zero3", seed=W.SEED, cpu=True,
+                              log_with=["jsonl", "tensorboard", "wandb"],
                               project_dir=out, log_every_steps=1, peak_tflops=1.0, progress=False)
     engine.init_trackers("run", config={"lr": 1e-3})
     model = W.build("gpt2")
@@ -69,7 +70,8 @@ def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path
     assert [r["grad_norm"] for r in records] == pytest.approx(results[0]["norms"], rel=1e-6)
     assert [x["script_metric"] for x in lines if "script_metric" in x] == [1.5]
     # rank 0 only: one writer, one file, and nothing else under logs/
-    assert sorted(p.name for p in (tmp_path / "logs" / "run").iterdir() if p.suffix in (".jsonl", ".json")) == [
+    assert sorted(p.name for p in (tmp_path / "logs" / "run").iterdir()
+                  if p.suffix in (".jsonl", ".json")) == [
         "config.json", "metrics.jsonl"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -117,7 +119,8 @@ def _rules(out: str) -> dict[str, Any]:
     res["mixed_precision"] = engine.mixed_precision
     # data order: the loader's own generator decides it, as in plain torch
     data = list(range(24))
-    loader = engine.prepare(DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5)))
+    loader = engine.prepare(DataLoader(data, batch_size=3, shuffle=True,
+                                       generator=torch.Generator().manual_seed(5)))
     res["epochs"] = [torch.cat(engine.gather(list(loader))).tolist() for _ in range(2)]
     # the scheduler: once per process per optimizer step under Accelerator
     res["lr_accelerator"] = _lr_after_three_steps(engine)
@@ -142,9 +145,11 @@ def _rules(out: str) -> dict[str, Any]:
         engine.backward(net(x).sum())
     res["triggered_grad"] = net.module.weight.grad.clone()
     # even_batches=False: the last batch as it is; split_batches: the loader's batch is the global one
-    uneven = shardwise.Accelerator(cpu=True, dataloader_config=shardwise.DataLoaderConfiguration(even_batches=False))
+    uneven = shardwise.Accelerator(cpu=True,
+                                   dataloader_config=shardwise.DataLoaderConfiguration(even_batches=False))
     res["uneven"] = [b.tolist() for b in uneven.prepare(DataLoader(list(range(10)), batch_size=3))]
-    split = shardwise.Accelerator(cpu=True, dataloader_config=shardwise.DataLoaderConfiguration(split_batches=True))
+    split = shardwise.Accelerator(cpu=True,
+                                  dataloader_config=shardwise.DataLoaderConfiguration(split_batches=True))
     res["split"] = [b.tolist() for b in split.prepare(DataLoader(list(range(8)), batch_size=4))]
     res["state"] = (engine.use_distributed, engine.state.num_processes, engine.gradient_state.sync_gradients,
                     engine.free_memory(net, x), engine.is_last_process)
@@ -252,7 +257,8 @@ engine.end_training()
 
 
 def test_progress_bar_shows_step_loss_and_eta(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", PROGRESS_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -268,9 +274,11 @@ def test_log_refuses_a_non_scalar_in_one_line_naming_its_key(tmp_path: Path) -> 
 
     import shardwise
 
-    engine = shardwise.Engine(strategy="ddp", cpu=True, log_with="jsonl", project_dir=str(tmp_path), progress=False)
+    engine = shardwise.Engine(strategy="ddp", cpu=True, log_with="jsonl", project_dir=str(tmp_path),
+                              progress=False)
     engine.init_trackers("run")
-    with pytest.raises(ValueError, match=r"^log\(\): 'eval/logits' is a Tensor of shape \(2, 3\), not a scalar; "
+    with pytest.raises(ValueError, match=r"^log\(\): 'eval/logits' is a Tensor of shape \(2, 3\), "
+                       r"not a scalar; "
                        r"log a number \(e\.g\. \.mean\(\)\.item\(\)\) or one key per element$"):
         engine.log({"loss": 1.0, "eval": {"logits": torch.ones(2, 3)}}, step=1)
     with pytest.raises(ValueError, match=r"^log\(\): 'model' is a Linear, not a number"):
@@ -278,7 +286,8 @@ def test_log_refuses_a_non_scalar_in_one_line_naming_its_key(tmp_path: Path) -> 
     engine.log({"acc": torch.tensor([0.5]), "n": np.float32(2.0), "name": "a"}, step=2)
     engine.end_training()
     lines = [json.loads(x) for x in (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [{k: v for k, v in x.items() if k != "time"} for x in lines] == [{"step": 2, "acc": 0.5, "n": 2.0, "name": "a"}]
+    assert [{k: v for k, v in x.items() if k != "time"} for x in lines] == [
+        {"step": 2, "acc": 0.5, "n": 2.0, "name": "a"}]
 
 
 def test_report_reads_what_a_crash_left_whole(tmp_path: Path) -> None:
@@ -293,7 +302,8 @@ def test_report_reads_what_a_crash_left_whole(tmp_path: Path) -> None:
     cut = '{"step": 4, "loss": 0.2'
     (run / "metrics.jsonl").write_text(whole + cut)
     png, text = report(run)
-    assert text.splitlines()[0] == (f"skipped {run / 'metrics.jsonl'}:4: {len(cut)} bytes of an unfinished last line "
+    assert text.splitlines()[0] == (f"skipped {run / 'metrics.jsonl'}:4: {len(cut)} bytes of an "
+                                    "unfinished last line "
                                     "(the run stopped while writing it)")
     assert "3 steps, 3 records" in text and png.is_file()
     (run / "metrics.jsonl").write_text(cut + "\n" + whole)

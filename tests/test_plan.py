@@ -24,12 +24,19 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
 from shardwise import cli
-from shardwise.plan import CANDIDATES, Candidate, Plan, parse_memory, plan_model, plan_module
+from shardwise.config import plan_choices
+from shardwise.plan import CANDIDATES, Candidate, Plan, PlanRequest, parse_memory, plan_model, plan_module
 from shardwise.plan.presets import PlanError, hf_spec
 
 TOLERANCE = 0.05
-SIX = [c for c in CANDIDATES if not c.activation_checkpointing]
-AC = [Candidate("ddp", "none", True), Candidate("zero2", "optimizer", True), Candidate("zero3", "params", True)]
+PLAIN = [c for c in CANDIDATES if not c.activation_checkpointing]  # every pair the strategy table allows
+# the six the planner compared before it read the table (the ~100M runs keep to these, for time)
+SIX = [Candidate("ddp"), Candidate("zero1"), Candidate("zero2"), Candidate("zero3"),
+       Candidate("zero2", "optimizer"), Candidate("zero3", "params")]
+# the two the table allowed and the hand list left out
+TABLE_ONLY = [Candidate("zero1", "optimizer"), Candidate("zero3", "optimizer")]
+AC = [Candidate("ddp", "none", True), Candidate("zero2", "optimizer", True),
+      Candidate("zero3", "params", True)]
 
 # name -> (config class, model class, config keywords, sequence length, per-device batch)
 MODELS: dict[str, tuple[str, str, dict[str, Any], int, int]] = {
@@ -38,14 +45,16 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], int, int]] = {
     "deberta-tiny": ("DebertaV2Config", "DebertaV2ForSequenceClassification",
                      {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
                           "intermediate_size": 64, "max_position_embeddings": 64, "num_labels": 2,
-                          "relative_attention": True, "position_buckets": 16, "pos_att_type": ["p2c", "c2p"]}, 16, 2),
+                          "relative_attention": True, "position_buckets": 16,
+                          "pos_att_type": ["p2c", "c2p"]}, 16, 2),
     # ~100M parameters each; deep enough that the planner traces 3 and 4 blocks and extrapolates
     "gpt2-96m": ("GPT2Config", "GPT2LMHeadModel",
                  {"vocab_size": 50257, "n_positions": 64, "n_embd": 768, "n_layer": 8, "n_head": 12}, 32, 1),
     "deberta-92m": ("DebertaV2Config", "DebertaV2ForSequenceClassification",
-                    {"vocab_size": 64000, "hidden_size": 768, "num_hidden_layers": 6, "num_attention_heads": 12,
-                         "intermediate_size": 3072, "max_position_embeddings": 128, "num_labels": 2,
-                         "relative_attention": True, "position_buckets": 32, "pos_att_type": ["p2c", "c2p"]}, 32, 1),
+                    {"vocab_size": 64000, "hidden_size": 768, "num_hidden_layers": 6,
+                         "num_attention_heads": 12, "intermediate_size": 3072, "max_position_embeddings": 128,
+                         "num_labels": 2, "relative_attention": True, "position_buckets": 32,
+                         "pos_att_type": ["p2c", "c2p"]}, 32, 1),
 }
 _NO_DROPOUT = {"GPT2Config": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
                "DebertaV2Config": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}}
@@ -157,8 +166,9 @@ def _measure(name: str, candidates: list[Candidate], steps: int = 2) -> list[int
 
 
 def _predict(name: str, candidates: list[Candidate]) -> Plan:
-    return plan_model(_spec(name), world_size=2, device_memory="1TB", batch=MODELS[name][4], device="cpu",
-                      candidates=candidates, workers=2, optimizer=_optimizer(name))
+    request = PlanRequest(world_size=2, device_memory="1TB", batch=MODELS[name][4], device="cpu",
+                          candidates=candidates, workers=2, optimizer=_optimizer(name))
+    return plan_model(_spec(name), request)
 
 
 def _check(name: str, candidates: list[Candidate], measured: list[int], plan: Plan) -> list[str]:
@@ -179,9 +189,13 @@ SIZES = {"tiny": ("gpt2-tiny", "deberta-tiny"), "100m": ("gpt2-96m", "deberta-92
 @pytest.mark.parametrize("size", ["tiny", "100m"])  # 100m: ~2.5 minutes of the suite's 10 on 2 cores
 def test_predicted_peak_matches_real_two_process_runs(size: str) -> None:
     """Every strategy within 5%, for GPT-2 and DeBERTa-v2 at a tiny size and at ~100M parameters
-    (the tiny GPT-2 also with activation checkpointing, three ways); one spawn measures each size."""
+    (the tiny GPT-2 also with activation checkpointing, three ways); one spawn measures each size.
+    The tiny models run every candidate the strategy table allows, zero1 and zero3 with optimizer
+    offload included (`TABLE_ONLY`); the ~100M ones the six the planner had before."""
     names = SIZES[size]
-    cands = {n: SIX + AC if n == "gpt2-tiny" else SIX for n in names}
+    plain = PLAIN if size == "tiny" else SIX
+    assert size != "tiny" or set(TABLE_ONLY) <= set(plain)
+    cands = {n: plain + AC if n == "gpt2-tiny" else plain for n in names}
     measured = spawn(_measure_all, 2, cands)
     for n in names:
         for rank in (0, 1):
@@ -193,6 +207,20 @@ def test_predicted_peak_matches_real_two_process_runs(size: str) -> None:
 
 def _measure_all(cands: dict[str, list[Candidate]]) -> dict[str, list[int]]:
     return {n: _measure(n, c) for n, c in cands.items()}
+
+
+def test_candidates_are_what_the_strategy_table_allows() -> None:
+    """Every (strategy, offload) pair of the table, without and with activation checkpointing;
+    zero1 and zero3 with optimizer offload among them; the simpler first (ties in step time go
+    to the first listed), so the six the planner had before keep their order."""
+    pairs = {(c.strategy, c.offload) for c in CANDIDATES}
+    assert pairs == set(plan_choices("torch")) and len(CANDIDATES) == 2 * len(pairs)
+    assert set(TABLE_ONLY) <= set(PLAIN)
+    assert [c for c in PLAIN if c in SIX] == SIX
+    assert [c.activation_checkpointing for c in CANDIDATES] == [False] * len(pairs) + [True] * len(pairs)
+    offloaded = [c.offload_spec.any for c in PLAIN]
+    assert offloaded == sorted(offloaded)  # nothing offloaded first
+    assert {c.name for c in TABLE_ONLY} == {"zero1 + offload optimizer", "zero3 + offload optimizer"}
 
 
 # -- extrapolation against a full trace -----------------------------------------------------------
@@ -208,8 +236,8 @@ def test_depth_and_batch_extrapolation_match_a_full_trace() -> None:
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     spec = hf_spec("gpt2-8", cfg, "GPT2LMHeadModel", 32)
     cands = [Candidate("ddp"), Candidate("zero3", "params", True)]
-    traces = _trace_candidates(spec, cands, world_size=2, batch=1, precision="fp32", device="cpu",
-                               grad_accum_steps=1, wrap=(), optimizer=None, workers=2)
+    request = PlanRequest(world_size=2, device_memory="1TB", device="cpu", workers=2)
+    traces = _trace_candidates(spec, cands, request, batch=1, grad_accum_steps=1)
     for cand in cands:
         fitted = Fitted(traces[cand], spec.depth, (3, 4), 2, "cpu")
         full = run_trace(TraceJob(build=lambda: spec.build(None), make_batch=spec.make_batch,
@@ -232,8 +260,9 @@ def _plan_inside_a_job() -> dict[str, Any]:
     model = spec.build(None)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    plan = plan_module(model, spec.make_batch(2), world_size=2, device_memory="64MB", device="cpu",
-                       candidates=[Candidate("ddp"), Candidate("zero3"), Candidate("zero3", "params", True)])
+    cands = [Candidate("ddp"), Candidate("zero3"), Candidate("zero3", "params", True)]
+    request = PlanRequest(world_size=2, device_memory="64MB", device="cpu", candidates=cands)
+    plan = plan_module(model, spec.make_batch(2), request)
     same_rng = bool(torch.equal(rng, torch.get_rng_state()))
     unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # the job's own process group and its registry still work (a collective, a DTensor op)
@@ -243,8 +272,8 @@ def _plan_inside_a_job() -> dict[str, Any]:
     dt = torch.distributed.tensor.distribute_tensor(torch.arange(4.0), mesh)
     full = dt.full_tensor()
     del engine
-    return {"best": plan.best.name if plan.best else None, "why": plan.why, "sum": t.item(), "full": full.tolist(),
-            "rng": same_rng, "unchanged": unchanged, "world": dist.get_world_size(),
+    return {"best": plan.best.name if plan.best else None, "why": plan.why, "sum": t.item(),
+            "full": full.tolist(), "rng": same_rng, "unchanged": unchanged, "world": dist.get_world_size(),
             "peaks": [p.peak for p in plan.plans]}
 
 
@@ -275,13 +304,16 @@ def test_cli_plans_a_config_json_writes_a_loadable_config_and_a_plot(
     out, png = tmp_path / "shardwise.yaml", tmp_path / "plan.png"
     code = cli.main(["plan", "--model", str(cfg), "--seq-len", "32", "--batch", "2", "--gpus", "2",
                      "--gpu-memory", "64MB", "--cuda-context", "1MB", "--nccl-buffers", "1MB",
-                     "--no-activation-checkpointing", "--global-batch", "16", "--write", str(out), "--plot", str(png)])
+                     "--no-activation-checkpointing", "--global-batch", "16", "--write", str(out),
+                     "--plot", str(png)])
     text = capsys.readouterr().out
     assert code == 0, text
-    assert "best: " in text and "global batch 16 = " in text and "traced on fake tensors at 3 and 4 blocks" in text
+    assert "best: " in text and "global batch 16 = " in text
+    assert "traced on fake tensors at 3 and 4 blocks" in text
     loaded = load_config(out)
     assert loaded.launch.num_processes == 2 and loaded.strategy in ("ddp", "zero1", "zero2", "zero3")
-    assert isinstance(loaded.micro_batch_size, int) and loaded.micro_batch_size * loaded.grad_accum_steps * 2 == 16
+    assert isinstance(loaded.micro_batch_size, int)
+    assert loaded.micro_batch_size * loaded.grad_accum_steps * 2 == 16
     assert png.stat().st_size > 1000
 
 
@@ -289,8 +321,8 @@ def test_global_batch_needs_accumulation_when_the_batch_does_not_fit() -> None:
     """Traced again with accumulation (gradients persist between micro-steps); the suggestion
     multiplies out to the global batch and fits."""
     spec = _spec("gpt2-tiny")
-    small = plan_model(spec, world_size=2, device_memory="1MB", batch=1, device="cpu",
-                       candidates=[Candidate("zero3")], global_batch=64, workers=2)
+    small = plan_model(spec, PlanRequest(world_size=2, device_memory="1MB", batch=1, device="cpu",
+                                         candidates=[Candidate("zero3")], global_batch=64, workers=2))
     g = small.global_batch
     assert g is not None and g.micro_batch * g.grad_accum_steps * 2 == 64 and g.grad_accum_steps > 1
     assert g.plan.fits and g.plan.peak <= 2**20 and g.plan.max_batch >= g.micro_batch
@@ -301,7 +333,8 @@ def test_global_batch_needs_accumulation_when_the_batch_does_not_fit() -> None:
     [
         (["--model", "gpt3"], "unknown model 'gpt3'; presets: gpt2, gpt2-medium"),
         (["--model", "gpt2", "--gpu-memory", "24XB"], "'24XB' is not a memory size"),
-        (["--model", "gpt2", "--seq-len", "4096"], "--seq-len 4096 is longer than gpt2 allows (1024 positions)"),
+        (["--model", "gpt2", "--seq-len", "4096"],
+         "--seq-len 4096 is longer than gpt2 allows (1024 positions)"),
         (["--model", "gpt2", "--gpus", "0"], "--gpus 0: plan for at least 1 device"),
     ],
 )
@@ -400,4 +433,5 @@ def test_planner_predicts_host_memory_to_build_and_load() -> None:
     assert cpu.load[by[("ddp", "none")]] >= cpu.whole  # replicas: the whole model on every process anyway
     gpu = load_memory(resolve_model("gpt2-large", seq_len=128), cands, world_size=2, device="cuda")
     assert gpu.load[zero3] < 0.1 * gpu.whole  # the shards go to the GPU
-    assert gpu.load[by[("zero3", "params")]] == pytest.approx(cpu.load[zero3])  # offloaded shards stay on the host
+    # offloaded shards stay on the host
+    assert gpu.load[by[("zero3", "params")]] == pytest.approx(cpu.load[zero3])

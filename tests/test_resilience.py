@@ -49,7 +49,8 @@ def _config(folder: Path, **settings: Any) -> Path:
 
 
 def _command(config: Path, folder: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "shardwise", "launch", "--config", str(config), *flags, str(SCRIPT), str(folder)]
+    return [sys.executable, "-m", "shardwise", "launch", "--config", str(config), *flags, str(SCRIPT),
+            str(folder)]
 
 
 def _env(fault: str = "") -> dict[str, str]:
@@ -58,7 +59,8 @@ def _env(fault: str = "") -> dict[str, str]:
     return env
 
 
-def _run(config: Path, folder: Path, *flags: str, fault: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _run(config: Path, folder: Path, *flags: str, fault: str = "",
+         timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """A launch; once more if gloo aborted while connecting (an infrastructure flake, see spawn)."""
     folder.mkdir(parents=True, exist_ok=True)
     for _ in range(2):
@@ -83,7 +85,8 @@ def _start_slow(config: Path, folder: Path, *, steps: int) -> subprocess.Popen[s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     losses = folder / "losses.jsonl"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (losses.is_file() and len(losses.read_text().splitlines()) >= steps):
+    while time.monotonic() < deadline and not (losses.is_file()
+                                               and len(losses.read_text().splitlines()) >= steps):
         time.sleep(0.05)
     return proc
 
@@ -95,13 +98,16 @@ if HAS_DEEPSPEED:
 
 
 @pytest.mark.parametrize("settings", KILL_CASES, ids=lambda s: "+".join(s.values()))
-def test_sigkilled_worker_costs_at_most_the_checkpoint_interval(settings: dict[str, str], tmp_path: Path) -> None:
+def test_sigkilled_worker_costs_at_most_the_checkpoint_interval(
+    settings: dict[str, str], tmp_path: Path
+) -> None:
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir()
     killed.mkdir()
     ref = _run(_config(straight, checkpoint_every_steps=2, **settings), straight)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    run = _run(_config(killed, checkpoint_every_steps=2, **settings), killed, "--max-restarts", "1", fault="kill:5:1")
+    run = _run(_config(killed, checkpoint_every_steps=2, **settings), killed, "--max-restarts", "1",
+               fault="kill:5:1")
     assert run.returncode == 0, run.stderr[-3000:]
     log = run.stdout + run.stderr
     assert "attempt 0: starting at step 0" in log and "attempt 1: starting at step 4" in log
@@ -136,8 +142,10 @@ def _stop(folder: Path, config: Path, how: str) -> tuple[int, subprocess.Complet
     saved = steps[-1]
     assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err  # the worker's line
     assert "; exit code 75" in err and "forcefully exiting" not in err  # none was SIGKILLed
-    name = sig.name + (" (and 1 more signal(s), ignored while the workers saved)" if how != "everyone" else "")
-    assert (f"shardwise launch: stopped by {name}; the workers saved {folder / 'checkpoints' / f'step_{saved}'} "
+    name = sig.name + (" (and 1 more signal(s), ignored while the workers saved)" if how != "everyone"
+                       else "")
+    assert (f"shardwise launch: stopped by {name}; "
+            f"the workers saved {folder / 'checkpoints' / f'step_{saved}'} "
             f"(step {saved}) in ") in err, err[-3000:]
     assert f"and exited 75; the same command resumes from step {saved}" in err
     return saved, (_run(config, folder) if how != "sigint twice" else None)  # (the same resume as SIGTERM's)
@@ -165,14 +173,16 @@ def test_preemption_signals_to_every_process_and_repeated_lose_no_step(tmp_path:
 def test_a_hung_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> None:
     from shardwise.checkpoint import newest, verify
 
-    config = _config(tmp_path, strategy="zero3", checkpoint_every_steps=1, collective_timeout_s=15, preempt_grace_s=5)
+    config = _config(tmp_path, strategy="zero3", checkpoint_every_steps=1, collective_timeout_s=15,
+                     preempt_grace_s=5)
     t0 = time.monotonic()
     run = _run(config, tmp_path, fault="hang:2:1", timeout=120)
     took = time.monotonic() - t0
     assert run.returncode != 0
     assert took < 60, took
     err = run.stderr
-    assert "shardwise: error: rank 0: step 2: a collective did not complete within collective_timeout_s=15 s" in err, err[-3000:]
+    assert ("shardwise: error: rank 0: step 2: a collective did not complete within "
+            "collective_timeout_s=15 s") in err, err[-3000:]
     assert "rank 1 (last seen in step 2" in err and "did not arrive" in err
     assert "shardwise launch: rank 0 (local rank 0" in err  # the launcher names who failed
     assert newest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
@@ -227,7 +237,8 @@ def test_workers_stop_when_their_launcher_dies(tmp_path: Path) -> None:
     proc = _start_slow(config, tmp_path, steps=2)
 
     def workers() -> list[str]:
-        found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {tmp_path}"], check=False, capture_output=True, text=True)
+        found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {tmp_path}"], check=False, capture_output=True,
+                               text=True)
         return [pid for pid in found.stdout.split() if int(pid) != proc.pid]
 
     assert len(workers()) == 2
@@ -250,7 +261,8 @@ def _prepared(folder: Path, **settings: Any) -> tuple[Any, Any, Any, Any]:
 
     engine = shardwise.Engine(cpu=True, seed=W.SEED, checkpoint_dir=str(folder / "ckpt"), **settings)
     model = W.build("tiny")
-    model, opt, loader = engine.prepare(model, W.make_optimizer(model), DataLoader(W.Tokens(16), batch_size=2))
+    model, opt, loader = engine.prepare(model, W.make_optimizer(model),
+                                        DataLoader(W.Tokens(16), batch_size=2))
     return engine, model, opt, loader
 
 
@@ -272,9 +284,11 @@ def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: p
 
     engine, *_ = _prepared(tmp_path)
     assert engine.load_state() is None  # a typo'd or empty checkpoint_dir: said, not silent
-    assert f"shardwise: no checkpoint under {tmp_path / 'ckpt'}/: starting at step 0" in capfd.readouterr().err
+    assert (f"shardwise: no checkpoint under {tmp_path / 'ckpt'}/: starting at step 0"
+            in capfd.readouterr().err)
     engine, *_ = _prepared(tmp_path, resume="required")
-    with pytest.raises(CheckpointError, match=r"^no checkpoint under .*ckpt/ and resume: required: check checkpoint_dir"):
+    with pytest.raises(CheckpointError, match=r"^no checkpoint under .*ckpt/ and resume: required: "
+                                              r"check checkpoint_dir"):
         engine.load_state()
     # a restart of a `--max-restarts` launch whose earlier attempt saved: none found is an error
     record = tmp_path / "record.jsonl"
@@ -282,14 +296,16 @@ def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: p
     monkeypatch.setenv("SHARDWISE_RUN_RECORD", str(record))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     engine, *_ = _prepared(tmp_path)
-    with pytest.raises(CheckpointError, match=r"^restart 1: an earlier attempt saved elsewhere/step_4 \(step 4\), "
+    with pytest.raises(CheckpointError, match=r"^restart 1: an earlier attempt saved elsewhere/step_4 "
+                                              r"\(step 4\), "
                                               r"but there is no checkpoint under .*ckpt/ now"):
         engine.load_state()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the first attempt of a launch starts afresh
     engine, model, opt, loader = _prepared(tmp_path, resume="never")
     _train(engine, model, opt, loader, 1)
     engine.save_state()
-    assert [(r["attempt"], r["step"]) for r in read_run_record(str(record))] == [(0, 4), (0, 1)]  # saves noted
+    # saves noted
+    assert [(r["attempt"], r["step"]) for r in read_run_record(str(record))] == [(0, 4), (0, 1)]
     engine, *_ = _prepared(tmp_path, resume="never")
     capfd.readouterr()
     assert engine.load_state() is None and engine.step == 0  # a checkpoint exists; never loads nothing

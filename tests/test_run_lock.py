@@ -47,7 +47,8 @@ def _wait_for(path: Path, timeout: float = 180) -> None:
 
 
 def _step(engine: Any, model: Any, opt: Any, seed: int) -> None:
-    ids = torch.randint(0, W.VOCAB, (2, W.SEQ), generator=torch.Generator().manual_seed(seed + engine.process_index))
+    g = torch.Generator().manual_seed(seed + engine.process_index)
+    ids = torch.randint(0, W.VOCAB, (2, W.SEQ), generator=g)
     engine.backward(W.lm_loss(model, ids))
     opt.step()
     opt.zero_grad()
@@ -56,7 +57,9 @@ def _step(engine: Any, model: Any, opt: Any, seed: int) -> None:
 def _run(folder: str, seed: int) -> tuple[Any, Any, Any]:
     import shardwise
 
-    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=seed, checkpoint_dir=f"{folder}/ckpt", progress=False)
+    engine = shardwise.Engine(
+        strategy="zero3", cpu=True, seed=seed, checkpoint_dir=f"{folder}/ckpt", progress=False
+    )
     model = W.build("tiny")
     with torch.no_grad():
         for p in model.parameters():
@@ -177,7 +180,8 @@ def test_two_runs_in_one_checkpoint_folder(tmp_path: Path) -> None:
     for case in ("load", "save"):
         lines = [r.get(case) for r in b]
         assert lines[0] is not None and lines[0] == lines[1], (case, lines)  # every process, one line
-        assert "\n" not in lines[0] and lines[0].startswith(f"{tmp_path}/ckpt: in use by another run ({holder})")
+        assert "\n" not in lines[0]
+        assert lines[0].startswith(f"{tmp_path}/ckpt: in use by another run ({holder})")
         assert "give this run another checkpoint_dir" in lines[0]
     root = tmp_path / "ckpt"
     assert sorted(os.listdir(root)) == [LOCK, "latest", "step_1", "step_2"]  # A's, and no B's
@@ -216,7 +220,9 @@ def _lock_info(**fields: Any) -> dict[str, Any]:
     return {**runlock._me(), **fields}
 
 
-def test_run_lock_takes_over_only_a_provably_dead_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_lock_takes_over_only_a_provably_dead_holder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Single process (no process group): who may take a lock over, and the lines."""
     from shardwise import runlock
     from shardwise.checkpoint import CheckpointError
@@ -235,7 +241,8 @@ def test_run_lock_takes_over_only_a_provably_dead_holder(tmp_path: Path, monkeyp
 
     parent = _lock_info(pid=os.getppid(), start_ticks=runlock._start_ticks(os.getppid()), started="then")
     assert "in use by another run (host" in attempt(parent)  # alive, same start time: a live run
-    reused = attempt({**parent, "start_ticks": parent["start_ticks"] + 1})  # the pid now names another process
+    # the pid now names another process
+    reused = attempt({**parent, "start_ticks": parent["start_ticks"] + 1})
     assert "took over the run lock" in reused
     dead = subprocess.Popen(["true"])  # a pid that is gone
     dead.wait()
@@ -268,8 +275,11 @@ def test_disk_full_says_no_space_left_with_the_bytes_needed(tmp_path: Path) -> N
         write_torch(state, Path("/dev/full"))
     assert err.value.errno == errno.ENOSPC
     line = os_error_line(tmp_path / "ckpt", "write the checkpoint", err.value)
-    assert line.startswith(f"{tmp_path}/ckpt: could not write the checkpoint: No space left on device (/dev/full); "
-                           "it needs 0.0 MB (") and f"free space on the disk of {tmp_path}/ckpt" in line, line
+    assert line.startswith(
+        f"{tmp_path}/ckpt: could not write the checkpoint: No space left on device (/dev/full); "
+        "it needs 0.0 MB ("
+    ), line
+    assert f"free space on the disk of {tmp_path}/ckpt" in line, line
     with pytest.raises(RuntimeError) as zip_err:
         torch.save(state, "/dev/full")  # what torch.save(obj, path) says: "unexpected pos"
     needed = shutil.disk_usage(tmp_path).free + 1
@@ -326,9 +336,15 @@ def _two_runs_in_one_project(folder: str) -> dict[str, Any]:
     resumed = accelerator(2)
     model, opt = train(resumed, 3)
     got_step = resumed.load_state()
-    return {"listing": listing, "untouched": untouched, "warnings": caught, "step": step, "resumed_step": got_step,
-            "same_weights": W.max_diff(resumed.get_state_dict(model), weights) == 0.0 if main else True,
-            "next": resumed.project_configuration.iteration}
+    return {
+        "listing": listing,
+        "untouched": untouched,
+        "warnings": caught,
+        "step": step,
+        "resumed_step": got_step,
+        "same_weights": W.max_diff(resumed.get_state_dict(model), weights) == 0.0 if main else True,
+        "next": resumed.project_configuration.iteration,
+    }
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -344,7 +360,8 @@ def test_automatic_checkpoint_naming_keeps_an_earlier_runs_checkpoints(tmp_path:
                               "checkpoint_5", "checkpoint_6"], out["listing"]
     assert out["untouched"]
     kept = [w for w in out["warnings"] if "kept (total_limit)" in w]
-    assert len(kept) == 1 and "checkpoint_4: kept (total_limit)" in kept[0] and "my_eval.json" in kept[0], kept
+    assert len(kept) == 1, kept
+    assert "checkpoint_4: kept (total_limit)" in kept[0] and "my_eval.json" in kept[0], kept
     assert sum("this run's checkpoints start at checkpoint_3" in w for w in out["warnings"]) == 1
     assert out["step"] == 4 and out["resumed_step"] == 4 and out["same_weights"]  # the new run resumes
     assert out["next"] == 7

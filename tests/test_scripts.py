@@ -31,7 +31,8 @@ def test_demo_trains_under_zero3_and_reports_memory(tmp_path: Path) -> None:
     assert all(abs(float(mib) - full / 2) / full < 0.05 for _, mib in held)
     assert "tokens/s" in out
     # it ends with the run's report: the summary, and the PNG next to the metrics
-    assert "20 steps, 2 records" in out and (tmp_path / "logs" / "demo" / "report.png").stat().st_size > 10_000
+    assert "20 steps, 2 records" in out
+    assert (tmp_path / "logs" / "demo" / "report.png").stat().st_size > 10_000
 
 
 def test_compare_benchmark_runs_and_reports_what_ran(tmp_path: Path) -> None:

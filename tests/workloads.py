@@ -133,7 +133,11 @@ def reference(
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), bound).item())
             opt.step()
             opt.zero_grad()
-    return {"losses": losses, "norms": norms, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def train_engine(

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -66,13 +66,16 @@ def build_profiler(handler: Any) -> torch.profiler.profile:
     if handler.activities is not None:
         unknown = [a for a in handler.activities if str(a) not in names]
         if unknown:
-            raise ValueError(f"ProfileKwargs(activities={handler.activities!r}): {unknown[0]!r} is not one of "
+            raise ValueError(f"ProfileKwargs(activities={handler.activities!r}): {unknown[0]!r} is not "
+                             "one of "
                              f"{list(names)}")
         activities = [names[str(a)] for a in handler.activities]
-    schedule = torch.profiler.schedule(**handler.schedule_option) if handler.schedule_option is not None else None
+    schedule = (torch.profiler.schedule(**handler.schedule_option) if handler.schedule_option is not None
+                else None)
     return torch.profiler.profile(
         activities=activities, schedule=schedule, on_trace_ready=handler.on_trace_ready,
-        record_shapes=handler.record_shapes, profile_memory=handler.profile_memory, with_stack=handler.with_stack,
+        record_shapes=handler.record_shapes, profile_memory=handler.profile_memory,
+        with_stack=handler.with_stack,
         with_flops=handler.with_flops, with_modules=handler.with_modules)
 
 
@@ -99,6 +102,14 @@ def logging_root(acc: _AcceleratorLike) -> Path | None:
     return Path(folder) if folder is not None else None
 
 
+def _partial_state_shared_dict() -> dict[str, Any]:
+    """accelerate's private `PartialState._shared_state`: the one dict every `PartialState()`
+    adopts (a Borg singleton). The only accelerate-private name shardwise touches; checked
+    against accelerate 1.15.0 (the installed version when this was written)."""
+    state = importlib.import_module("accelerate.state").PartialState
+    return cast(dict[str, Any], state._shared_state)
+
+
 def share_process_state(acc: _AcceleratorLike) -> None:
     """Fill Accelerate's `PartialState` shared state with where this process sits, so that
     `accelerate.logging.get_logger(...)` loggers (which read `PartialState()`) log on the main
@@ -110,7 +121,7 @@ def share_process_state(acc: _AcceleratorLike) -> None:
     built (a script that made `PartialState()` first) is left alone."""
     if "accelerate" not in sys.modules and importlib.util.find_spec("accelerate") is None:
         return
-    shared = importlib.import_module("accelerate.state").PartialState._shared_state
+    shared = _partial_state_shared_dict()
     types = importlib.import_module("accelerate.utils").DistributedType
     if shared and not shared.get(_OURS):
         return

@@ -11,7 +11,8 @@ other process has gone past this point: their heartbeats in the store (`resilien
 per boundary, forward, backward and `wait_for_everyone`, the same sequence on every process)
 outnumber its own; or, without that sign, after `ARRIVAL_TIMEOUT_S`. It then closes the key by
 adding `_CLOSED` and goes on alone (ddp) or refuses (sharded). A process that is merely late
-(busy before a call everyone makes) has fewer heartbeats, so the main process waits for it. The keys are numbered by the optimizer step and a per-step call count, so processes
+(busy before a call everyone makes) has fewer heartbeats, so the main process waits for it. The
+keys are numbered by the optimizer step and a per-step call count, so processes
 that make the same calls at the same steps use the same key without agreeing on anything; a
 process that finds its key closed knows the main process made a call alone there, and takes
 the next key. (Limit: when the main process reaches a call everyone makes more than
@@ -28,7 +29,6 @@ their own, as Accelerate's resume does when `random_states_<i>.pkl` is missing.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import warnings
 from collections import OrderedDict
@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from .internals import default_store
 
 ARRIVAL_TIMEOUT_S = 60.0  # with no sign that the others moved on: how long until the main process is alone
 _LOOK_EVERY_S = 0.1  # how often the waiting main process reads the others' heartbeats
@@ -55,7 +57,7 @@ def arrived_together(calls: dict[int, int], kind: str, step: int, world: int, is
     which number the keys (updated)."""
     if world == 1 or not dist.is_initialized():
         return True
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     n = calls.get(step, 0)
     start = time.monotonic()
     looked = start
@@ -104,15 +106,15 @@ def world_of_one(engine: Any) -> Iterator[None]:
     """Inside, `engine` is process 0 of one and the checkpoint code sees no process group (so
     it runs no collective): a lone process writes a complete single-process checkpoint. Only
     for replicated state (ddp); the process-group itself is untouched."""
-    real, info = dist.is_initialized, engine._info
+    real = dist.is_initialized
     dist.is_initialized = lambda: False
-    engine._info = dataclasses.replace(info, rank=0, world_size=1, local_rank=0, local_world_size=1)
     try:
-        with warnings.catch_warnings():  # DCP's "assuming the intent is to save in a single process": it is
+        with engine.as_world_of_one(), warnings.catch_warnings():
+            # DCP's "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             yield
     finally:
-        dist.is_initialized, engine._info = real, info
+        dist.is_initialized = real
 
 
 class StateHooks:
@@ -159,7 +161,8 @@ class SoloForwardCheck:
 
     def __init__(self, world: int, is_main: bool, wait_s: float, step: Callable[[], int],
                  moved_on: Callable[[], bool]) -> None:
-        self.world, self.is_main, self.wait_s, self.step, self.moved_on = world, is_main, wait_s, step, moved_on
+        self.world, self.is_main, self.wait_s = world, is_main, wait_s
+        self.step, self.moved_on = step, moved_on
         self.calls: dict[int, int] = {}
 
     def __call__(self, module: nn.Module, args: Any) -> None:

@@ -10,7 +10,9 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from .data import PreparedDataLoader
@@ -23,8 +25,10 @@ class _Steps(Protocol):
     def sync_gradients(self) -> bool: ...
     @property
     def gradient_accumulation_steps(self) -> int: ...
-    _loader: PreparedDataLoader | None
-    _loader_at_end: bool
+    @property
+    def active_loader(self) -> PreparedDataLoader | None: ...
+    @property
+    def loader_at_end(self) -> bool: ...
 
 __all__ = ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
            "ProjectConfiguration"]
@@ -87,28 +91,48 @@ class GradientState:
 
     @property
     def end_of_dataloader(self) -> bool:
-        return self._acc._loader_at_end
+        return self._acc.loader_at_end
 
     @property
     def remainder(self) -> int:
-        loader = self._acc._loader
-        return loader.remainder() if loader is not None and self._acc._loader_at_end else -1
+        loader = self._acc.active_loader
+        return loader.remainder() if loader is not None and self._acc.loader_at_end else -1
 
     @property
     def in_dataloader(self) -> bool:  # until the loop over it ends (then the loader before it is active)
-        return self._acc._loader is not None
+        return self._acc.active_loader is not None
 
     @property
     def active_dataloader(self) -> PreparedDataLoader | None:
         """The prepared loader whose pass is under way (None between passes)."""
-        loader = self._acc._loader
-        return loader if loader is not None and loader._served > 0 else None
+        loader = self._acc.active_loader
+        return loader if loader is not None and loader.served > 0 else None
 
     # Accelerate's GradientState reads adjust_scheduler from the plugin's non-default fields, so
     # with its default (True) it reads False and its scheduler never counts micro-steps: neither
     # does ours, whatever the plugin says
     adjust_scheduler = False
     sync_with_dataloader = True
+
+
+class AcceleratorState:
+    """Accelerate's `state`: where this process sits and how the run is set up."""
+
+    _FROM_ACCELERATOR = ("num_processes", "process_index", "local_process_index", "device",
+                         "distributed_type", "mixed_precision", "is_main_process", "is_local_main_process",
+                         "is_last_process", "use_distributed")
+
+    def __init__(self, acc: Any) -> None:
+        self._acc = acc
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._FROM_ACCELERATOR:
+            return getattr(self._acc, name)
+        if name in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "dynamo_plugin"):
+            return None
+        if name == "backend":
+            return dist.get_backend() if dist.is_initialized() else None
+        raise AttributeError(f"AcceleratorState.{name} is not offered by shardwise")
 
 
 def checkpoint_index(path: Path) -> int:
@@ -126,7 +150,8 @@ def prune_checkpoints(old: list[Path]) -> None:
         if is_checkpoint(folder, META, FORMAT):
             shutil.rmtree(folder, ignore_errors=True)
         elif folder.is_dir():
-            ours = set(json.loads((folder / META).read_text()).get("files", {})) if (folder / META).is_file() else set()
+            meta = folder / META
+            ours = set(json.loads(meta.read_text()).get("files", {})) if meta.is_file() else set()
             extra = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()
                            and str(p.relative_to(folder)) not in ours | {META})
             warnings.warn(f"{folder}: kept (total_limit): it holds files that are not part of its checkpoint "

@@ -67,11 +67,17 @@ def save_problem(module: Any, target: Path, merge_adapters: bool, main: bool) ->
     if not merge_adapters:
         return None
     if not is_peft_model(module):
-        return f"save_model(merge_adapters=True): {type(module).__name__} is not a peft model; drop merge_adapters"
+        return (
+            f"save_model(merge_adapters=True): {type(module).__name__} is not a peft model; "
+            "drop merge_adapters"
+        )
     names = list(module.peft_config)
     if len(names) != 1:
-        return (f"save_model(merge_adapters=True): the model has {len(names)} adapters ({names}); merging folds "
-                "exactly one into the base weights: delete the others first (delete_adapter), or save the adapters")
+        return (
+            f"save_model(merge_adapters=True): the model has {len(names)} adapters ({names}); merging "
+            "folds exactly one into the base weights: delete the others first (delete_adapter), or save "
+            "the adapters"
+        )
     return None
 
 
@@ -122,9 +128,10 @@ def _holds_a_shard(module: nn.Module) -> bool:
 def _refuse_save(module: nn.Module, save: Any, *args: Any, **kwargs: Any) -> Any:
     if kwargs.get("state_dict") is None and _holds_a_shard(module):
         raise RuntimeError(
-            f"{type(module).__name__}.save_pretrained: the model is sharded across processes and this process "
-            "holds only its shard; call engine.save_model(model, dir) on every process instead (it gathers "
-            "the weights; a peft model is saved as its adapter), or pass state_dict=engine.get_state_dict(model)"
+            f"{type(module).__name__}.save_pretrained: the model is sharded across processes and this "
+            "process holds only its shard; call engine.save_model(model, dir) on every process instead (it "
+            "gathers the weights; a peft model is saved as its adapter), or pass "
+            "state_dict=engine.get_state_dict(model)"
         )
     return save(*args, **kwargs)
 

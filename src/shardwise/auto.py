@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, offload_spec
 from .dist import DistInfo
 
 log = logging.getLogger("shardwise")
@@ -37,7 +37,8 @@ def sample_batch(loader: Any) -> Any:
     """The first `batch_size` samples of the loader's dataset, collated as the loader would
     (read by index: the sampler and its random state are untouched)."""
     dataset = loader.dataset
-    if loader.batch_size is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+    indexable = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    if loader.batch_size is None or not indexable:
         raise ConfigError(
             "strategy='auto' reads one batch by index to plan, which needs a map-style dataset and a "
             "DataLoader batch_size; name the strategy instead (see `shardwise plan`)"
@@ -46,24 +47,29 @@ def sample_batch(loader: Any) -> Any:
     return loader.collate_fn([dataset[i] for i in range(n)])
 
 
-def choose(cfg: EngineConfig, info: DistInfo, models: list[nn.Module], loaders: list[Any]) -> tuple[EngineConfig, Any]:
+def choose(
+    cfg: EngineConfig, info: DistInfo, models: list[nn.Module], loaders: list[Any]
+) -> tuple[EngineConfig, Any]:
     """The config with `strategy` (and `offload`) chosen by the planner, and the plan."""
-    from .plan import CANDIDATES, plan_module
+    from .plan import CANDIDATES, PlanRequest, plan_module
 
     if len(models) != 1 or not loaders:
         raise ConfigError(
             "strategy='auto' plans one model at its per-device batch: pass exactly one model and its "
-            f"DataLoader to the same prepare() call (got {len(models)} model(s), {len(loaders)} DataLoader(s))"
+            f"DataLoader to the same prepare() call (got {len(models)} model(s), "
+            f"{len(loaders)} DataLoader(s))"
         )
     loader = loaders[0]
+    # an offload the user set restricts the choice to plans with it
+    restrict = offload_spec(cfg.offload).any
     candidates = [c for c in CANDIDATES if c.activation_checkpointing == cfg.activation_checkpointing
-                  and (cfg.offload == "none" or c.offload == cfg.offload)]
-    plan = plan_module(
-        models[0], sample_batch(loader), world_size=info.world_size, device_memory=device_memory(info),
-        batch_size=loader.batch_size, device="cuda" if info.device.type == "cuda" else "cpu",
-        precision=cfg.precision, candidates=candidates, activation_checkpointing=cfg.activation_checkpointing,
-        wrap=cfg.wrap,
+                  and (not restrict or c.offload == cfg.offload)]
+    request = PlanRequest(
+        world_size=info.world_size, device_memory=device_memory(info), batch=loader.batch_size,
+        device="cuda" if info.device.type == "cuda" else "cpu", precision=cfg.precision,
+        candidates=candidates, activation_checkpointing=cfg.activation_checkpointing, wrap=cfg.wrap,
     )
+    plan = plan_module(models[0], sample_batch(loader), request)
     if plan.best is None:
         raise ConfigError(f"strategy='auto': no strategy fits: {plan.why}")
     chosen = plan.best.settings()

@@ -18,41 +18,57 @@ file's size and xxh3-64 checksum (each process hashes the files it wrote, from t
 a load verifies them all first, each process a share of the files. Loading reads only JSON and
 weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256 matches the one
 recorded in meta.json. A save or load inside the run's checkpoint_dir first takes the run lock
-(`runlock`: one run per checkpoint folder).
+(`runlock`: one run per checkpoint folder). Saving and loading are here; reading a folder's
+format, its checks and the `step_<N>` layout are `checkpoint_files` (its names are re-exported).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint import FileSystemWriter
 
 from . import runlock
+from .checkpoint_files import (
+    DCP_FAILURES,
+    FORMAT,
+    META,
+    OURS,
+    VERSION,
+    SafeReader,
+    check_models,
+    first_failure,
+    full_model_state,
+    load_safe,
+    mark_latest,
+    newest,
+    read_meta,
+    resolve,
+    sha256_file,
+    step_dirs,
+    verify,
+    verify_files,
+)
 from .consolidate import find_aliases, hf_config_json
 from .storage import (
     STAGING_MARK,
     CheckpointError,
     agree,
     atomic_write_text,
-    check_file,
     checksum_file,
     clear_staging,
     describe_entries,
@@ -69,16 +85,11 @@ from .storage import (
 )
 
 log = logging.getLogger("shardwise")
-# What torch.distributed.checkpoint raises: its CheckpointException (a BaseException, holding each
-# process's exception) and what a single process raises directly.
-_DCP_FAILURES = (CheckpointException, OSError, RuntimeError, ValueError, KeyError)
 
-FORMAT = "shardwise-checkpoint"
-VERSION = 1
-META = "meta.json"
-_OURS = (META, FORMAT)
-
-__all__ = ["CheckpointError", "Parts", "SaveReport", "load", "save", "verify"]
+__all__ = [
+    "FORMAT", "META", "VERSION", "CheckpointError", "Parts", "SaveReport", "check_models", "full_model_state",
+    "load", "mark_latest", "newest", "read_meta", "resolve", "save", "step_dirs", "verify", "verify_files",
+]
 
 
 @dataclass
@@ -95,50 +106,6 @@ class Parts:
     rank: int
     world: int
     checkpoint_dir: Path | None = None  # the run's folder: saves and loads inside it take the run lock
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP keeps its index as a pickle; this unpickler builds only the classes such an index
-    holds (DCP's metadata records, torch.Size, dtypes, paths) and refuses everything else."""
-
-    _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset({
-        ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-        ("pathlib", "PureWindowsPath"), ("torch", "Size"), ("collections", "OrderedDict"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    })
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "." not in name:
-            if (module, name) in self._ALLOWED:
-                return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-                return getattr(torch, name)
-            if module == "torch.distributed.checkpoint.metadata":
-                obj = super().find_class(module, name)
-                if getattr(obj, "__module__", "") == module:
-                    return obj
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, with the index read by `_MetadataUnpickler` (tensor files are already
-    read weights-only by DCP)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
-            raise CheckpointError(f"{path}: refused: {err}") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path}: is not a checkpoint index")
-        if metadata.storage_meta is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def _versions() -> dict[str, str]:
@@ -159,7 +126,8 @@ def _rng_state() -> dict[str, Any]:
     np_state: Any = np.random.get_state()
     out: dict[str, Any] = {
         "python": [list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -174,14 +142,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _dcp_state(parts: Parts) -> dict[str, Any]:
@@ -223,13 +183,15 @@ def _check_target(target: Path, stage: Path) -> str | None:
     if target.is_symlink():
         return f"{target}: is a symbolic link; save to the folder it points to, or choose another name"
     if target.exists() and not target.is_dir():
-        return f"{target}: is a file, not a checkpoint; nothing was written: choose another path, or move the file"
-    if target.is_dir() and any(target.iterdir()) and not is_checkpoint(target, *_OURS):
+        return (f"{target}: is a file, not a checkpoint; nothing was written: choose another path, or move "
+                "the file")
+    if target.is_dir() and any(target.iterdir()) and not is_checkpoint(target, *OURS):
         return (f"{target}: holds files that are not a shardwise checkpoint ({describe_entries(target)}); "
                 "a checkpoint replaces only an empty folder or an earlier checkpoint: choose another path")
     if stage.parent == target:
-        return f"{target}: is a mount point, which cannot be replaced as a whole; save into a folder inside it"
-    if os.path.lexists(stage) and not staging_is_ours(stage, _OURS):
+        return (f"{target}: is a mount point, which cannot be replaced as a whole; save into a folder "
+                "inside it")
+    if os.path.lexists(stage) and not staging_is_ours(stage, OURS):
         return f"{stage}: is in the way of the save's staging folder and was not made by shardwise; move it"
     return None
 
@@ -259,18 +221,20 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
     if parts.rank == 0:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            new_staging(target, _OURS)
+            new_staging(target, OURS)
             (stage / "rng").mkdir()
         except (OSError, CheckpointError) as err:
-            error = str(err) if isinstance(err, CheckpointError) else os_error_line(target, "start the checkpoint", err)
+            error = (str(err) if isinstance(err, CheckpointError)
+                     else os_error_line(target, "start the checkpoint", err))
     agree(error)
     state = _dcp_state(parts)
     writer = _RecordingWriter(stage)
     try:
         dcp.save(state, storage_writer=writer)  # each process writes its own shards
-    except _DCP_FAILURES as err:  # DCP agrees on failure across processes itself
+    except DCP_FAILURES as err:  # DCP agrees on failure across processes itself
         needed = _tensor_bytes(state)  # the same on every process: the message is too
-        raise CheckpointError(os_error_line(target, "write the checkpoint's tensors", _first_failure(err), needed)) from None
+        line = os_error_line(target, "write the checkpoint's tensors", first_failure(err), needed)
+        raise CheckpointError(line) from None
     sums: dict[str, str] = {}
     hashing = 0.0
     try:
@@ -292,11 +256,13 @@ def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveR
         try:
             size = _finish(parts, target, stage, state, {k: v for _, s in gathered for k, v in s.items()})
         except (OSError, RuntimeError) as err:  # (CheckpointError is a RuntimeError)
-            error = str(err) if isinstance(err, CheckpointError) else os_error_line(target, "finish the checkpoint", err)
+            error = (str(err) if isinstance(err, CheckpointError)
+                     else os_error_line(target, "finish the checkpoint", err))
     agree(error)
     report = SaveReport(target, size, time.perf_counter() - start, hashing)
     if parts.rank == 0:
-        log.info("saved %s: %.3f GB in %.2f s (checksums %.3f s)", target, size / 1e9, report.seconds, hashing)
+        log.info("saved %s: %.3f GB in %.2f s (checksums %.3f s)", target, size / 1e9, report.seconds,
+                 hashing)
     return report
 
 
@@ -326,7 +292,7 @@ def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums
                        for m, r in zip(parts.optimizer_models, parts.runners)],
         "files": files,
         "checksums": {name: sums[name] for name in files},
-        "dcp_metadata_sha256": _sha256(stage / ".metadata"),
+        "dcp_metadata_sha256": sha256_file(stage / ".metadata"),
     }
     atomic_write_text(stage / META, json.dumps(meta, indent=1))
     (stage / STAGING_MARK).unlink()  # from here on the folder is a complete checkpoint
@@ -345,7 +311,7 @@ def _into_place(stage: Path, target: Path) -> None:
         shutil.rmtree(stage)  # now the previous checkpoint
     else:  # no atomic exchange on this file system: set the previous one aside for an instant
         aside = target.with_name(f".{target.name}.previous")
-        clear_staging(aside, _OURS)
+        clear_staging(aside, OURS)
         target.rename(aside)
         stage.rename(target)
         shutil.rmtree(aside)
@@ -362,110 +328,6 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _first_failure(err: BaseException) -> BaseException:
-    """The first process's exception inside torch's CheckpointException (which derives from
-    BaseException and prints every process's traceback)."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = failures[min(failures)]
-        return cast(BaseException, first[0] if isinstance(first, tuple) else first)
-    return err
-
-
-def read_meta(folder: Path) -> dict[str, Any]:
-    """Check a checkpoint folder before anything is loaded from it; return its metadata.
-    (Sizes, the ranks' files and the index; `verify_files` checks the checksums.)"""
-    folder = Path(folder)
-    if not folder.is_dir():
-        aside = folder.with_name(f".{folder.name}.previous")
-        hint = f" ({aside} holds the checkpoint a save was replacing when it stopped)" if aside.is_dir() else ""
-        raise CheckpointError(f"{folder}: no such checkpoint folder{hint}")
-    meta_path = folder / META
-    if not meta_path.is_file():
-        raise CheckpointError(f"{folder}: no {META}: not a shardwise checkpoint, or a save that never finished")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{meta_path}: corrupted ({err})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: not a shardwise checkpoint")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{meta_path}: format version {meta.get('version')} is not {VERSION}")
-    for name, size in meta["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing from the checkpoint")
-        if path.stat().st_size != size:
-            raise CheckpointError(f"{path}: truncated or changed ({path.stat().st_size} bytes, expected {size})")
-    ranks = sorted(int(m.group(1)) for p in (folder / "rng").glob("rank*.pt") if (m := re.fullmatch(r"rank(\d+)\.pt", p.name)))
-    if ranks != list(range(meta["world_size"])):
-        raise CheckpointError(
-            f"{meta_path}: says world size {meta['world_size']} but holds the states of "
-            f"{len(ranks)} process(es); the metadata does not match the shards"
-        )
-    if _sha256(folder / ".metadata") != meta["dcp_metadata_sha256"]:
-        raise CheckpointError(f"{folder / '.metadata'}: does not match its recorded SHA-256 (corrupted or altered)")
-    _SafeReader(str(folder)).read_metadata()  # the index must hold nothing but DCP's records
-    return meta
-
-
-def verify_files(folder: Path, meta: dict[str, Any], rank: int = 0, world: int = 1) -> str | None:
-    """Check this process's share of the checkpoint's files (every `world`-th, from `rank`)
-    against their recorded checksums; the first problem as one line, or None."""
-    sums = meta.get("checksums")
-    if sums is None:  # saved before checksums were recorded: sizes and the index are all we have
-        if rank == 0:
-            log.warning("%s: saved without checksums (shardwise before 0.2); only sizes are checked", folder)
-        return None
-    missing = sorted(set(meta["files"]) - set(sums))
-    if missing:
-        return f"{Path(folder) / META}: records no checksum for {missing[0]} (altered after the save)"
-    for name in sorted(sums)[rank::world]:
-        problem = check_file(Path(folder) / name, sums[name])
-        if problem:
-            return problem
-    return None
-
-
-def verify(path: Path) -> list[str]:
-    """Check a checkpoint, or a folder written by `save_model`/`shardwise export`, against the
-    checksums recorded when it was saved (in this process); the files checked.
-    CheckpointError, one line naming the file, on the first mismatch."""
-    from .consolidate import verify_model_dir
-
-    path = resolve(Path(path))
-    if not (path / META).is_file():
-        return verify_model_dir(path)
-    meta = read_meta(path)
-    problem = verify_files(path, meta)
-    if problem:
-        raise CheckpointError(problem)
-    return sorted(meta.get("checksums") or meta["files"])
-
-
-def check_models(meta: dict[str, Any], models: list[dict[str, Any]], folder: Path) -> None:
-    """The checkpoint's models must be these models: same names, same shapes."""
-    if len(meta["models"]) != len(models):
-        raise CheckpointError(f"{folder}: holds {len(meta['models'])} model(s), {len(models)} prepared")
-    for i, (saved, now) in enumerate(zip(meta["models"], models)):
-        missing = sorted(set(now["params"]) - set(saved["params"]))
-        unexpected = sorted(set(saved["params"]) - set(now["params"]))
-        shaped = sorted(k for k in set(now["params"]) & set(saved["params"]) if now["params"][k] != saved["params"][k])
-        if missing or unexpected or shaped:
-            parts = []
-            if missing:
-                parts.append(f"missing {_few(missing)}")
-            if unexpected:
-                parts.append(f"unexpected {_few(unexpected)}")
-            if shaped:
-                parts.append("mis-shaped " + _few([f"{k} {saved['params'][k]} vs {now['params'][k]}" for k in shaped]))
-            raise CheckpointError(f"{folder}: model {i} does not match the checkpoint: {'; '.join(parts)}")
-
-
-def _few(items: list[str]) -> str:
-    return ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
-
-
 def load(parts: Parts, folder: Path) -> dict[str, Any]:
     """Load a checkpoint into `parts` (a collective); return the loop state to restore.
     Every file is checked against its checksum first (each process a share), so nothing is
@@ -475,23 +337,24 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     meta = read_meta(folder)
     agree(verify_files(folder, meta, parts.rank, parts.world))
     if len(meta["optimizers"]) != len(parts.runners):
-        raise CheckpointError(f"{folder}: holds {len(meta['optimizers'])} optimizer(s), {len(parts.runners)} prepared")
+        raise CheckpointError(f"{folder}: holds {len(meta['optimizers'])} optimizer(s), "
+                              f"{len(parts.runners)} prepared")
     state = _dcp_state(parts)  # templates in this run's layout; DCP reshards into them
     check_models(meta, [_model_meta(m, state[f"model{i}"]) for i, m in enumerate(parts.unwrapped)], folder)
     try:
-        dcp.load(state, storage_reader=_SafeReader(str(folder)))
+        dcp.load(state, storage_reader=SafeReader(str(folder)))
     except CheckpointError:
         raise
-    except _DCP_FAILURES as err:
-        raise CheckpointError(_load_failure(folder, meta, parts, _first_failure(err))) from None
+    except DCP_FAILURES as err:
+        raise CheckpointError(_load_failure(folder, meta, parts, first_failure(err))) from None
     for i, model in enumerate(parts.models):
         parts.strategy.load_model_state(model, state[f"model{i}"])
     for j, runner in enumerate(parts.runners):
         runner.load_checkpoint_state(parts.models[parts.optimizer_models[j]], state[f"optim{j}"])
     rank_file = folder / "rng" / f"rank{parts.rank}.pt"
     if rank_file.is_file():  # at a larger world size, new ranks keep their own seeds
-        _set_rng_state(_load_safe(rank_file))
-    return cast(dict[str, Any], _load_safe(folder / "engine.pt"))
+        _set_rng_state(load_safe(rank_file))
+    return cast(dict[str, Any], load_safe(folder / "engine.pt"))
 
 
 def _load_failure(folder: Path, meta: dict[str, Any], parts: Parts, err: BaseException) -> str:
@@ -506,88 +369,13 @@ def _load_failure(folder: Path, meta: dict[str, Any], parts: Parts, err: BaseExc
         now = type(parts.runners[j].optimizer).__name__
         saved = meta["optimizers"][j].get("class") if j < len(meta["optimizers"]) else None
         was = f" (it was saved with {saved})" if saved else ""
-        fix = f"prepare {saved} as when it was saved" if saved and saved != now else "prepare the optimizer it was saved with"
-        return one_line(f"{folder}: optimizer {j} ({now}) needs {what}, which the checkpoint does not hold{was}: {fix}")
+        fix = (f"prepare {saved} as when it was saved" if saved and saved != now
+               else "prepare the optimizer it was saved with")
+        return one_line(f"{folder}: optimizer {j} ({now}) needs {what}, which the checkpoint does not "
+                        f"hold{was}: {fix}")
     if m:
         return one_line(f"{folder}: holds no '{m.group(1)}', which this run needs: prepare the same models, "
                         "optimizers and settings as when it was saved")
     return one_line(f"{folder}: could not read the sharded tensors: {type(err).__name__}: {text}")
 
 
-def _load_safe(path: Path) -> Any:
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as err:
-        raise CheckpointError(one_line(f"{path}: unreadable with weights-only loading ({type(err).__name__}: {err})")) from None
-
-
-def full_model_state(folder: Path, index: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One model's full weights, read offline from a checkpoint in this single process (after
-    every file of the checkpoint is verified against its checksum)."""
-    folder = Path(folder)
-    meta = read_meta(folder)
-    problem = verify_files(folder, meta)
-    if problem:
-        raise CheckpointError(problem)
-    if not 0 <= index < len(meta["models"]):
-        raise CheckpointError(f"{folder}: has no model {index} (it holds {len(meta['models'])})")
-    model = meta["models"][index]
-    template = {
-        k: torch.empty(shape, dtype=getattr(torch, model["dtypes"][k])) for k, shape in model["params"].items()
-    }
-    try:
-        dcp.load({f"model{index}": template}, storage_reader=_SafeReader(str(folder)), no_dist=True)
-    except CheckpointError:
-        raise
-    except _DCP_FAILURES as err:
-        first = _first_failure(err)
-        raise CheckpointError(one_line(f"{folder}: could not read the sharded tensors: {type(first).__name__}: {first}")) from None
-    return template, meta
-
-
-def step_dirs(root: Path) -> list[Path]:
-    """Complete `step_<N>` checkpoints under `root`, oldest first."""
-    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / META).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def newest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`: the highest complete step_<N> (a save that
-    completed but died before moving `latest` counts), else what `latest` names; None when
-    there is none."""
-    root = Path(root)
-    found = step_dirs(root) if root.is_dir() else []
-    if found:
-        return found[-1]
-    pointer = root / "latest"
-    if pointer.is_file() and (root / pointer.read_text().strip() / META).is_file():
-        return root / pointer.read_text().strip()
-    return None
-
-
-def resolve(root_or_dir: Path) -> Path:
-    """`latest` (or a folder holding a `latest` file) -> the newest complete checkpoint."""
-    path = Path(root_or_dir)
-    if path.name == "latest" and not path.is_dir():
-        pointer = path
-    elif (path / "latest").is_file():
-        pointer = path / "latest"
-    else:
-        return path
-    if not pointer.is_file():
-        raise CheckpointError(f"{pointer}: no checkpoint has been completed yet")
-    return pointer.parent / pointer.read_text().strip()
-
-
-def mark_latest(root: Path, target: Path, keep_last: int | None) -> None:
-    """Point `latest` at `target` and drop complete checkpoints beyond the newest `keep_last`
-    (only folders that hold a shardwise checkpoint and nothing else)."""
-    atomic_write_text(root / "latest", target.name + "\n")
-    if keep_last is not None:
-        for old in step_dirs(root)[:-keep_last]:
-            if old == target:
-                continue
-            if is_checkpoint(old, *_OURS):
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                log.warning("%s: not pruned (keep_last): it holds files that are not part of its checkpoint", old)

@@ -1,7 +1,8 @@
-"""The `shardwise` command: launch, config, plan, export, verify, env.
+"""The `shardwise` command: launch, config, plan, export, verify, report, env.
 
 Flags for the config tree are generated from its fields (their docstrings are the help), so the
-command line, the YAML file and `Engine(...)` keywords always name the same settings.
+command line, the YAML file and `Engine(...)` keywords always name the same settings. `plan` is
+in `cli_plan`, `env` in `cli_env`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import tempfile
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
+from .cli_env import environment, run_env
+from .cli_plan import add_plan_parser, run_plan
 from .config import ConfigError, EngineConfig, LaunchConfig, check_train_batch, field_docs
 from .config_io import build, load_layers, merge, read_file, to_yaml, write_yaml
+
+__all__ = ["build_parser", "entry", "environment", "main", "resolve"]
 
 DEFAULT_CONFIG = "shardwise.yaml"
 _UNSET: Any = object()
@@ -26,8 +31,8 @@ _UNSET: Any = object()
 _ENGINE_FLAGS = [
     "strategy", "backend", "precision", "offload", "grad_accum_steps", "max_grad_norm", "seed", "cpu",
     "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "checkpoint_dir",
-    "offload_bucket_numel", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_last", "collective_timeout_s",
-    "preempt_signals", "preempt_grace_s", "resume",
+    "offload_bucket_numel", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_last",
+    "collective_timeout_s", "preempt_signals", "preempt_grace_s", "resume",
 ]
 # torchrun's own flags that fill the launch section instead of passing through.
 _TORCHRUN_FOLDED = {
@@ -76,17 +81,23 @@ def _flag_type(tp: Any) -> dict[str, Any]:
     return {"type": str}
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, *, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+def _add_config_flags(parser: argparse.ArgumentParser, *, skip: frozenset[str] = frozenset()) -> None:
     group = parser.add_argument_group("config (override the file)")
-    group.add_argument("--config", default=None, help=f"shardwise YAML, or a DeepSpeed JSON (default: ./{DEFAULT_CONFIG} if present)")
-    group.add_argument("--deepspeed", dest="deepspeed_config", default=_UNSET, help="a DeepSpeed JSON to translate")
-    for cls, names, prefix in ((EngineConfig, _ENGINE_FLAGS, ""), (LaunchConfig, [f.name for f in dataclasses.fields(LaunchConfig)], "launch.")):
+    group.add_argument("--config", default=None,
+                       help=f"shardwise YAML, or a DeepSpeed JSON (default: ./{DEFAULT_CONFIG} if present)")
+    group.add_argument("--deepspeed", dest="deepspeed_config", default=_UNSET,
+                       help="a DeepSpeed JSON to translate")
+    launch_fields = [f.name for f in dataclasses.fields(LaunchConfig)]
+    sections: list[tuple[type, list[str], str]] = [(EngineConfig, _ENGINE_FLAGS, ""),
+                                                   (LaunchConfig, launch_fields, "launch.")]
+    for cls, names, prefix in sections:
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for name in names:
             flag = "--" + name.replace("_", "-")
             if flag in skip:
                 continue
-            group.add_argument(flag, dest=prefix + name, default=_UNSET, help=docs.get(name, ""), **_flag_type(hints[name]))
+            group.add_argument(flag, dest=prefix + name, default=_UNSET, help=docs.get(name, ""),
+                               **_flag_type(hints[name]))
 
 
 def _flag_settings(ns: argparse.Namespace) -> dict[str, Any]:
@@ -117,10 +128,21 @@ def resolve(ns: argparse.Namespace, extra: dict[str, Any] | None = None) -> tupl
 
 
 # -- launch -----------------------------------------------------------------------------------
-def _launch_parser(sub: Any) -> argparse.ArgumentParser:
+def _actions_of(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every flag and positional of a parser that torch built (torchrun's).
+
+    argparse keeps them in `ArgumentParser._actions` and has no public accessor (checked against
+    Python 3.11 to 3.13); this is the one place shardwise reads it. Our own parsers keep the
+    references argparse returns instead."""
+    return list(parser._actions)
+
+
+def _launch_parser(sub: Any) -> list[argparse.Action]:
+    """The `launch` subcommand: torchrun's flags, then our config flags; torchrun's actions."""
     from torch.distributed.run import get_args_parser
 
     torchrun = get_args_parser()
+    actions = _actions_of(torchrun)
     p = sub.add_parser(
         "launch",
         help="run a training script on every process (torchrun underneath)",
@@ -129,20 +151,20 @@ def _launch_parser(sub: Any) -> argparse.ArgumentParser:
         conflict_handler="resolve",
         add_help=False,
     )
-    p.set_defaults(**{a.dest: _UNSET for a in torchrun._actions if a.option_strings and a.dest != "help"})
-    taken = {s for a in torchrun._actions for s in a.option_strings}
+    p.set_defaults(**{a.dest: _UNSET for a in actions if a.option_strings and a.dest != "help"})
+    taken = frozenset(s for a in actions for s in a.option_strings)
     _add_config_flags(p, skip=taken)
-    return cast(argparse.ArgumentParser, p)
+    return actions
 
 
-def _torchrun_extra(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+def _torchrun_extra(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> list[str]:
     """torchrun flags the user gave that do not fill the launch section, passed on as given."""
     extra: list[str] = []
 
     def spelled(action: argparse.Action) -> str:
         return next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
 
-    for action in parser._actions:
+    for action in torchrun:
         if not action.option_strings or action.dest in _TORCHRUN_FOLDED or action.dest == "standalone":
             continue
         value = getattr(ns, action.dest, _UNSET)
@@ -161,7 +183,7 @@ def _torchrun_extra(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return extra
 
 
-def _cmd_launch(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
     from .launch import run_torchrun, torchrun_argv
 
     folded: dict[str, Any] = {}
@@ -173,7 +195,8 @@ def _cmd_launch(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             try:
                 value = int(value)
             except ValueError:
-                raise ConfigError(f"--{dest.replace('_', '-')}={value!r}: shardwise launch needs a number") from None
+                flag = "--" + dest.replace("_", "-")
+                raise ConfigError(f"{flag}={value!r}: shardwise launch needs a number") from None
         folded[field] = value
     if getattr(ns, "standalone", _UNSET) is True:
         folded["num_nodes"] = 1
@@ -188,7 +211,7 @@ def _cmd_launch(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise ConfigError(f"training script {script!r} not found")
     if isinstance(cfg.micro_batch_size, int):
         check_train_batch(cfg, cfg.micro_batch_size, cfg.launch.num_processes * cfg.launch.num_nodes)
-    argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, parser))
+    argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, torchrun))
     fd, path = tempfile.mkstemp(prefix="shardwise-", suffix=".yaml")
     os.close(fd)
     try:
@@ -301,7 +324,9 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 
     out = Path(ns.output)
     if os.path.lexists(out) and not out.is_dir():
-        raise ConfigError(f"{out}: is a file, not a folder; export writes a folder of files: choose another path")
+        raise ConfigError(
+            f"{out}: is a file, not a folder; export writes a folder of files: choose another path"
+        )
     try:
         limit = parse_size(ns.max_shard_size)
     except ValueError as err:
@@ -310,7 +335,8 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     state, meta = full_model_state(folder, ns.model_index)
     config = folder / f"model{ns.model_index}.config.json"
     state = drop_aliases(state, meta["models"][ns.model_index]["aliases"])
-    write_safetensors(state, out, max_shard_size=limit, config_json=config.read_text() if config.is_file() else None)
+    config_json = config.read_text() if config.is_file() else None
+    write_safetensors(state, out, max_shard_size=limit, config_json=config_json)
     print(f"wrote {out} ({sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters from {folder})")
     return 0
 
@@ -324,158 +350,58 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
     return 0
 
 
-# -- plan -------------------------------------------------------------------------------------
-def _plan_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="which strategy and per-device batch fit, predicted from a trace on fake tensors",
-        description="Trace the model through every strategy on fake tensors (nothing is allocated, no "
-                    "GPU needed) and report, per strategy with and without activation checkpointing, the "
-                    "per-device peak memory and its parts, the largest batch that fits and the relative "
-                    "step time; the fastest plan that fits is marked. Memory sizes are binary: 24GB = 24 GiB.",
-    )
-    p.add_argument("--model", required=True, help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
-                   "deberta-v2-xlarge, blenderbot-400m, llama-1b, llama-7b), a config.json, or module:factory")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--batch", type=int, default=1, help="per-device batch to evaluate (default 1)")
-    p.add_argument("--gpus", type=int, default=1, help="devices (processes) to plan for (default 1)")
-    p.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
-    p.add_argument("--cpu-memory", default=None, help="host memory of the machine; offload plans must fit in it")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="only plans with (or, --no-..., without) activation checkpointing (default: both)")
-    p.add_argument("--global-batch", type=int, default=None, help="suggest per-device batch x accumulation steps for this global batch")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="plan for GPUs (default) or CPU processes")
-    p.add_argument("--cuda-context", default=None, help="device memory outside tensors: CUDA context and workspaces (default 0.6GB)")
-    p.add_argument("--nccl-buffers", default=None, help="NCCL buffers per process with 2+ devices (default 0.4GB)")
-    p.add_argument("--fragmentation", type=float, default=None, help="allocator fragmentation, fraction of the tensor peak (default 0.08)")
-    p.add_argument("--write", metavar="YAML", default=None, help="save the chosen plan as a config for shardwise launch")
-    p.add_argument("--plot", metavar="PNG", default=None, help="draw the breakdown as stacked bars per plan (needs matplotlib)")
-    p.add_argument("--workers", type=int, default=2, help="processes tracing in parallel (default 2)")
-
-
-def _cmd_plan(ns: argparse.Namespace) -> int:
-    from .plan import Overheads, parse_memory, plan_named
-    from .plan.report import describe, plot, write_config
-
-    memory = ns.gpu_memory
-    if memory is None:
-        import torch
-
-        if ns.device == "cpu" or not torch.cuda.is_available():
-            raise ConfigError("--gpu-memory is needed (no GPU here to read it from), e.g. --gpu-memory 24GB")
-        memory = torch.cuda.get_device_properties(0).total_memory
-    base = Overheads()
-    overheads = Overheads(
-        cuda_context=parse_memory(ns.cuda_context, "--cuda-context") if ns.cuda_context else base.cuda_context,
-        nccl_buffers=parse_memory(ns.nccl_buffers, "--nccl-buffers") if ns.nccl_buffers else base.nccl_buffers,
-        fragmentation=base.fragmentation if ns.fragmentation is None else ns.fragmentation,
-    )
-    if not 0 <= overheads.fragmentation < 1:
-        raise ConfigError(f"--fragmentation {ns.fragmentation}: must lie in [0, 1)")
-    result = plan_named(
-        ns.model, seq_len=ns.seq_len, world_size=ns.gpus, device_memory=memory, batch=ns.batch,
-        workers=max(1, ns.workers), device=ns.device, precision=ns.precision, host_memory=ns.cpu_memory,
-        activation_checkpointing=ns.activation_checkpointing, global_batch=ns.global_batch, overheads=overheads,
-    )
-    print(describe(result))
-    if ns.plot:
-        plot(result, ns.plot)
-        print(f"wrote {ns.plot}")
-    if ns.write:
-        write_config(result, ns.write)
-        print(f"wrote {ns.write}")
-    return 0
-
-
-# -- env --------------------------------------------------------------------------------------
-def environment() -> dict[str, str]:
-    """What a bug report needs: versions, devices, backends, CPU and memory."""
-    import platform
-    from importlib import metadata
-
-    import torch
-    import torch.distributed as dist
-
-    from . import __version__
-
-    def version(pkg: str) -> str:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    info = {
-        "shardwise": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "deepspeed": version("deepspeed"),
-        "transformers": version("transformers"),
-        "accelerate": version("accelerate"),
-        "cuda": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))" if torch.cuda.is_available() else "not available",
-    }
-    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        props = torch.cuda.get_device_properties(i)
-        info[f"gpu {i}"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
-    backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()), ("mpi", dist.is_mpi_available())) if ok]
-    info["backends"] = ", ".join(backends) or "none"
-    info["cpus"] = str(os.cpu_count())
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        info["memory"] = f"{pages * size / 2**30:.1f} GiB"
-    except (ValueError, OSError, AttributeError):
-        info["memory"] = "unknown"
-    return info
-
-
-def _cmd_env(_ns: argparse.Namespace) -> int:
-    print("```")
-    for key, value in environment().items():
-        print(f"{key + ':':14s} {value}")
-    print("```")
-    return 0
-
-
 # -- entry ------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def _build() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+    """The `shardwise` parser, and torchrun's actions (the flags `launch` passes on)."""
     parser = _Parser(prog="shardwise", description="Sharded PyTorch training: launch, configure, inspect.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _launch_parser(sub)
-    cfg = sub.add_parser("config", help="write shardwise.yaml (questionnaire, flags, or from Accelerate); `config show` prints the resolved config")
+    torchrun = _launch_parser(sub)
+    cfg = sub.add_parser("config", help="write shardwise.yaml (questionnaire, flags, or from Accelerate); "
+                                        "`config show` prints the resolved config")
     cfg.add_argument("action", nargs="?", choices=["show"], help="show: print the resolved config")
     cfg.add_argument("--output", "-o", default=DEFAULT_CONFIG, help="file to write (default: shardwise.yaml)")
     cfg.add_argument("--force", action="store_true", help="overwrite an existing file")
     cfg.add_argument("--defaults", action="store_true", help="write the defaults without asking")
     cfg.add_argument("--from-accelerate", metavar="YAML", help="translate an Accelerate config file")
     _add_config_flags(cfg)
-    exp = sub.add_parser("export", help="a training checkpoint -> safetensors (+ config.json), offline, one process")
+    exp = sub.add_parser("export",
+                         help="a training checkpoint -> safetensors (+ config.json), offline, one process")
     exp.add_argument("checkpoint", help="a checkpoint folder, or a folder holding `latest`")
-    exp.add_argument("output", help="the folder to write into (its other files stay; an earlier export is replaced)")
+    exp.add_argument("output",
+                     help="the folder to write into (its other files stay; an earlier export is replaced)")
     exp.add_argument("--model-index", type=int, default=0, help="which prepared model (default 0)")
     exp.add_argument("--max-shard-size", default="5GB", help="split into several files above this size")
-    ver = sub.add_parser("verify", help="check a checkpoint or an exported model against the checksums recorded at save")
-    ver.add_argument("path", help="a checkpoint folder (or one holding `latest`), or a folder written by save_model/export")
-    _plan_parser(sub)
-    rep = sub.add_parser("report", help="plot a run's metrics.jsonl (loss, tokens/s, MFU, memory) into report.png")
-    rep.add_argument("run_dir", help="the folder a log_with='jsonl' run wrote (<project_dir>/logs/<run name>)")
+    ver = sub.add_parser("verify", help="check a checkpoint or an exported model against the checksums "
+                                        "recorded at save")
+    ver.add_argument("path", help="a checkpoint folder (or one holding `latest`), "
+                                  "or a folder written by save_model/export")
+    add_plan_parser(sub)
+    rep = sub.add_parser("report",
+                         help="plot a run's metrics.jsonl (loss, tokens/s, MFU, memory) into report.png")
+    rep.add_argument("run_dir",
+                     help="the folder a log_with='jsonl' run wrote (<project_dir>/logs/<run name>)")
     sub.add_parser("env", help="versions, devices and backends, for a bug report")
-    return parser
+    return parser, torchrun
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `shardwise` command's parser (every subcommand and flag)."""
+    return _build()[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """Run the `shardwise` command on `argv` (default: the process's); the exit status."""
+    parser, torchrun = _build()
     ns = parser.parse_args(argv)
     try:
         if ns.command == "launch":
-            launch = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("launch"))  # type: ignore[union-attr]
-            return _cmd_launch(ns, launch)
+            return _cmd_launch(ns, torchrun)
         if ns.command == "config":
             return _cmd_config(ns)
         if ns.command == "export":
             return _cmd_export(ns)
         if ns.command == "plan":
-            return _cmd_plan(ns)
+            return run_plan(ns)
         if ns.command == "verify":
             return _cmd_verify(ns)
         if ns.command == "report":
@@ -485,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(text)
             print(f"wrote {png}")
             return 0
-        return _cmd_env(ns)
+        return run_env(ns)
     except (ConfigError, _checkpoint_error()) as err:
         print(f"shardwise: error: {err}", file=sys.stderr)
         return 2
@@ -498,4 +424,5 @@ def _checkpoint_error() -> type[Exception]:
 
 
 def entry() -> None:
+    """The console script `shardwise`."""
     sys.exit(main())

@@ -48,7 +48,8 @@ def gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return t
     if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-        raise ValueError(f"gather takes tensors of up to {_MAX_DIMS} dims of a standard dtype, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(f"gather takes tensors of up to {_MAX_DIMS} dims of a standard dtype, "
+                         f"got {t.dtype} {tuple(t.shape)}")
     meta = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=t.device)
     meta[0], meta[1], meta[2] = t.shape[0], t.dim(), _DTYPES.index(t.dtype)
     meta[3 : 3 + t.dim() - 1] = torch.tensor(t.shape[1:], dtype=torch.int64)

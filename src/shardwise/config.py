@@ -16,6 +16,23 @@ import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
+# the strategy table lives in `specs`; re-exported here, where the config checks against it
+from .specs import (
+    AUTO as AUTO,
+    BACKEND_TABLE as BACKEND_TABLE,
+    OFFLOAD_TABLE as OFFLOAD_TABLE,
+    STRATEGIES as STRATEGIES,
+    STRATEGY_TABLE as STRATEGY_TABLE,
+    BackendSpec as BackendSpec,
+    OffloadSpec as OffloadSpec,
+    StrategySpec as StrategySpec,
+    backend_spec as backend_spec,
+    is_auto as is_auto,
+    offload_spec as offload_spec,
+    plan_choices as plan_choices,
+    strategy_spec as strategy_spec,
+)
+
 StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "auto"]
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 OffloadName = Literal["none", "optimizer", "params"]
@@ -34,127 +51,6 @@ MIN_COLLECTIVE_TIMEOUT_S = 5.0  # below it a healthy run's start-up or checkpoin
 
 class ConfigError(ValueError):
     """A configuration value that shardwise refuses; the message names the field and the fix."""
-
-
-# -- the strategies: the one table of their names and of what each does ---------------------
-# Everything outside `strategies/`, this module and `imports.py` asks these specs (a property, a
-# method) instead of comparing names, so a new strategy, offload or backend is one new entry here.
-@dataclass(frozen=True, slots=True)
-class OffloadSpec:
-    """What an offload setting moves to host memory."""
-
-    optimizer_on_host: bool
-    """The optimizer states (and the fp32 master weights) live and step on the host."""
-    params_on_host: bool
-    """The parameters' shards live on the host between uses (stage 3 only)."""
-
-    @property
-    def any(self) -> bool:
-        """Something lives on the host."""
-        return self.optimizer_on_host or self.params_on_host
-
-
-OFFLOAD_TABLE: dict[str, OffloadSpec] = {
-    "none": OffloadSpec(optimizer_on_host=False, params_on_host=False),
-    "optimizer": OffloadSpec(optimizer_on_host=True, params_on_host=False),
-    "params": OffloadSpec(optimizer_on_host=True, params_on_host=True),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class BackendSpec:
-    """What an engine backend does beyond the strategy's own work."""
-
-    distributed_type: str | None
-    """The Accelerate `DistributedType` name every strategy of it reports (None: the strategy's own)."""
-    sync_each_batch: bool
-    """It can force a gradient sync on every micro-batch (Accelerate's `sync_each_batch`)."""
-    plans_auto: bool
-    """`strategy='auto'` plans for it."""
-
-
-BACKEND_TABLE: dict[str, BackendSpec] = {
-    "torch": BackendSpec(distributed_type=None, sync_each_batch=True, plans_auto=True),
-    "deepspeed": BackendSpec(distributed_type="DEEPSPEED", sync_each_batch=False, plans_auto=False),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class StrategySpec:
-    """What a named strategy shards, and what it runs with."""
-
-    stage: int
-    """ZeRO stage: 0 shards nothing (ddp), 1 optimizer states, 2 also gradients, 3 also parameters."""
-    offloads: tuple[str, ...]
-    """Offload settings it supports ("optimizer" needs sharded optimizer states, "params" stage 3)."""
-    backends: tuple[str, ...]
-    """Backends that run it (DeepSpeed has no ddp)."""
-    distributed_type: str
-    """The Accelerate `DistributedType` name it reports on the torch backend (on a GPU where the
-    name has a CPU twin: MULTI_GPU, MULTI_CPU on CPU processes)."""
-
-    @property
-    def shards_optimizer(self) -> bool:
-        """Each rank keeps the optimizer states of its own slice only."""
-        return self.stage >= 1
-
-    @property
-    def shards_grads(self) -> bool:
-        """Each rank keeps the reduced gradients of its own slice only."""
-        return self.stage >= 2
-
-    @property
-    def shards_params(self) -> bool:
-        """Each rank keeps its slice of every parameter; the whole one is gathered per use."""
-        return self.stage >= 3
-
-    @property
-    def regathers_in_backward(self) -> bool:
-        """Parameters gathered for forward are freed after it and gathered again for backward."""
-        return self.shards_params
-
-    def runs(self, backend: str, offload: str = "none") -> bool:
-        """The table allows this strategy with `backend` and `offload`."""
-        return backend in self.backends and offload in self.offloads
-
-
-STRATEGY_TABLE: dict[str, StrategySpec] = {
-    "ddp": StrategySpec(stage=0, offloads=("none",), backends=("torch",), distributed_type="MULTI_GPU"),
-    "zero1": StrategySpec(stage=1, offloads=("none", "optimizer"), backends=("torch", "deepspeed"),
-                          distributed_type="FSDP"),
-    "zero2": StrategySpec(stage=2, offloads=("none", "optimizer"), backends=("torch", "deepspeed"),
-                          distributed_type="FSDP"),
-    "zero3": StrategySpec(stage=3, offloads=("none", "optimizer", "params"), backends=("torch", "deepspeed"),
-                          distributed_type="FSDP"),
-}
-STRATEGIES: tuple[str, ...] = tuple(STRATEGY_TABLE)  # what "auto" chooses from
-AUTO = "auto"  # the strategy name that asks the planner (`shardwise.auto`)
-
-
-def strategy_spec(name: str) -> StrategySpec:
-    """The spec of a named strategy (validated by the config; 'auto' has none until planned)."""
-    return STRATEGY_TABLE[name]
-
-
-def offload_spec(name: str) -> OffloadSpec:
-    """What the offload setting `name` moves to the host."""
-    return OFFLOAD_TABLE[name]
-
-
-def backend_spec(name: str) -> BackendSpec:
-    """What the backend `name` does."""
-    return BACKEND_TABLE[name]
-
-
-def is_auto(strategy: str) -> bool:
-    """The strategy is left to the planner."""
-    return strategy == AUTO
-
-
-def plan_choices(backend: str = "torch") -> list[tuple[str, str]]:
-    """Every (strategy, offload) pair the table allows on `backend`: the planner's candidates."""
-    return [(name, off) for name, spec in STRATEGY_TABLE.items() if backend in spec.backends
-            for off in spec.offloads]
 
 
 def check_strategy(strategy: str, offload: str, backend: str) -> None:
@@ -180,7 +76,9 @@ def check_strategy(strategy: str, offload: str, backend: str) -> None:
                 f"offload='params' needs strategy='zero3' (got strategy={strategy!r}): only "
                 "stage 3 shards parameters. Use offload='optimizer' with zero1/zero2, or zero3."
             )
-        raise ConfigError(f"offload={offload!r} needs a sharded strategy (zero1, zero2 or zero3), got strategy={strategy!r}")
+        raise ConfigError(
+            f"offload={offload!r} needs a sharded strategy (zero1, zero2 or zero3), got strategy={strategy!r}"
+        )
 
 
 def _choice(field_name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -406,7 +304,8 @@ class EngineConfig:
         _choice("backend", self.backend, get_args(BackendName))
         _choice("precision", self.precision, PRECISIONS)
         _choice("offload", self.offload, OFFLOADS)
-        if isinstance(self.grad_accum_steps, bool) or not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+        accum = self.grad_accum_steps
+        if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer (or None: the engine seeds nothing)")
@@ -427,8 +326,10 @@ class EngineConfig:
             _positive("checkpoint_every_seconds", self.checkpoint_every_seconds, minimum=1e-3)
         _positive("collective_timeout_s", self.collective_timeout_s, minimum=1e-3)
         if self.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
-            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s!r} is too short: a healthy run's "
-                              f"collectives can take that long; use at least {MIN_COLLECTIVE_TIMEOUT_S:g} (seconds)")
+            raise ConfigError(
+                f"collective_timeout_s={self.collective_timeout_s!r} is too short: a healthy run's "
+                f"collectives can take that long; use at least {MIN_COLLECTIVE_TIMEOUT_S:g} (seconds)"
+            )
         _choice("resume", self.resume, get_args(ResumeName))
         from .trackers import check_log_with
 
@@ -436,8 +337,9 @@ class EngineConfig:
             self.log_with = check_log_with(self.log_with)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if isinstance(self.log_every_steps, bool) or not isinstance(self.log_every_steps, int) or self.log_every_steps < 0:
-            raise ConfigError(f"log_every_steps={self.log_every_steps!r} must be an integer >= 0 (0: no records)")
+        every = self.log_every_steps
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"log_every_steps={every!r} must be an integer >= 0 (0: no records)")
         for name in ("peak_tflops", "flops_per_token"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name), minimum=1e-12)
@@ -448,8 +350,11 @@ class EngineConfig:
         import signal
 
         for name in self.preempt_signals:
-            if not (isinstance(name, str) and name.startswith("SIG") and hasattr(signal, name)) or name in ("SIGKILL", "SIGSTOP"):
-                raise ConfigError(f"preempt_signals: {name!r} is not a signal a process can catch; e.g. SIGTERM, SIGUSR1")
+            is_signal = isinstance(name, str) and name.startswith("SIG") and hasattr(signal, name)
+            if not is_signal or name in ("SIGKILL", "SIGSTOP"):  # those two cannot be caught
+                raise ConfigError(
+                    f"preempt_signals: {name!r} is not a signal a process can catch; e.g. SIGTERM, SIGUSR1"
+                )
         if isinstance(self.wrap, (str, type)):
             self.wrap = (self.wrap,)
         self.wrap = tuple(self.wrap)
@@ -482,7 +387,11 @@ def resolve_grad_accum(cfg: EngineConfig, micro_batch: int, world: int) -> int:
     inconsistent at its own world size, or a global batch no whole number of micro-batches
     reaches, is refused."""
     total = cfg.train_batch_size
-    if not isinstance(total, int) or isinstance(total, bool) or micro_batch * cfg.grad_accum_steps * world == total:
+    if (
+        not isinstance(total, int)
+        or isinstance(total, bool)
+        or micro_batch * cfg.grad_accum_steps * world == total
+    ):
         return cfg.grad_accum_steps
     written_for = cfg.launch.num_processes * cfg.launch.num_nodes
     if world == written_for:
@@ -524,5 +433,7 @@ def make_config(**overrides: Any) -> EngineConfig:
     valid = field_names(EngineConfig)
     for key in overrides:
         if key not in valid:
-            raise ConfigError(f"unknown setting {key!r}{suggest(key, valid)}; valid settings: {', '.join(valid)}")
+            raise ConfigError(
+                f"unknown setting {key!r}{suggest(key, valid)}; valid settings: {', '.join(valid)}"
+            )
     return EngineConfig(**overrides)

@@ -135,7 +135,9 @@ def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
     return bool(ds_only & set(data))
 
 
-def load_layers(path: str | Path | None, flags: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+def load_layers(
+    path: str | Path | None, flags: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """The settings a file (and the DeepSpeed JSON it names) and flags give, unvalidated,
     plus the DeepSpeed keys that have no equivalent here."""
     from .imports import from_deepspeed

@@ -46,7 +46,9 @@ from .storage import (
     os_error_line,
 )
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30
+}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
@@ -163,7 +165,9 @@ def _write_shard(tensors: dict[str, torch.Tensor], path: Path, extra: dict[str, 
         if t.dtype not in _DTYPES:
             raise CheckpointError(f"{path}: {name} has dtype {t.dtype}, which safetensors cannot store")
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(b"")
-        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        entries[name] = {
+            "dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]
+        }
         offset += len(raw)
         data.append(raw)
     h = _entries_digest(entries)
@@ -241,9 +245,13 @@ def write_safetensors(
     names are written or replaced; every other file in `folder` stays (see the module doc)."""
     folder = Path(folder)
     if os.path.lexists(folder) and not folder.is_dir():
-        raise CheckpointError(f"{folder}: is a file, not a folder; model weights are saved as a folder of files")
+        raise CheckpointError(
+            f"{folder}: is a file, not a folder; model weights are saved as a folder of files"
+        )
     shards = _split(state, parse_size(max_shard_size))
-    names = [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = [SINGLE] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     sharded = len(shards) > 1
     writing = set(names) | ({INDEX} if sharded else set()) | ({CONFIG} if config_json is not None else set())
     stale = _stale_files(folder, writing, sharded)  # refuses before anything is written
@@ -285,7 +293,11 @@ def write_safetensors(
 
 
 def save_model_files(
-    module: torch.nn.Module, state: dict[str, torch.Tensor], target: Path, *, max_shard_size: int | str = "5GB"
+    module: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    target: Path,
+    *,
+    max_shard_size: int | str = "5GB",
 ) -> None:
     """Consolidated weights of `module` (given as `state`) into the folder `target`."""
     write_safetensors(drop_aliases(state, find_aliases(module)), Path(target),
@@ -322,9 +334,13 @@ def model_dir_checks(folder: Path) -> list[Callable[[], str]]:
     elif index is not None:
         top, recorded = folder / INDEX, (index.get("metadata") or {}).get(_FILES_KEY)
         if recorded is None:
-            raise CheckpointError(f"{top}: records no checksums (not written by shardwise); nothing to verify against")
+            raise CheckpointError(
+                f"{top}: records no checksums (not written by shardwise); nothing to verify against"
+            )
         for name in sorted(set(index["weight_map"].values()) - set(recorded)):
-            raise CheckpointError(f"{top}: names {name} but records no checksum for it (altered after the save)")
+            raise CheckpointError(
+                f"{top}: names {name} but records no checksum for it (altered after the save)"
+            )
     else:
         raise CheckpointError(f"{folder}: holds no {SINGLE} and no {INDEX}: no model saved here")
     checks: list[Callable[[], str]] = []
@@ -349,10 +365,16 @@ def _verify_safetensors(path: Path, expected: str | None) -> str:
         raise CheckpointError(f"{path}: missing")
     recorded, actual = safetensors_checksum(path)
     if recorded is None:
-        raise CheckpointError(f"{path}: records no checksum (not written by shardwise); nothing to verify against")
+        raise CheckpointError(
+            f"{path}: records no checksum (not written by shardwise); nothing to verify against"
+        )
     if actual != recorded:
-        raise CheckpointError(f"{path}: checksum mismatch: its tensors were corrupted or altered after the save")
+        raise CheckpointError(
+            f"{path}: checksum mismatch: its tensors were corrupted or altered after the save"
+        )
     if expected is not None and actual != expected:
-        raise CheckpointError(f"{path}: is not the file this save wrote (its checksum differs from the index's): "
-                              "a mix of two saves, or a replaced file")
+        raise CheckpointError(
+            f"{path}: is not the file this save wrote (its checksum differs from the index's): "
+            "a mix of two saves, or a replaced file"
+        )
     return path.name

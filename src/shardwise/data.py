@@ -61,7 +61,8 @@ class _EpochOrder:
     iterated to its end, so a pass left with `break` leaves the generator where Accelerate does.
     """
 
-    def __init__(self, sampler: Sampler[int], seed: int | None, world: int, *, seedable: bool = False) -> None:
+    def __init__(self, sampler: Sampler[int], seed: int | None, world: int, *,
+                 seedable: bool = False) -> None:
         self.sampler, self.seed, self.world = sampler, seed, world
         self.source: Any = None  # what decided the current pass's order (checkpointed)
         self.resume: Any = None  # that, from a checkpoint, for the next pass
@@ -70,7 +71,8 @@ class _EpochOrder:
             # Accelerate's use_seedable_sampler: randperm(n, data_seed + epoch) whatever the generator
             self.seed = seed if seed is not None else torch.initial_seed()
             self.mode = "seeded"
-        elif isinstance(sampler, RandomSampler) and generator is None and seed is not None and not sampler.replacement:
+        elif (isinstance(sampler, RandomSampler) and generator is None and seed is not None
+              and not sampler.replacement):
             self.mode = "seeded"
         elif isinstance(generator, torch.Generator):
             self.mode = "generator"
@@ -93,7 +95,8 @@ class _EpochOrder:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
             self.source = None
-            return iter(torch.randperm(len(cast(RandomSampler, self.sampler).data_source), generator=g).tolist())
+            n = len(cast(RandomSampler, self.sampler).data_source)
+            return iter(torch.randperm(n, generator=g).tolist())
         if self.mode == "generator":
             g = cast(torch.Generator, getattr(self.sampler, "generator"))  # noqa: B009
             if resume is not None:
@@ -172,7 +175,8 @@ class _RankBatchSampler(Sampler[list[int]]):
 class _IterableShard(IterableDataset[Any]):
     """This rank's items of every global batch of an iterable dataset."""
 
-    def __init__(self, dataset: IterableDataset[Any], batch_size: int, world: int, rank: int, drop_last: bool) -> None:
+    def __init__(self, dataset: IterableDataset[Any], batch_size: int, world: int, rank: int,
+                 drop_last: bool) -> None:
         self.dataset, self.batch_size, self.world, self.rank = dataset, batch_size, world, rank
         self.drop_last = drop_last
         self.last_real = 0  # real samples in the last global batch of the latest pass
@@ -210,7 +214,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         moved = {k: move_to_device(v, device) for k, v in batch.items()}
         try:
-            return type(batch)(moved)  # type: ignore[call-arg]  # keeps BatchEncoding and other dict subclasses
+            # keeps BatchEncoding and other dict subclasses
+            return type(batch)(moved)  # type: ignore[call-arg]
         except TypeError:
             return moved
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
@@ -250,11 +255,11 @@ class PreparedDataLoader(DataLoader[Any]):
         batch_size = base.batch_size
         if split_batches:  # Accelerate's split_batches: the loader's batch is the global one
             if batch_size % world:
-                raise ValueError(f"split_batches: the DataLoader's batch_size={batch_size} must be a multiple "
-                                 f"of the {world} processes")
+                raise ValueError(f"split_batches: the DataLoader's batch_size={batch_size} must be a "
+                                 f"multiple of the {world} processes")
             batch_size //= world
         self.per_process_batch = batch_size
-        self.tail = tail
+        self._tail = tail  # iterable datasets; a sampled one's tail is its batch sampler's
         self.device = device
         self._on_batch = on_batch
         self._on_end = on_end  # called when a loop over the loader ran to its end
@@ -300,6 +305,39 @@ class PreparedDataLoader(DataLoader[Any]):
         """Reshuffle for `epoch` (otherwise each new pass over the loader advances the epoch)."""
         self._epoch = epoch
 
+    @property
+    def epoch(self) -> int | None:
+        """The epoch `set_epoch` gave (advanced by each finished pass); None if never set."""
+        return self._epoch
+
+    @property
+    def iteration(self) -> int:
+        """Passes over the loader finished so far."""
+        return self._iteration
+
+    @property
+    def served(self) -> int:
+        """Samples of the current pass yielded so far, over all processes (0 between passes)."""
+        return self._served
+
+    @property
+    def tail(self) -> str:
+        """How the last incomplete global batch is split: "split", "full" or "uneven"."""
+        return self._batches.tail if self._batches is not None else self._tail
+
+    def set_tail(self, tail: str) -> None:
+        """Change how the last incomplete global batch is split, from the next pass on
+        (Accelerate's `even_batches`); an iterable dataset's loader keeps its own."""
+        if self._batches is not None:
+            self._batches.tail = tail
+
+    def forget_position(self, iteration: int, epoch: int | None) -> None:
+        """Stand at the start of a pass again, as pass `iteration` of `epoch` (a restored
+        checkpoint's place within its epoch and its order are dropped)."""
+        self._resume_at, self._iteration, self._epoch = 0, iteration, epoch
+        if self._batches is not None:
+            self._batches.order.resume = None
+
     def skip_first_batches(self, num_batches: int, *, detached: bool = False) -> None:
         """The next pass starts after its first `num_batches` batches (of this process).
         `detached`: that pass leaves the loader's epoch as it was (Accelerate's skip_first_batches
@@ -329,7 +367,8 @@ class PreparedDataLoader(DataLoader[Any]):
         if self._batches is not None:
             self._batches.order.resume = state.get("order")
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # yields batches, as DataLoader's iterator does
+    # yields batches, as DataLoader's iterator does
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         epoch = self._iteration if self._epoch is None else self._epoch
         start, self._resume_at = self._resume_at, 0
         detached, self._detached = self._detached, False

@@ -79,8 +79,8 @@ def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> Dist
         # No launcher: a private in-memory store, no port to pick or collide on.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0:
-        dist.init_process_group(backend, store=_attempt_store(rank, world_size), rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group(backend, store=_attempt_store(rank, world_size), rank=rank,
+                                world_size=world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(rank, world_size, local_rank, local_world_size, device)

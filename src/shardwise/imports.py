@@ -87,7 +87,14 @@ def from_deepspeed(ds: Mapping[str, Any], source: str = "deepspeed JSON") -> tup
                 if scale:
                     out["loss_scale"] = scale
             for sub in block:
-                if sub not in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+                if sub not in (
+                    "enabled",
+                    "loss_scale",
+                    "initial_scale_power",
+                    "loss_scale_window",
+                    "hysteresis",
+                    "min_loss_scale",
+                ):
                     dropped.append(f"{key}.{sub}")
         elif key == "gradient_accumulation_steps":
             n = _number(value, where)
@@ -121,7 +128,9 @@ def _fp16_loss_scale(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     if static not in (0, "auto"):
         scale.update(dynamic=False, init_scale=float(static))
     elif "initial_scale_power" in block:
-        scale["init_scale"] = 2.0 ** int(_number(block["initial_scale_power"], f"{where}.initial_scale_power"))
+        scale["init_scale"] = 2.0 ** int(
+            _number(block["initial_scale_power"], f"{where}.initial_scale_power")
+        )
     if "loss_scale_window" in block:
         scale["growth_interval"] = int(_number(block["loss_scale_window"], f"{where}.loss_scale_window"))
     if "hysteresis" in block:
@@ -139,7 +148,9 @@ def _ds_optimizer(value: Any, where: str) -> tuple[dict[str, Any], list[str]]:
         raise ConfigError(f"{where}: expected an object with a \"type\", found {value!r}")
     kind = _OPT_TYPES.get(str(value["type"]).lower())
     if kind is None:
-        raise ConfigError(f"{where}.type: {value['type']!r} is not supported; choose one of: AdamW, Adam, SGD")
+        raise ConfigError(
+            f"{where}.type: {value['type']!r} is not supported; choose one of: AdamW, Adam, SGD"
+        )
     out: dict[str, Any] = {"type": kind}
     dropped = []
     for k, v in (value.get("params") or {}).items():
@@ -226,7 +237,9 @@ def from_accelerate(
         )
     mp = str(acc.get("mixed_precision", "no"))
     if mp not in _ACC_PRECISION:
-        raise ConfigError(f"{source}: mixed_precision: {mp!r} is not supported; choose one of: no, fp16, bf16")
+        raise ConfigError(
+            f"{source}: mixed_precision: {mp!r} is not supported; choose one of: no, fp16, bf16"
+        )
     if "precision" in out and kind == "DEEPSPEED":
         if out["precision"] != _ACC_PRECISION[mp]:
             dropped.append(f"mixed_precision ({mp}: the DeepSpeed config file decides)")
@@ -285,7 +298,9 @@ def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[s
         value = plain["reshard_after_forward"]
         flag = _flag(value, f"{source}: fsdp_config.reshard_after_forward") if not (
             isinstance(value, str) and value.upper() in _FSDP_SHARDING) else None
-        out["strategy"] = ("zero3" if flag else "zero2") if flag is not None else _FSDP_SHARDING[str(value).upper()]
+        out["strategy"] = (
+            ("zero3" if flag else "zero2") if flag is not None else _FSDP_SHARDING[str(value).upper()]
+        )
     if _flag(plain.get("offload_params", False), f"{source}: fsdp_config.offload_params"):
         out["offload"] = "params"
     if _flag(plain.get("activation_checkpointing", False), f"{source}: fsdp_config.activation_checkpointing"):

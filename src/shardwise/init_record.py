@@ -21,6 +21,7 @@ that reads another meta tensor, as `nn.init.orthogonal_` does) makes the paramet
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,23 +31,32 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+
+from .internals import no_grad_trunc_normal, tree_map, view_base
 
 ATTR = "_shardwise_init"  # on a meta parameter made by init_empty(): its InitRecipe
 
 _SELF = object()  # stands for the written tensor in a recorded call's arguments
 _EMPTY_FACTORIES = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 # write every element whatever was there (torch.nn.init's functions, and tensor methods)
-_WHOLE = {"_no_grad_trunc_normal_", "normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "exponential_", "geometric_",
-          "log_normal_", "cauchy_", "bernoulli_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-          "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"}
-_NO_DRAWS = {"constant_", "ones_", "zeros_", "eye_", "dirac_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_",
-             "erfinv_", "masked_fill_", "fill_diagonal_", "__setitem__", "requires_grad_", "abs_", "neg_",
-             "sqrt_", "exp_", "log_", "pow_", "tanh_", "sigmoid_", "t_", "transpose_", "squeeze_", "unsqueeze_"}
+_WHOLE = {
+    "_no_grad_trunc_normal_", "normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "exponential_",
+    "geometric_", "log_normal_", "cauchy_", "bernoulli_", "trunc_normal_", "constant_", "ones_", "zeros_",
+    "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+    "orthogonal_", "sparse_",
+}
+_NO_DRAWS = {
+    "constant_", "ones_", "zeros_", "eye_", "dirac_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_",
+    "div_", "clamp_", "clamp_min_", "clamp_max_", "erfinv_", "masked_fill_", "fill_diagonal_", "__setitem__",
+    "requires_grad_", "abs_", "neg_", "sqrt_", "exp_", "log_", "pow_", "tanh_", "sigmoid_", "t_",
+    "transpose_", "squeeze_", "unsqueeze_",
+}
 # torch.nn.init functions that skip a meta tensor without a call the mode would see
-_SHORTCUTS = {f.__code__: f for f in (nn.init._no_grad_trunc_normal_, nn.init.orthogonal_, nn.init.dirac_,
-                                      nn.init.sparse_)}
-_IS_META = torch._C.TensorBase.__dict__["is_meta"].__get__  # the property getter the mode sees
+_SHORTCUTS = {
+    f.__code__: f for f in (no_grad_trunc_normal(), nn.init.orthogonal_, nn.init.dirac_, nn.init.sparse_)
+}
+# the property getter the mode sees (torch.Tensor inherits the descriptor from its C base class)
+_IS_META = inspect.getattr_static(torch.Tensor, "is_meta").__get__
 _METADATA = {"requires_grad_", "share_memory_", "retain_grad_"}  # change no value
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
 
@@ -157,7 +167,9 @@ class Recorder(TorchFunctionMode):
             return self.aliases[id(t)]
         return None
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if self.depth:
             return func(*args, **kwargs)
@@ -172,8 +184,9 @@ class Recorder(TorchFunctionMode):
         target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by keyword
         out = kwargs.get("out")
         written = self._lookup(out) if out is not None else None
-        inplace = ((name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS) \
-            and name not in _METADATA
+        inplace = (
+            (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
+        ) and name not in _METADATA
         if written is None and inplace:
             written = self._lookup(target)
         if written is None and name == "__get__" and func == _IS_META:
@@ -188,8 +201,13 @@ class Recorder(TorchFunctionMode):
         if isinstance(result, torch.Tensor) and not result.is_meta:
             (self.blank.add if name in _EMPTY_FACTORIES else self.blank.discard)(_storage(result))
         source = self._lookup(target) if written is None else None
-        if source is not None and isinstance(result, torch.Tensor) and result.is_meta and result is not target \
-                and isinstance(target, torch.Tensor):
+        if (
+            source is not None
+            and isinstance(result, torch.Tensor)
+            and result.is_meta
+            and result is not target
+            and isinstance(target, torch.Tensor)
+        ):
             self._alias(func, args, kwargs, source, target, result)
         return result
 
@@ -213,15 +231,21 @@ class Recorder(TorchFunctionMode):
                target: torch.Tensor, result: torch.Tensor) -> None:
         """`result` is a view of a tracked tensor (`p.data`, `p[0]`, `p.view(...)`): remember the way."""
         _, recipe, view, whole = source
-        root = target._base if target._base is not None else target
-        if not (result._base is root or (result._base is None and result.shape == target.shape
-                                         and _name(func) in ("detach", "__get__"))):
+        base = view_base(target)
+        root = base if base is not None else target
+        made_from = view_base(result)
+        if not (made_from is root or (made_from is None and result.shape == target.shape
+                                      and _name(func) in ("detach", "__get__"))):
             return
         call = _capture(func, args, kwargs, target)
         if call is None:
             return
-        covers = whole and tuple(result.shape) == recipe.shape and result.stride() == target.stride() \
+        covers = (
+            whole
+            and tuple(result.shape) == recipe.shape
+            and result.stride() == target.stride()
             and result.storage_offset() == target.storage_offset()
+        )
         self.aliases[id(result)] = (result, recipe, (*view, call), covers)
 
     def _record(self, func: Callable[..., Any], name: str, args: Any, kwargs: Any,

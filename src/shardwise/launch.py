@@ -66,10 +66,11 @@ def run_torchrun(argv: Sequence[str], config_path: str, *, stop_signal: str = "S
     kill a save. The line it prints says what the workers saved (their run record), or that
     nothing could be saved. A failed worker's exit code comes back as it was (128 + N for signal N).
     """
-    import torch.distributed.elastic.multiprocessing.api as elastic_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from .internals import terminate_handler
 
     os.environ[CONFIG_ENV] = config_path
     fd, record = tempfile.mkstemp(prefix="shardwise-run-", suffix=".jsonl")
@@ -80,10 +81,10 @@ def run_torchrun(argv: Sequence[str], config_path: str, *, stop_signal: str = "S
     if getattr(args, "shutdown_timeout", 0) is None:
         args.shutdown_timeout = math.ceil(stop_timeout_s)
     stop = _Stop(signal.Signals[stop_signal])
-    # the agent installs this module function as its handler of every signal it stops on
-    handler, elastic_api._terminate_process_handler = elastic_api._terminate_process_handler, stop.handler
     try:
-        run(args)
+        # the agent installs this handler for every signal it stops on
+        with terminate_handler(stop.handler):
+            run(args)
     except ChildFailedError as err:
         for line in describe_failures(err.failures):
             print(f"shardwise launch: {line}", file=sys.stderr, flush=True)
@@ -97,7 +98,6 @@ def run_torchrun(argv: Sequence[str], config_path: str, *, stop_signal: str = "S
     except KeyboardInterrupt:  # Ctrl-C before the workers started
         return 128 + signal.SIGINT
     finally:
-        elastic_api._terminate_process_handler = handler
         Path(record).unlink(missing_ok=True)
     return 0
 
@@ -116,7 +116,8 @@ class _Stop:
             self.repeats += 1
             return
         self.first = signum
-        raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}", sigval=self.death)
+        raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}",
+                              sigval=self.death)
 
 
 def describe_stop(signum: int, repeats: int, record: list[dict[str, Any]]) -> str:
@@ -127,10 +128,12 @@ def describe_stop(signum: int, repeats: int, record: list[dict[str, Any]]) -> st
     stops = [r for r in record if r.get("stop")]
     if not stops or not stops[-1].get("path"):
         return (f"stopped by {name}; nothing could be saved: no worker reached a step boundary within "
-                "preempt_grace_s, or the save failed (see the lines above); the newest checkpoint is unchanged")
+                "preempt_grace_s, or the save failed (see the lines above); the newest checkpoint is "
+                "unchanged")
     last = stops[-1]
-    return (f"stopped by {name}; the workers saved {last['path']} (step {last['step']}) in {last['seconds']:.2f} s "
-            f"and exited {PREEMPTED_EXIT}; the same command resumes from step {last['step']}")
+    return (f"stopped by {name}; the workers saved {last['path']} (step {last['step']}) in "
+            f"{last['seconds']:.2f} s and exited {PREEMPTED_EXIT}; the same command resumes from step "
+            f"{last['step']}")
 
 
 def describe_failures(failures: dict[int, Any]) -> list[str]:
@@ -146,7 +149,8 @@ def describe_failures(failures: dict[int, Any]) -> list[str]:
         elif code == -signal.SIGABRT and not first:  # an abort with no Python error: a C++ terminate
             how += (" (if that was while the process group connected, it is gloo's start-up abort; "
                     "--max-restarts 1 restarts the group by itself)")
-        lines.append(f"rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}" + (f": {first}" if first else ""))
+        said = f"rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}"
+        lines.append(said + (f": {first}" if first else ""))
     return lines
 
 

@@ -80,8 +80,9 @@ def init_empty() -> Iterator[EmptyInit]:
 _HOOKED = "_shardwise_load_hook"
 
 
-def _load_into_meta(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
-                    *_: Any) -> None:
+def _load_into_meta(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], *_: Any
+) -> None:
     """`model.load_state_dict(sd)` on a model built by init_empty: torch would copy into meta
     parameters, a no-op, and prepare would then initialize them afresh. Give each loaded
     parameter real memory first, so the copy lands and prepare keeps the value."""
@@ -89,9 +90,16 @@ def _load_into_meta(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
         return  # assign=True puts the file's tensors in place: real already
     for name, p in list(module._parameters.items()):
         value = state_dict.get(prefix + name)
-        if p is not None and p.is_meta and isinstance(value, torch.Tensor) and not value.is_meta \
-                and value.shape == p.shape:
-            module._parameters[name] = type(p)(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        if (
+            p is not None
+            and p.is_meta
+            and isinstance(value, torch.Tensor)
+            and not value.is_meta
+            and value.shape == p.shape
+        ):
+            module._parameters[name] = type(p)(
+                torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad
+            )
 
 
 def is_empty(model: nn.Module) -> bool:
@@ -140,8 +148,14 @@ def empty_places(model: nn.Module) -> Places:
     places: Places = {(id(m), kind, n): recipe_of(t) if kind == "p" else None for m in model.modules()
                       for kind, store in (("p", m._parameters), ("b", m._buffers))
                       for n, t in store.items() if t is not None and t.is_meta}
-    covered = {(id(s), kind, n) for m in model.modules() if _init_weights_of(m) is not None
-               for s in m.modules() for kind in ("p", "b") for n in (s._parameters if kind == "p" else s._buffers)}
+    covered = {
+        (id(s), kind, n)
+        for m in model.modules()
+        if _init_weights_of(m) is not None
+        for s in m.modules()
+        for kind in ("p", "b")
+        for n in (s._parameters if kind == "p" else s._buffers)
+    }
     for prefix, m in model.named_modules():
         for n in m._parameters:
             recipe = places.get((id(m), "p", n))
@@ -153,9 +167,11 @@ def empty_places(model: nn.Module) -> Places:
 
 def _cannot(model: nn.Module, name: str, why: str) -> str:
     cls = type(model).__name__
-    return (f"{cls}.{name} was built under init_empty() and shardwise cannot reproduce its initialization "
-            f"({why}): give {cls} an init_weights() method that initializes its parameters (shardwise calls it "
-            "at prepare on whole CPU tensors), or build the model normally")
+    return (
+        f"{cls}.{name} was built under init_empty() and shardwise cannot reproduce its initialization "
+        f"({why}): give {cls} an init_weights() method that initializes its parameters (shardwise calls "
+        "it at prepare on whole CPU tensors), or build the model normally"
+    )
 
 
 def _replayable(recipe: InitRecipe | None) -> bool:
@@ -174,8 +190,13 @@ def _own_tensors(m: nn.Module) -> list[tuple[Place, dict[str, Any], str, torch.T
     """The module's own parameters and buffers (and, where it has parameters of its own, its
     children's: a parent's reset may set them, as MultiheadAttention sets out_proj.bias)."""
     owners = [m] + (list(m.children()) if m._parameters else [])
-    return [((id(o), kind, name), store, name, t) for o in owners
-            for kind, store in (("p", o._parameters), ("b", o._buffers)) for name, t in store.items() if t is not None]
+    return [
+        ((id(o), kind, name), store, name, t)
+        for o in owners
+        for kind, store in (("p", o._parameters), ("b", o._buffers))
+        for name, t in store.items()
+        if t is not None
+    ]
 
 
 def _blank(t: torch.Tensor) -> torch.Tensor:
@@ -211,7 +232,12 @@ def write_slice(target: torch.Tensor, full: torch.Tensor) -> None:
 def allocate(model: nn.Module, device: torch.device | str) -> None:
     """Allocate an empty model's meta tensors on `device` (a sharded one: its local shard),
     keeping every real buffer as it is (`to_empty` would replace those too)."""
-    real = {(id(m), n): b for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta}
+    real = {
+        (id(m), n): b
+        for m in model.modules()
+        for n, b in m._buffers.items()
+        if b is not None and not b.is_meta
+    }
     # parameters made real before prepare (load_state_dict after init_empty) keep their values:
     # to_empty replaces them too; their (local) tensors are held here and copied back
     loaded = {(id(m), n): local_tensor(p).detach()

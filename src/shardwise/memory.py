@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .internals import local_tensor
+from .internals import fsdp_params, local_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +88,7 @@ def _held_params(model: nn.Module) -> Iterator[torch.Tensor]:
         if part is not None:
             yield part
     for m in model.modules():
-        get_state = getattr(m, "_get_fsdp_state", None)  # FSDP2's state: no public view of the gathered
-        for group in getattr(get_state(), "_fsdp_param_groups", []) if callable(get_state) else []:
-            for fp in group.fsdp_params:
-                yield fp.sharded_param
-                gathered = getattr(fp, "_unsharded_param", None)  # set once first gathered
-                if gathered is not None:
-                    yield gathered
+        for sharded, gathered in fsdp_params(m):  # FSDP2's: no public view of the gathered one
+            yield sharded
+            if gathered is not None:  # set once first gathered
+                yield gathered

@@ -96,7 +96,9 @@ def _peak_bytes(device: torch.device) -> int:
 class Meter:
     """Counts what passes through the engine and makes a record every `every` steps."""
 
-    def __init__(self, info: DistInfo, every: int, *, peak: float | None, flops_per_token: float | None) -> None:
+    def __init__(
+        self, info: DistInfo, every: int, *, peak: float | None, flops_per_token: float | None
+    ) -> None:
         self.info, self.every = info, every
         self.peak = peak if peak is not None else peak_tflops(info.device)
         self.flops_per_token = flops_per_token  # None: from the model at prepare
@@ -164,10 +166,17 @@ class Meter:
             out["mfu"] = out["tflops_per_s"] / (self.peak * self.info.world_size) if self.peak else None
         else:
             out["tflops_per_s"] = out["mfu"] = None
-        out["grad_norm"] = float(self.grad_norm) if self.grad_norm is not None else None  # this process's copy
+        # this process's copy
+        out["grad_norm"] = float(self.grad_norm) if self.grad_norm is not None else None
         self.grad_norm = None
         out["memory"] = [
-            {"rank": r, "params": int(row[4]), "grads": int(row[5]), "optimizer": int(row[6]), "peak": int(row[7])}
+            {
+                "rank": r,
+                "params": int(row[4]),
+                "grads": int(row[5]),
+                "optimizer": int(row[6]),
+                "peak": int(row[7]),
+            }
             for r, row in enumerate(table.tolist())
         ]
         self._loss.zero_()
@@ -180,7 +189,12 @@ def progress_wanted(setting: bool | None, is_main: bool) -> bool:
     """On the main process in a terminal, unless CI or the setting says otherwise."""
     if setting is not None:
         return setting and is_main
-    return is_main and sys.stderr.isatty() and not os.environ.get("CI") and not os.environ.get("SHARDWISE_NO_PROGRESS")
+    return (
+        is_main
+        and sys.stderr.isatty()
+        and not os.environ.get("CI")
+        and not os.environ.get("SHARDWISE_NO_PROGRESS")
+    )
 
 
 class Progress:

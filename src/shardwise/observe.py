@@ -30,7 +30,8 @@ class Observer:
         self.names = cfg.log_with  # checked and normalized by the config
         self.trackers: list[Tracker] = []
         self.started = False
-        self.meter = Meter(info, max(1, cfg.log_every_steps), peak=cfg.peak_tflops, flops_per_token=cfg.flops_per_token)
+        self.meter = Meter(info, max(1, cfg.log_every_steps), peak=cfg.peak_tflops,
+                           flops_per_token=cfg.flops_per_token)
         show = progress_wanted(cfg.progress, info.is_main)
         if info.world_size > 1 and dist.is_initialized():  # every process must agree to make records
             flag = torch.tensor([int(show)], device=info.device)
@@ -52,7 +53,8 @@ class Observer:
                       init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
         self.started = True
         if self.info.is_main and self.names:
-            self.trackers = make_trackers(self.names, project_name, self.logging_dir, config, init_kwargs or {})
+            self.trackers = make_trackers(self.names, project_name, self.logging_dir, config,
+                                          init_kwargs or {})
 
     def log(self, values: dict[str, Any], step: int | None, log_kwargs: dict[str, Any] | None = None) -> None:
         if not self.started and self.names:
@@ -135,7 +137,8 @@ class TrackerVerbs:
         """Start the `log_with` trackers (main process) for a run named `project_name`."""
         self._observer.init_trackers(project_name, config, init_kwargs)
 
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+    def log(self, values: dict[str, Any], step: int | None = None,
+            log_kwargs: dict[str, Any] | None = None) -> None:
         """Send `values` to every tracker (main process; a no-op elsewhere). Values are numbers
         (one-element tensors and arrays count), strings, or dicts of them; anything else is refused
         on every process, naming its key."""

@@ -36,7 +36,9 @@ def rebind_optimizer(
             fresh.append(new)
             if new is not old and old in optimizer.state:
                 state = optimizer.state.pop(old)
-                optimizer.state[new] = {k: rebind_state(new, v) if torch.is_tensor(v) else v for k, v in state.items()}
+                optimizer.state[new] = {
+                    k: rebind_state(new, v) if torch.is_tensor(v) else v for k, v in state.items()
+                }
         group["params"] = fresh
 
 
@@ -96,7 +98,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if state.sync:
             state.items.rescale(id(self), self.runner, self._strategy.info, state.grad_accum_steps)
         if self._finite is None:
-            self._finite = self._strategy.precision.unscale(p.grad for p in self.params() if p.grad is not None)
+            self._finite = self._strategy.precision.unscale(
+                p.grad for p in self.params() if p.grad is not None
+            )
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         if closure is not None:
@@ -223,7 +227,10 @@ def build_scheduler(
 
     def lr_at(step: int) -> float:
         if step < warm:
-            frac = math.log(step + 1) / math.log(warm) if cfg.warmup_type == "log" and warm > 1 else step / max(1, warm)
+            if cfg.warmup_type == "log" and warm > 1:
+                frac = math.log(step + 1) / math.log(warm)
+            else:
+                frac = step / max(1, warm)
             return low + (top - low) * min(1.0, frac)
         if cfg.type == "WarmupLR":
             return top

@@ -130,7 +130,8 @@ class _Process:
     def _excepthook(self, kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
         """An uncaught collective timeout ends the process with its one line; others as before."""
         if isinstance(err, CollectiveTimeout) or is_timeout(err):
-            message = str(err) if isinstance(err, CollectiveTimeout) or self.guard is None else self.guard.describe_timeout()
+            guard = None if isinstance(err, CollectiveTimeout) else self.guard
+            message = str(err) if guard is None else guard.describe_timeout()
             print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
             os._exit(1)
         (self.previous_hook or sys.__excepthook__)(kind, err, tb)
@@ -148,8 +149,8 @@ class _Process:
             return
         if not self.stepping:  # before the first step boundary there is no work to save
             if self.rank == 0:
-                print(f"shardwise: {signal.Signals(signum).name} before the first step: nothing to save; exiting",
-                      file=sys.stderr, flush=True)
+                print(f"shardwise: {signal.Signals(signum).name} before the first step: nothing to save; "
+                      "exiting", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.preempted, self.since = signum, time.monotonic()
         self._start_watch()
@@ -164,8 +165,9 @@ class _Process:
             waiting = (self.preempted or self.launcher_gone) and not self.at_boundary
             if waiting and time.monotonic() - self.since > self.grace:
                 code = 128 + (self.preempted or signal.SIGTERM)
-                print(f"shardwise: rank {self.rank}: no step boundary within preempt_grace_s={self.grace:g} s of "
-                      f"{self.why()}; exiting ({code}) without a checkpoint", file=sys.stderr, flush=True)
+                print(f"shardwise: rank {self.rank}: no step boundary within preempt_grace_s={self.grace:g} "
+                      f"s of {self.why()}; exiting ({code}) without a checkpoint",
+                      file=sys.stderr, flush=True)
                 os._exit(code)
 
     def why(self) -> str:
@@ -189,9 +191,9 @@ class Guard:
         PROCESS.guard = self
         self._store: Any = None
         with contextlib.suppress(Exception):  # a store the heartbeats can use (absent: no names)
-            from torch.distributed.distributed_c10d import _get_default_store
+            from .internals import default_store
 
-            self._store = _get_default_store()
+            self._store = default_store()
 
     # -- the boundary -----------------------------------------------------------------------
     def at_boundary(self, step: int, save: Callable[[str], None]) -> None:
@@ -201,7 +203,8 @@ class Guard:
         self.last_step, self.step_in_progress = step, step + 1
         PROCESS.stepping = True
         self.heartbeat("at the start")
-        flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone), float(self._time_due())])
+        flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone),
+                              float(self._time_due())])
         if self.info.world_size > 1:
             with self.timeouts():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -209,7 +212,8 @@ class Guard:
         every = self.cfg.checkpoint_every_steps
         if stop or gone:
             PROCESS.at_boundary = True
-            reason = (PROCESS.why() if PROCESS.preempted else "a signal to another process") if stop else "the launcher is gone"
+            signalled = PROCESS.why() if PROCESS.preempted else "a signal to another process"
+            reason = signalled if stop else "the launcher is gone"
             t0 = time.monotonic()
             if self.last_saved_step != step:  # not saved at this step already (by policy or the script)
                 save(reason)
@@ -259,7 +263,8 @@ class Guard:
         from .storage import CheckpointError
 
         if self.cfg.resume == "never":
-            say(self.info, f"resume: never: no checkpoint loaded (checkpoint_dir {root}/); starting at step 0")
+            say(self.info, f"resume: never: no checkpoint loaded (checkpoint_dir {root}/); starting at "
+                "step 0")
             return None
         found = newest(root)
         if found is not None:
@@ -270,8 +275,9 @@ class Guard:
         earlier = [r for r in _run_record() if r.get("attempt", 0) < _attempt() and r.get("path")]
         if earlier:
             raise CheckpointError(
-                f"restart {_attempt()}: an earlier attempt saved {earlier[-1]['path']} (step {earlier[-1]['step']}), "
-                f"but there is no checkpoint under {root}/ now; this attempt will not start again from step 0: "
+                f"restart {_attempt()}: an earlier attempt saved {earlier[-1]['path']} "
+                f"(step {earlier[-1]['step']}), but there is no checkpoint under {root}/ now; this attempt "
+                "will not start again from step 0: "
                 "give every machine the same checkpoint_dir on a shared file system")
         say(self.info, f"no checkpoint under {root}/: starting at step 0")
         return None
@@ -285,7 +291,8 @@ class Guard:
         self._progress += 1
         if self._store is not None:
             with contextlib.suppress(Exception):
-                self._store.set(f"shardwise/progress/{self.info.rank}", f"{self._progress}|{self.step_in_progress}|{where}")
+                self._store.set(f"shardwise/progress/{self.info.rank}",
+                                f"{self._progress}|{self.step_in_progress}|{where}")
 
     # -- timeouts -----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -3,9 +3,9 @@
 Two runs started with the same `checkpoint_dir` would write each other's `step_<N>` and resume
 each other's state. So a run owns its checkpoint folder while it runs: process 0 creates
 `<checkpoint_dir>/.shardwise.lock` (JSON: host, pid, the process's start time, the
-machine's boot id, torchrun's job id and restart count) when the run first needs the folder: its first `load_state()` (found a
-checkpoint or not: scripts call it at their start) or its first save there, whichever comes
-first (an Accelerator's automatic `checkpoint_<i>` naming: the same, for
+machine's boot id, torchrun's job id and restart count) when the run first needs the folder: its
+first `load_state()` (found a checkpoint or not: scripts call it at their start) or its first save
+there, whichever comes first (an Accelerator's automatic `checkpoint_<i>` naming: the same, for
 `<project_dir>/checkpoints`). Saves and loads of an explicit folder outside checkpoint_dir take
 no lock: the user named that folder.
 
@@ -139,9 +139,11 @@ def _acquire(root: Path) -> tuple[str | None, str | None]:
                     "or give this run another checkpoint_dir"), None
         if not _dead(info):
             if info.get("host") != socket.gethostname():
-                return (f"{root}: held by a run on another machine ({_holder(info)}), which cannot be checked "
-                        f"from here; if that run is over, delete {lock} by hand, or give this run another "
-                        "checkpoint_dir"), None
+                return (
+                    f"{root}: held by a run on another machine ({_holder(info)}), which cannot be "
+                    f"checked from here; if that run is over, delete {lock} by hand, or give this run "
+                    "another checkpoint_dir"
+                ), None
             return (f"{root}: in use by another run ({_holder(info)}); two runs in one checkpoint folder "
                     "overwrite each other's checkpoints: wait for it to end, or give this run another "
                     "checkpoint_dir"), None
@@ -156,8 +158,13 @@ def _acquire(root: Path) -> tuple[str | None, str | None]:
             os.rename(aside, lock)
             continue
         aside.unlink()
-        taken_over = one_line(f"{lock}: took over the run lock from a run that is no longer alive ({_holder(info)})")
-    return f"{lock}: could not take the run lock (other runs keep replacing it); give this run another checkpoint_dir", None
+        taken_over = one_line(
+            f"{lock}: took over the run lock from a run that is no longer alive ({_holder(info)})"
+        )
+    return (
+        f"{lock}: could not take the run lock (other runs keep replacing it); give this run another "
+        "checkpoint_dir"
+    ), None
 
 
 def hold(root: Path, rank: int) -> str | None:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from .config import EngineConfig
+from .internals import is_fake
 from .materialize import empty_places, is_empty
 from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
 from .step import StepState
@@ -33,7 +33,8 @@ log = logging.getLogger("shardwise")
 PRETRAINED = "_shardwise_pretrained"  # on a model from `Engine.from_pretrained`: a `weights.Pretrained`
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module], prepared: set[int]) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module],
+                    prepared: set[int]) -> None:
     """An optimizer may update only parameters of `models` (prepared with it) or of models
     already prepared (`prepared`: their parameter ids)."""
     pending = {id(p) for m in models for p in m.parameters()} | prepared
@@ -77,17 +78,23 @@ class Session:
         self.schedulers.clear()
         self.param_ids.clear()
 
-    def set_config(self, config: EngineConfig) -> None:
-        """The config changed before training (grad_accum_steps derived from train_batch_size)."""
-        self.config = config
-        self.step_state.grad_accum_steps = config.grad_accum_steps
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-steps per optimizer step: the loss divisor and the boundary (`StepState` holds it)."""
+        return self.step_state.grad_accum_steps
+
+    def set_grad_accum(self, steps: int) -> None:
+        """Change the micro-steps per optimizer step (`Engine.set_grad_accum` calls this; the
+        session's config keeps the value it was made with, which nothing here reads)."""
+        self.step_state.grad_accum_steps = steps
 
     # -- prepare ----------------------------------------------------------------------------
     def is_prepared_model(self, module: nn.Module) -> bool:
         return any(module is m or module is self.strategy.unwrap(m) for m in self.models)
 
     def prepare(
-        self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]
+        self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
     ) -> dict[int, Any]:
         """Prepare models, then optimizers (rebound to the prepared parameters), then schedulers;
         `id(object) -> prepared object`. The caller checked them first (`check_optimizer`)."""
@@ -204,11 +211,13 @@ class Session:
 
     # -- the step ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def accumulate(self, models: Sequence[nn.Module], *, loader_at_end: bool) -> Iterator[None]:
-        """One micro-step; off the accumulation boundary `models` communicate nothing."""
+    def accumulate(self, models: Sequence[nn.Module], *, loader_at_end: bool,
+                   sync_each_batch: bool = False) -> Iterator[None]:
+        """One micro-step; off the accumulation boundary `models` communicate nothing, unless
+        `sync_each_batch` (every backward communicates; the optimizers still step at the boundary)."""
         self.step_state.begin_micro_step(loader_at_end)
         with contextlib.ExitStack() as stack:
-            if not self.step_state.sync:
+            if not self.step_state.sync and not sync_each_batch:
                 for m in models or self.models:
                     stack.enter_context(self.strategy.no_sync(m))
             yield
@@ -218,7 +227,7 @@ class Session:
         `num_items`: `loss` is a sum over that many items; the boundary rescales the gradients
         to the mean over every process's items of the step (`shardwise.items`)."""
         self.step_state.items.add(num_items)
-        loss = self.strategy.precision.scale_loss(loss / self.config.grad_accum_steps)
+        loss = self.strategy.precision.scale_loss(loss / self.step_state.grad_accum_steps)
         self.strategy.backward(loss, **kwargs)
 
     def unscale_gradients(self) -> None:

@@ -59,7 +59,8 @@ def check_file(path: Path, expected: str) -> str | None:
         return f"{path}: recorded checksum {expected!r} is not {ALGORITHM}; saved by a newer shardwise?"
     actual = checksum_file(path)
     if actual != expected:
-        return f"{path}: checksum mismatch (corrupted or altered after it was saved: {actual}, recorded {expected})"
+        return (f"{path}: checksum mismatch (corrupted or altered after it was saved: {actual}, "
+                f"recorded {expected})")
     return None
 
 
@@ -167,7 +168,8 @@ def inside_cwd_check(target: Path) -> str | None:
     """A save must never replace the current directory or a folder that holds it."""
     here, there = Path.cwd().resolve(), Path(os.path.abspath(target)).resolve()
     if here == there or there in here.parents:
-        return f"{target}: is the current directory{' or holds it' if here != there else ''}; save into a subfolder"
+        holds = " or holds it" if here != there else ""
+        return f"{target}: is the current directory{holds}; save into a subfolder"
     return None
 
 

@@ -44,8 +44,10 @@ def _scalar(value: Any, name: str) -> Any:
     if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
         if value.size == 1 if isinstance(value, (np.ndarray, np.generic)) else value.numel() == 1:
             return value.item()
-        raise ValueError(f"log(): {name!r} is a {type(value).__name__} of shape {tuple(value.shape)}, not a scalar; "
-                         "log a number (e.g. .mean().item()) or one key per element")
+        raise ValueError(
+            f"log(): {name!r} is a {type(value).__name__} of shape {tuple(value.shape)}, not a scalar; "
+            "log a number (e.g. .mean().item()) or one key per element"
+        )
     raise ValueError(f"log(): {name!r} is a {type(value).__name__}, not a number; log numbers, strings, "
                      "or dicts of them")
 
@@ -171,7 +173,9 @@ class WandBTracker(Tracker):
         self.run_.finish()
 
 
-_CLASSES: dict[str, type[Tracker]] = {"jsonl": JSONLTracker, "tensorboard": TensorBoardTracker, "wandb": WandBTracker}
+_CLASSES: dict[str, type[Tracker]] = {
+    "jsonl": JSONLTracker, "tensorboard": TensorBoardTracker, "wandb": WandBTracker
+}
 
 
 def check_log_with(log_with: Any) -> tuple[str, ...]:
@@ -188,7 +192,9 @@ def check_log_with(log_with: Any) -> tuple[str, ...]:
             return ("jsonl", *(t for t, mod in (("tensorboard", "tensorboard"), ("wandb", "wandb"))
                                if importlib.util.find_spec(mod) is not None))
         if name not in TRACKERS:
-            raise ValueError(f"log_with={item!r} is not a tracker shardwise has; choose from: {', '.join(TRACKERS)}")
+            raise ValueError(
+                f"log_with={item!r} is not a tracker shardwise has; choose from: {', '.join(TRACKERS)}"
+            )
         names.append(name)
     return tuple(dict.fromkeys(names))
 

@@ -79,7 +79,9 @@ def weight_files(path: Path) -> list[Path]:
                 raise CheckpointError(f"{path / name}: missing (named in {INDEX})")
         return [path / name for name in files]
     found = ", ".join(sorted(p.name for p in path.iterdir())[:4]) or "nothing"
-    raise CheckpointError(f"{path}: holds no {SINGLE} and no {INDEX} (found {found}): not a safetensors model save")
+    raise CheckpointError(
+        f"{path}: holds no {SINGLE} and no {INDEX} (found {found}): not a safetensors model save"
+    )
 
 
 def read_entries(files: list[Path]) -> dict[str, _Entry]:
@@ -125,8 +127,13 @@ def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 # prefixes a wrapper adds to every key of the module it wraps, and who adds them
-WRAPPER_PREFIXES = {"module.": "DDP or DataParallel", "_orig_mod.": "torch.compile", "_fsdp_wrapped_module.": "FSDP",
-                    "_checkpoint_wrapped_module.": "activation checkpointing", "model.": "a wrapper module"}
+WRAPPER_PREFIXES = {
+    "module.": "DDP or DataParallel",
+    "_orig_mod.": "torch.compile",
+    "_fsdp_wrapped_module.": "FSDP",
+    "_checkpoint_wrapped_module.": "activation checkpointing",
+    "model.": "a wrapper module",
+}
 _LEADING = ("module.", "model.")  # only at the front; the others sit at any depth
 KEY_MAP_HINT = "rename them with key_map={'<prefix in the file>.': '<prefix in the model>.'}"
 
@@ -191,9 +198,16 @@ def strip_wrappers(shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry
     return best
 
 
-def match_keys(module: nn.Module, shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry], source: Path,
-               *, strict: bool, key_map: Mapping[str, str] | None = None,
-               fills_missing: bool = False) -> dict[str, _Entry]:
+def match_keys(
+    module: nn.Module,
+    shapes: dict[str, tuple[int, ...]],
+    entries: dict[str, _Entry],
+    source: Path,
+    *,
+    strict: bool,
+    key_map: Mapping[str, str] | None = None,
+    fills_missing: bool = False,
+) -> dict[str, _Entry]:
     """Model key -> file entry, after checking names and shapes; one line naming the keys.
 
     Strict (the default, as torch's load_state_dict): a model tensor the files lack, or a file
@@ -212,7 +226,11 @@ def match_keys(module: nn.Module, shapes: dict[str, tuple[int, ...]], entries: d
     ignore = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []]
     unexpected = sorted(e.key for e in entries.values()
                         if e.key not in used and not any(p.search(e.key) for p in ignore))
-    shaped = [f"{k} {list(found[k].shape)} vs {list(shapes[k])}" for k in shapes if k in found and found[k].shape != shapes[k]]
+    shaped = [
+        f"{k} {list(found[k].shape)} vs {list(shapes[k])}"
+        for k in shapes
+        if k in found and found[k].shape != shapes[k]
+    ]
     problems = []
     if shaped:
         problems.append("mis-shaped " + _few(shaped))
@@ -221,13 +239,16 @@ def match_keys(module: nn.Module, shapes: dict[str, tuple[int, ...]], entries: d
     if strict and unexpected:
         problems.append("unexpected " + _few(unexpected))
     if problems:
-        raise CheckpointError(f"{source}: does not match {class_name(module)}: {'; '.join(problems)}" + ("" if shaped else (
-            f" (another model's weights, or keys under another prefix? {KEY_MAP_HINT}, or load with strict=False "
-            "to skip them)")))
+        hint = "" if shaped else (
+            f" (another model's weights, or keys under another prefix? {KEY_MAP_HINT}, or load with "
+            "strict=False to skip them)"
+        )
+        raise CheckpointError(f"{source}: does not match {class_name(module)}: {'; '.join(problems)}{hint}")
     if missing or unexpected:
-        log.warning("%s: %s", source, "; ".join(
-            [f"{'initialized by the model' if fills_missing else 'left as they were'}: {_few(missing)}"] * bool(missing)
-            + [f"not used: {_few(unexpected)}"] * bool(unexpected)))
+        fate = "initialized by the model" if fills_missing else "left as they were"
+        notes = [f"{fate}: {_few(missing)}"] * bool(missing)
+        notes += [f"not used: {_few(unexpected)}"] * bool(unexpected)
+        log.warning("%s: %s", source, "; ".join(notes))
     return {k: e for k, e in found.items() if k not in aliases or aliases[k] not in found}
 
 
@@ -298,8 +319,15 @@ def check_source(path: str | os.PathLike[str], module: nn.Module, *, strict: boo
     full shapes of `module`'s tensors where the module no longer shows them (DeepSpeed)."""
     source = Path(path)
     entries = read_entries(weight_files(source))
-    return source, match_keys(module, shapes or full_shapes(module), entries, source, strict=strict, key_map=key_map,
-                              fills_missing=fills_missing)
+    return source, match_keys(
+        module,
+        shapes or full_shapes(module),
+        entries,
+        source,
+        strict=strict,
+        key_map=key_map,
+        fills_missing=fills_missing,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,7 +86,8 @@ def main():
             samples = [next(batches), next(batches)]
             for i, (xb, yb) in enumerate(samples):
                 # no communication on all but the last micro-batch, as the autoregressive example
-                ctx = model.no_sync if i < len(samples) - 1 and accelerator.num_processes > 1 else contextlib.nullcontext
+                ctx = (model.no_sync if i < len(samples) - 1 and accelerator.num_processes > 1
+                       else contextlib.nullcontext)
                 with ctx():
                     loss = nn.functional.cross_entropy(model(xb), yb)
                     accelerator.backward(loss)

@@ -104,7 +104,8 @@ def main():
             pred, y = accelerator.gather_for_metrics((pred, y))
             correct += int((pred == y).sum())
             seen += len(y)
-            names += accelerator.gather_for_metrics([f"sample-{int(v)}" for v in y.tolist()[:1]], use_gather_object=True)
+            names += accelerator.gather_for_metrics([f"sample-{int(v)}" for v in y.tolist()[:1]],
+                                                    use_gather_object=True)
         record["metrics"].append({"epoch": epoch, "accuracy": correct / seen, "seen": seen})
         record["names"].append(names)
         note(f"epoch {epoch}: accuracy {correct / seen:.4f}")

@@ -71,7 +71,8 @@ def main():
             start_epoch, skip, overall = int(e[1:]), int(b[1:]), int(s[1:])
         for epoch in range(start_epoch, 3):
             model.train()
-            loader = accelerator.skip_first_batches(train_dl, skip) if skip and epoch == start_epoch else train_dl
+            loader = (accelerator.skip_first_batches(train_dl, skip) if skip and epoch == start_epoch
+                      else train_dl)
             for step, (x, y) in enumerate(loader, start=skip if epoch == start_epoch else 0):
                 with accelerator.accumulate(model):
                     loss = nn.functional.cross_entropy(model(x), y)

@@ -31,7 +31,8 @@ class Pairs(Dataset):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.labels[i]}
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                "labels": self.labels[i]}
 
 
 def main():
@@ -47,7 +48,8 @@ def main():
         mixed_precision=None,
         gradient_accumulation_steps=2,
         log_with="tensorboard",
-        project_config=ProjectConfiguration(project_dir=args.project_dir, automatic_checkpoint_naming=True, total_limit=2),
+        project_config=ProjectConfiguration(project_dir=args.project_dir, automatic_checkpoint_naming=True,
+                                            total_limit=2),
     )
     set_seed(42)
     with accelerator.main_process_first():
@@ -69,7 +71,8 @@ def main():
     def say(text):
         print(text, flush=True)
 
-    record = {"losses": [], "lrs": [], "metrics": [], "distributed_type": str(accelerator.distributed_type.value),
+    record = {"losses": [], "lrs": [], "metrics": [],
+              "distributed_type": str(accelerator.distributed_type.value),
               "mixed_precision": accelerator.mixed_precision, "num_processes": accelerator.num_processes,
               "multi": accelerator.distributed_type != DistributedType.NO,
               "steps": accelerator.gradient_accumulation_steps}
@@ -102,7 +105,8 @@ def main():
         preds, refs = torch.cat(predictions), torch.cat(references)
         tp = int(((preds == 1) & (refs == 1)).sum())
         f1 = 2 * tp / max(1, int((preds == 1).sum()) + int((refs == 1).sum()))
-        metric = {"epoch": epoch, "n": len(preds), "accuracy": float((preds == refs).float().mean()), "f1": f1}
+        metric = {"epoch": epoch, "n": len(preds), "accuracy": float((preds == refs).float().mean()),
+                  "f1": f1}
         record["metrics"].append(metric)
         accelerator.log(metric, step=epoch)
         say(f"epoch {epoch}: {metric}")

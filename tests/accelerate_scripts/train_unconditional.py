@@ -43,8 +43,9 @@ def main():
 
     accelerator = Accelerator(cpu=args.cpu, project_dir=args.project_dir)
     set_seed(3)
-    model = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
-                        norm_num_groups=4, down_block_types=("DownBlock2D", "DownBlock2D"),
+    model = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
+                        block_out_channels=(8, 16), norm_num_groups=4,
+                        down_block_types=("DownBlock2D", "DownBlock2D"),
                         up_block_types=("UpBlock2D", "UpBlock2D"))
     if use_ema:
         ema_model = EMAModel(model.parameters(), decay=0.9, use_ema_warmup=True, inv_gamma=1.0, power=0.75,
@@ -55,7 +56,8 @@ def main():
         if accelerator.is_main_process:
             if use_ema:
                 ema_model.save_pretrained(os.path.join(output_dir, "unet_ema"))
-                record["saved"].append({"ema": total(ema_model.shadow_params), "dir": os.path.basename(output_dir),
+                record["saved"].append({"ema": total(ema_model.shadow_params),
+                                        "dir": os.path.basename(output_dir),
                                         "model": total(accelerator.unwrap_model(models[0]).parameters())})
             for model in models:
                 accelerator.unwrap_model(model).save_pretrained(os.path.join(output_dir, "unet"))
@@ -66,7 +68,8 @@ def main():
             loaded = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DModel)
             ema_model.load_state_dict(loaded.state_dict())
             ema_model.to(accelerator.device)
-            record["loaded"] = {"ema": total(ema_model.shadow_params), "optimization_step": ema_model.optimization_step}
+            record["loaded"] = {"ema": total(ema_model.shadow_params),
+                                "optimization_step": ema_model.optimization_step}
             del loaded
         for _ in range(len(models)):
             target = accelerator.unwrap_model(models.pop())
@@ -125,7 +128,8 @@ def main():
                 global_step += 1
                 record["losses"].append([global_step, loss.item()])
                 dump()
-                if accelerator.is_main_process and args.checkpointing_steps and global_step % args.checkpointing_steps == 0:
+                if (accelerator.is_main_process and args.checkpointing_steps
+                        and global_step % args.checkpointing_steps == 0):
                     accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process and not args.no_sample:
@@ -135,7 +139,8 @@ def main():
                 ema_model.copy_to(unet.parameters())
             pipeline = DDPMPipeline(unet=unet, scheduler=noise_scheduler)
             generator = torch.Generator(device=pipeline.device).manual_seed(0)
-            sample = pipeline(generator=generator, batch_size=2, num_inference_steps=4, output_type="np").images
+            sample = pipeline(generator=generator, batch_size=2, num_inference_steps=4,
+                              output_type="np").images
             if use_ema:
                 ema_model.restore(unet.parameters())
             record["samples"].append(float(sample.sum()))

@@ -49,8 +49,11 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
     kind, at, who = _fault()
     model = W.build("tiny")
     opt = W.make_optimizer(model)
-    loader = DataLoader(W.Tokens(SAMPLES // 2), batch_size=4 // engine.num_processes // engine.config.grad_accum_steps,
-                        shuffle=True)
+    loader = DataLoader(
+        W.Tokens(SAMPLES // 2),
+        batch_size=4 // engine.num_processes // engine.config.grad_accum_steps,
+        shuffle=True,
+    )
     model, opt, loader = engine.prepare(model, opt, loader)
     resumed = engine.load_state()
     if engine.is_main_process:

@@ -20,7 +20,11 @@ import shardwise
 
 def config_optimizer_loop(engine: shardwise.Engine, name: str, batch: int, steps: int) -> dict:
     model = W.build(name)
-    loader = torch.utils.data.DataLoader(W.Tokens(engine.num_processes * batch * engine.config.grad_accum_steps * steps), batch_size=batch, shuffle=True)
+    loader = torch.utils.data.DataLoader(
+        W.Tokens(engine.num_processes * batch * engine.config.grad_accum_steps * steps),
+        batch_size=batch,
+        shuffle=True,
+    )
     model, loader = engine.prepare(model, loader)
     opt, sched = engine.optimizer, engine.scheduler
     losses, lrs = [], []
@@ -34,7 +38,12 @@ def config_optimizer_loop(engine: shardwise.Engine, name: str, batch: int, steps
             opt.zero_grad()
             if engine.sync_gradients:
                 lrs.append(sched.get_last_lr()[0])
-    return {"losses": losses, "lrs": lrs, "optimizer": type(opt.optimizer).__name__, "state": engine.get_state_dict(model)}
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "optimizer": type(opt.optimizer).__name__,
+        "state": engine.get_state_dict(model),
+    }
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Plan before you run: which strategy and per-device batch fit, predicted from real traces.
 
-    from shardwise.plan import plan_named, plan_module
-    plan = plan_named("gpt2-xl", seq_len=128, world_size=1, device_memory="24GB")
+    from shardwise.plan import PlanRequest, plan_module, plan_named
+    plan = plan_named("gpt2-xl", PlanRequest(world_size=1, device_memory="24GB"), seq_len=128)
     plan.best, plan.best.why, plan.find("zero3", "params").max_batch
 
 The model is traced on fake tensors through the real strategies (nothing is allocated, no device
@@ -13,6 +13,7 @@ from .planner import (
     CANDIDATES,
     GlobalBatch,
     Plan,
+    PlanRequest,
     StrategyPlan,
     parse_memory,
     plan_model,
@@ -32,6 +33,7 @@ __all__ = [
     "Overheads",
     "Plan",
     "PlanError",
+    "PlanRequest",
     "StrategyPlan",
     "parse_memory",
     "plan_model",

@@ -3,6 +3,23 @@
 Torch's "fake" process-group backend answers every collective without communicating; FakeTensor
 gives every tensor a shape and dtype but no data. DDP needs two small concessions (see
 `fake_ddp`); everything else (FSDP2, our sharded optimizer, offload) runs unchanged.
+
+This module is also the planner's shim: the private torch names the planner needs are touched
+here only, each behind a function or a re-export (checked against torch 2.13.0):
+
+- `torch._C._distributed_c10d.FakeProcessGroup` and its `_create_internal`: the fake backend;
+  `dist.Backend._plugins`: whether it is registered already.
+- `torch.distributed.distributed_c10d`'s registry: `_world` (its default_pg, group_count,
+  pg_coalesce_state, comms), `_pg_map`, `_pg_names`, `_pg_group_ranks`, `_pg_backend_config`,
+  `_tags_to_pg`, `_pg_to_tag`, `_unregister_all_process_groups`, `_update_default_pg`,
+  `_register_process_group`: set aside and restored around the fake world (`fake_world`).
+- DDP's reducer `_rebuild_buckets` (`fake_ddp`) and `torch.nn.parallel.distributed`'s
+  `_verify_param_shape_across_processes` (`no_ddp_shape_check`).
+- `torch.utils._python_dispatch.TorchDispatchMode` (re-exported as `DispatchMode`),
+  `torch.utils._pytree.tree_leaves` / `tree_map`, `torch._subclasses.fake_tensor.FakeTensorMode`
+  (`fake_mode`), `torch._guards.detect_fake_mode` (`current_fake_mode`).
+- `UntypedStorage._cdata` (`storage_key`: the address that names a storage while it lives) and
+  an operator's `_overloadpacket` (`overload_packet`: the key of torch's FLOP formulas).
 """
 
 from __future__ import annotations
@@ -17,6 +34,45 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = [
+    "DispatchMode", "current_fake_mode", "fake_copy", "fake_ddp", "fake_mode", "fake_world", "kept_rng",
+    "no_ddp_shape_check", "overload_packet", "patched", "storage_key", "tree_leaves", "tree_map",
+]
+
+
+# -- private torch names, each behind a function ------------------------------------------------
+def fake_mode() -> Any:
+    """A FakeTensorMode that also accepts real tensors as inputs (the user's built model)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def current_fake_mode() -> Any:
+    """The fake mode now active (None outside one)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode()
+
+
+def storage_key(st: torch.UntypedStorage) -> int:
+    """The address of a storage's implementation: the same for every view while it lives."""
+    return int(st._cdata)
+
+
+def overload_packet(func: Any) -> Any:
+    """The overload packet of an aten operator (what `flop_counter.flop_registry` is keyed by)."""
+    return func._overloadpacket
+
+
+def no_ddp_shape_check() -> contextlib.AbstractContextManager[None]:
+    """DDP compares parameter shapes across ranks by reading tensor data; fake ranks agree."""
+    from torch.nn.parallel import distributed as ddp_module
+
+    return patched(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None)
 
 
 # -- a private world of fake ranks -------------------------------------------------------------
@@ -26,7 +82,9 @@ def _register_fake_backend() -> None:
     from torch._C._distributed_c10d import FakeProcessGroup
 
     def create(common: Any, backend_opts: Any) -> Any:
-        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, backend_opts)  # type: ignore[call-arg]
+        return FakeProcessGroup._create_internal(  # type: ignore[call-arg]
+            common.group_rank, common.group_size, backend_opts
+        )
 
     dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda"])
 
@@ -89,6 +147,7 @@ def kept_rng() -> Iterator[None]:
 
 @contextlib.contextmanager
 def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """`obj.name` is `value` inside (and what it was again after)."""
     old = getattr(obj, name)
     setattr(obj, name, value)
     try:
@@ -113,6 +172,7 @@ class _NoRebuildReducer:
 
 
 def fake_ddp(model: nn.Module, on_bucket: Callable[[torch.Tensor], None]) -> None:
+    """A DDP model all-reduces through `on_bucket` (no collective) and never rebuilds buckets."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ..precision import DTYPES
 from .trace import ROLES, SegmentPeak, TraceResult
 
 GiB = 2**30
@@ -73,7 +74,8 @@ class Hardware:
         return Hardware(flops_bf16=20e9, flops_fp32=50e9, interconnect=2e9, pcie=1e12, host_adam=1e12)
 
     def flops(self, precision: str) -> float:
-        return self.flops_fp32 if precision == "fp32" else self.flops_bf16
+        """The sustained rate at `precision`: fp32's for 4-byte compute, else the 16-bit one."""
+        return self.flops_fp32 if DTYPES[precision].itemsize == 4 else self.flops_bf16
 
 
 def _comm_factor(kind: str, world: int) -> float:
@@ -124,7 +126,8 @@ class Fitted:
         w = self._weights(batch)
         best: tuple[float, str, dict[str, float]] | None = None
         for seg in self.segments:
-            peaks: list[tuple[float, SegmentPeak]] = [(x, getattr(self.traces[k], self._field)[seg]) for k, x in w.items()]
+            peaks: list[tuple[float, SegmentPeak]] = [(x, getattr(self.traces[k], self._field)[seg])
+                                                      for k, x in w.items()]
             paths = [p.trajectory for _, p in peaks]
             if all(t is not None for t in paths) and len({t.shape for t in paths}) == 1:
                 # the same moments in every trace: extrapolate each, then take the peak
@@ -138,7 +141,8 @@ class Fitted:
                 best = (total, seg, roles)
         host = 0.0
         if self.device == "cuda":
-            host = max(sum(x * self.traces[k].host.get(seg, 0.0) for k, x in w.items()) for seg in self.segments)
+            host = max(sum(x * self.traces[k].host.get(seg, 0.0) for k, x in w.items())
+                       for seg in self.segments)
         assert best is not None
         return Memory(device=max(best[0], 0.0), roles=best[2], host=max(host, 0.0), segment=best[1])
 

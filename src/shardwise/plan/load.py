@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .fakes import fake_mode
 from .presets import ModelSpec
 from .trace import Candidate
 
@@ -43,11 +44,16 @@ def _bytes(tensors: list[torch.Tensor]) -> float:
     return float(sum(t.numel() * t.element_size() for t in tensors))
 
 
+def _sharded_at_rest(c: Candidate) -> bool:
+    """Each process keeps only its shard of the parameters between steps: the stages that shard
+    gradients run on FSDP2 on the torch backend, which shards the parameters too (zero2 only
+    keeps them gathered from forward to backward)."""
+    return c.strategy_spec.shards_grads
+
+
 def load_memory(spec: ModelSpec, candidates: list[Candidate], *, world_size: int, device: str) -> LoadMemory:
     """`LoadMemory` for `spec` at its full depth (built on fake tensors: no memory)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_mode():
         model: nn.Module = spec.build(None)
     params = _bytes(list({id(p): p for p in model.parameters()}.values()))
     buffers = _bytes(list(model.buffers()))
@@ -59,8 +65,9 @@ def load_memory(spec: ModelSpec, candidates: list[Candidate], *, world_size: int
     biggest_tensor = max((_bytes([p]) for p in model.parameters()), default=0.0)
     init, load = {}, {}
     for c in candidates:
-        sharded = c.strategy in ("zero2", "zero3")
-        resident = (params / world_size if sharded else params) if device == "cpu" or c.offload == "params" else 0.0
+        sharded = _sharded_at_rest(c)
+        on_host = device == "cpu" or c.offload_spec.params_on_host
+        resident = (params / world_size if sharded else params) if on_host else 0.0
         init[c] = resident + largest + buffers
         load[c] = resident + (biggest_tensor / world_size if sharded else biggest_tensor) + buffers
     return LoadMemory(whole=params + buffers, init=init, load=load, parameters=params, largest_module=largest)

@@ -3,7 +3,7 @@
 `plan_model` traces every candidate configuration (see `trace.py`), fits the traces (`fit.py`)
 and returns a frozen `Plan`. `plan_module` does the same for a module the script already built
 (what `Engine(strategy="auto")` calls at `prepare`), and `plan_named` for what the command line
-names (a preset, a config.json, module:factory).
+names (a preset, a config.json, module:factory). Each takes one `PlanRequest` (`request.py`).
 
 Step time is an estimate for *comparing* plans, from stated speeds (`Hardware`): compute is the
 traced FLOPs (recomputation included) at the device's sustained rate; communication is the
@@ -17,48 +17,22 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from .fit import Fitted, GiB, Hardware, Overheads, largest_batch
 from .load import LoadMemory, load_memory
-from .presets import TRACE_DEPTHS, ModelSpec, PlanError, module_spec, resolve_model
+from .presets import TRACE_DEPTHS, ModelSpec, PlanError, batch_dim, module_spec, resolve_model
+from .request import CANDIDATES, PlanRequest, parse_memory
 from .trace import Candidate, TraceJob, TraceResult, run_trace
 
-CANDIDATES: tuple[Candidate, ...] = tuple(
-    Candidate(s, o, ac)
-    for ac in (False, True)
-    for s, o in (("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"),
-                 ("zero2", "optimizer"), ("zero3", "params"))
-)
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
-          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
-
-
-def parse_memory(value: str | float, what: str = "memory") -> int:
-    """'24GB', '24GiB', '512MB', '1.5T' or a number of bytes -> bytes.
-
-    Memory sizes are binary: GB and GiB both mean 2**30 bytes (a "24 GB" card holds 24 GiB).
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise PlanError(f"{what}={value!r}: must be more than 0 bytes")
-        return int(value)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS:
-        raise PlanError(f"{what}={value!r} is not a memory size; write e.g. 24GB, 80GiB or 512MB")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise PlanError(f"{what}={value!r}: must be more than 0 bytes")
-    return size
-
+__all__ = ["CANDIDATES", "GlobalBatch", "Plan", "PlanRequest", "StrategyPlan", "parse_memory", "plan_model",
+           "plan_module", "plan_named"]
 
 @dataclass(frozen=True, slots=True)
 class StrategyPlan:
@@ -95,7 +69,8 @@ class StrategyPlan:
     def settings(self) -> dict[str, Any]:
         """The `EngineConfig` fields this plan sets."""
         c = self.candidate
-        return {"strategy": c.strategy, "offload": c.offload, "activation_checkpointing": c.activation_checkpointing}
+        return {"strategy": c.strategy, "offload": c.offload,
+                "activation_checkpointing": c.activation_checkpointing}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,13 +112,16 @@ class Plan:
     load: LoadMemory | None = None
     """host memory per process to build and load the model, whole or empty (`plan.load`)"""
 
-    def find(self, strategy: str, offload: str = "none", activation_checkpointing: bool = False) -> StrategyPlan:
+    def find(
+        self, strategy: str, offload: str = "none", activation_checkpointing: bool = False
+    ) -> StrategyPlan:
         """The plan of one candidate."""
+        wanted = Candidate(strategy, offload, activation_checkpointing)
         for p in self.plans:
-            c = p.candidate
-            if (c.strategy, c.offload, c.activation_checkpointing) == (strategy, offload, activation_checkpointing):
+            if p.candidate == wanted:
                 return p
-        raise KeyError(f"no plan for {strategy} offload={offload} activation_checkpointing={activation_checkpointing}")
+        raise KeyError(f"no plan for {strategy} offload={offload} "
+                       f"activation_checkpointing={activation_checkpointing}")
 
 
 # -- running the traces --------------------------------------------------------------------------
@@ -180,32 +158,31 @@ def _batches(batch: int) -> tuple[int, int]:
 def _trace_candidates(
     spec: ModelSpec,
     candidates: Sequence[Candidate],
+    request: PlanRequest,
     *,
-    world_size: int,
     batch: int,
-    precision: str,
-    device: str,
     grad_accum_steps: int,
-    wrap: tuple[Any, ...],
-    optimizer: Callable[[Any], torch.optim.Optimizer] | None,
-    workers: int,
 ) -> dict[Candidate, dict[tuple[int | None, int], TraceResult]]:
+    """Trace every candidate at each traced depth, at `batch` and twice it: the traces per
+    candidate keyed by (depth, batch)."""
     depths: tuple[int | None, ...] = TRACE_DEPTHS if spec.depth is not None else (None,)
     flop_counted: set[bool] = set()
     jobs: list[tuple[Candidate, int | None, TraceJob]] = []
     for cand in candidates:
         count = cand.activation_checkpointing not in flop_counted  # FLOPs depend on recompute only
         flop_counted.add(cand.activation_checkpointing)
+        # what CUDA defaults to (foreach) where the optimizer steps on the device
+        foreach = True if request.device == "cuda" and not cand.offload_spec.any else None
         for depth in depths:
             job = TraceJob(
                 build=functools.partial(spec.build, depth), make_batch=spec.make_batch, loss_fn=spec.loss_fn,
-                candidate=cand, world_size=world_size, batches=_batches(batch), precision=precision,
-                foreach=True if device == "cuda" and cand.offload == "none" else None,
-                grad_accum_steps=grad_accum_steps, wrap=wrap, optimizer=optimizer, count_flops=count,
+                candidate=cand, world_size=request.world_size, batches=_batches(batch),
+                precision=request.precision, foreach=foreach, grad_accum_steps=grad_accum_steps,
+                wrap=request.wrap, optimizer=request.optimizer, count_flops=count,
             )
             jobs.append((cand, depth, job))
     order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))  # deep traces first: balance
-    results = _run_all([jobs[i][2] for i in order], workers)
+    results = _run_all([jobs[i][2] for i in order], request.workers)
     out: dict[Candidate, dict[tuple[int | None, int], TraceResult]] = {}
     for i, res in zip(order, results):
         cand, depth, _ = jobs[i]
@@ -215,11 +192,29 @@ def _trace_candidates(
 
 
 # -- turning traces into plans ------------------------------------------------------------------
-def _evaluate(
-    fitted: Fitted, cand: Candidate, *, batch: int, budget: int, host_budget: int | None, device: str,
-    world_size: int, precision: str, overheads: Overheads, hardware: Hardware, flops: Fitted,
-) -> StrategyPlan:
-    fixed, frag = overheads.fixed(device, world_size), overheads.frag(device)
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """A checked request with its defaults filled and its memory sizes in bytes."""
+
+    request: PlanRequest
+    device: int  # bytes per device
+    host: int | None  # bytes of host memory (all processes), if limited
+    overheads: Overheads
+    hardware: Hardware
+
+    @staticmethod
+    def of(request: PlanRequest) -> _Budget:
+        """Parse the request's memory sizes and fill its default overheads and speeds."""
+        device = parse_memory(request.device_memory, "device memory")
+        host = parse_memory(request.host_memory, "host memory") if request.host_memory is not None else None
+        hardware = request.hardware or (Hardware() if request.device == "cuda" else Hardware.cpu())
+        return _Budget(request, device, host, request.overheads or Overheads(), hardware)
+
+
+def _evaluate(fitted: Fitted, cand: Candidate, flops: Fitted, budget: _Budget, batch: int) -> StrategyPlan:
+    """One candidate's prediction at `batch`, and the largest batch that fits."""
+    req, overheads, hardware = budget.request, budget.overheads, budget.hardware
+    fixed, frag = overheads.fixed(req.device, req.world_size), overheads.frag(req.device)
 
     def need(b: int) -> tuple[float, float, Any]:
         mem = fitted.memory(b)
@@ -227,14 +222,15 @@ def _evaluate(
 
     def fits(b: int) -> bool:
         peak, host, _ = need(b)
-        return peak <= budget and (host_budget is None or host * world_size <= host_budget)
+        return peak <= budget.device and (budget.host is None or host * req.world_size <= budget.host)
 
     peak, host, mem = need(batch)
     breakdown = dict(mem.roles)
     breakdown["overhead"] = peak - mem.device
-    compute = flops.linear("flops", batch) / hardware.flops(precision)
+    compute = flops.linear("flops", batch) / hardware.flops(req.precision)
     comm = fitted.comm_seconds(hardware)
-    offload = fitted.linear("offload_bytes", batch) / hardware.pcie + fitted.linear("host_optimizer_numel", batch) / hardware.host_adam
+    offload = (fitted.linear("offload_bytes", batch) / hardware.pcie
+               + fitted.linear("host_optimizer_numel", batch) / hardware.host_adam)
     return StrategyPlan(
         candidate=cand, batch=batch, fits=fits(batch), peak=peak, breakdown=breakdown, host=host,
         max_batch=largest_batch(fits), step_seconds=max(compute, comm) + offload, compute_seconds=compute,
@@ -246,7 +242,10 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def _choose(plans: list[StrategyPlan], batch: int, budget: int) -> tuple[list[StrategyPlan], StrategyPlan | None, str]:
+def _choose(
+    plans: list[StrategyPlan], batch: int, budget: int
+) -> tuple[list[StrategyPlan], StrategyPlan | None, str]:
+    """The plans with their step time relative to the fastest that fits, that one, and why."""
     fitting = [p for p in plans if p.fits]
     if not fitting:
         most = max(plans, key=lambda p: (p.max_batch, -p.peak))
@@ -265,75 +264,56 @@ def _choose(plans: list[StrategyPlan], batch: int, budget: int) -> tuple[list[St
         why += f"; next {others[0].name} at {others[0].relative_time:.2f}x the step time"
     why += ")"
     if refused:
-        why += "; " + ", ".join(p.name for p in refused[:3]) + (" do" if len(refused) > 1 else " does") + " not fit"
+        verb = " do" if len(refused) > 1 else " does"
+        why += "; " + ", ".join(p.name for p in refused[:3]) + verb + " not fit"
     plans = [replace(p, why=why) if p is best else p for p in plans]
     best = next(p for p in plans if p.candidate == best.candidate)
     return plans, best, why
 
 
-def plan_model(
-    spec: ModelSpec,
-    *,
-    world_size: int,
-    device_memory: int | str,
-    batch: int = 1,
-    device: Literal["cuda", "cpu"] = "cuda",
-    precision: str = "fp32",
-    host_memory: int | str | None = None,
-    candidates: Sequence[Candidate] | None = None,
-    activation_checkpointing: bool | None = None,
-    global_batch: int | None = None,
-    overheads: Overheads | None = None,
-    hardware: Hardware | None = None,
-    wrap: tuple[Any, ...] = (),
-    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-    workers: int = 1,
-) -> Plan:
-    """Trace and fit every candidate for `spec`; the fastest that fits is `Plan.best`.
-
-    `activation_checkpointing` None plans with and without it, True/False only that way.
-    `device` "cuda" counts device tensors against `device_memory` (plus `overheads`) and reports
-    offloaded state as host memory; "cpu" predicts the live tensor bytes of CPU processes.
-    """
+def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
+    """Trace and fit every candidate of `request` for `spec`; the fastest that fits is `Plan.best`."""
     t0 = time.perf_counter()
-    _check(world_size=world_size, batch=batch, precision=precision, device=device, global_batch=global_batch)
-    budget = parse_memory(device_memory, "device memory")
-    host_budget = parse_memory(host_memory, "host memory") if host_memory is not None else None
-    overheads = overheads or Overheads()
-    hardware = hardware or (Hardware() if device == "cuda" else Hardware.cpu())
-    cands = [c for c in (candidates or CANDIDATES)
-             if activation_checkpointing is None or c.activation_checkpointing == activation_checkpointing]
-    kw = {"world_size": world_size, "precision": precision, "device": device, "wrap": wrap, "optimizer": optimizer,
-              "workers": workers}
-    traces = _trace_candidates(spec, cands, batch=batch, grad_accum_steps=1, **kw)  # type: ignore[arg-type]
-    fits_kw = {"batch": batch, "budget": budget, "host_budget": host_budget, "device": device, "world_size": world_size,
-                   "precision": precision, "overheads": overheads, "hardware": hardware}
-    fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, world_size, device) for c, t in traces.items()}
-    flop_src = {ac: next(f for c, f in fitted.items() if c.activation_checkpointing == ac and
-                         any(r.flops for r in f.traces.values())) for ac in {c.activation_checkpointing for c in cands}}
-    plans = [_evaluate(fitted[c], c, flops=flop_src[c.activation_checkpointing], **fits_kw) for c in cands]  # type: ignore[arg-type]
-    plans, best, why = _choose(plans, batch, budget)
+    request.check()
+    budget = _Budget.of(request)
+    batch = request.per_device_batch
+    cands = request.chosen()
+    traces = _trace_candidates(spec, cands, request, batch=batch, grad_accum_steps=1)
+    fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, request.world_size, request.device)
+              for c, t in traces.items()}
+    flop_src = _flop_sources(fitted, cands)
+    plans = [_evaluate(fitted[c], c, flop_src[c.activation_checkpointing], budget, batch) for c in cands]
+    plans, best, why = _choose(plans, batch, budget.device)
     n_params = round(next(iter(fitted.values())).linear("parameters", batch))
     accum = None
-    if global_batch is not None:
-        accum = _global_batch(spec, plans, fitted, flop_src, global_batch, kw, fits_kw)
+    if request.global_batch is not None:
+        accum = _global_batch(spec, plans, fitted, flop_src, budget)
     return Plan(
-        model=spec.name, parameters=n_params, world_size=world_size, device=device, device_memory=budget,
-        host_memory=host_budget, seq_len=spec.seq_len, batch=batch, precision=precision, plans=tuple(plans),
-        best=best, why=why, overheads=overheads, hardware=hardware, seconds=time.perf_counter() - t0,
-        global_batch=accum, traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
-        load=load_memory(spec, cands, world_size=world_size, device=device),
+        model=spec.name, parameters=n_params, world_size=request.world_size, device=request.device,
+        device_memory=budget.device, host_memory=budget.host, seq_len=spec.seq_len, batch=batch,
+        precision=request.precision, plans=tuple(plans), best=best, why=why, overheads=budget.overheads,
+        hardware=budget.hardware, seconds=time.perf_counter() - t0, global_batch=accum,
+        traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
+        load=load_memory(spec, cands, world_size=request.world_size, device=request.device),
     )
 
 
+def _flop_sources(fitted: dict[Candidate, Fitted], cands: list[Candidate]) -> dict[bool, Fitted]:
+    """Per activation-checkpointing setting, the fit whose traces counted FLOPs (one per setting)."""
+    return {ac: next(f for c, f in fitted.items() if c.activation_checkpointing == ac
+                     and any(r.flops for r in f.traces.values()))
+            for ac in {c.activation_checkpointing for c in cands}}
+
+
 def _global_batch(spec: ModelSpec, plans: list[StrategyPlan], fitted: dict[Candidate, Fitted],
-                  flop_src: dict[bool, Fitted], total: int, kw: dict[str, Any], fits_kw: dict[str, Any]) -> GlobalBatch | None:
-    """Per-device batch and accumulation steps that reach `total`, fastest first.
+                  flop_src: dict[bool, Fitted], budget: _Budget) -> GlobalBatch | None:
+    """Per-device batch and accumulation steps that reach the request's global batch, fastest first.
 
     Accumulating holds gradients between micro-steps (FSDP keeps them unsharded until the last
     one), so plans that need more than one micro-step are traced again with accumulation.
     """
-    world = kw["world_size"]
+    req = budget.request
+    total, world = int(req.global_batch or 0), req.world_size
     if total % world:
         raise PlanError(f"--global-batch {total} is not a multiple of the {world} devices")
     per_device = total // world
@@ -342,100 +322,59 @@ def _global_batch(spec: ModelSpec, plans: list[StrategyPlan], fitted: dict[Candi
     accum_fitted: dict[Candidate, Fitted] = {}
     if needs_accum:
         batch = min(max(1, min(p.max_batch for p in plans if p.candidate in needs_accum)), per_device)
-        traces = _trace_candidates(spec, needs_accum, batch=batch, grad_accum_steps=2, **kw)
-        accum_fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, world, kw["device"]) for c, t in traces.items()}
+        traces = _trace_candidates(spec, needs_accum, req, batch=batch, grad_accum_steps=2)
+        accum_fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, world, req.device) for c, t in traces.items()}
     for p in plans:
         c = p.candidate
+        flops = flop_src[c.activation_checkpointing]
         if p.max_batch >= per_device:
             micro, steps = per_device, 1
-            plan = p if p.batch == micro else _evaluate(fitted[c], c, flops=flop_src[c.activation_checkpointing],
-                                                        **{**fits_kw, "batch": micro})
+            plan = p if p.batch == micro else _evaluate(fitted[c], c, flops, budget, micro)
         else:
-            probe = _evaluate(accum_fitted[c], c, flops=flop_src[c.activation_checkpointing], **fits_kw)
+            probe = _evaluate(accum_fitted[c], c, flops, budget, req.per_device_batch)
             if probe.max_batch == 0:
                 continue
             steps = -(-per_device // probe.max_batch)
             while per_device % steps:
                 steps += 1
             micro = per_device // steps
-            plan = _evaluate(accum_fitted[c], c, flops=flop_src[c.activation_checkpointing], **{**fits_kw, "batch": micro})
+            plan = _evaluate(accum_fitted[c], c, flops, budget, micro)
         # every micro-step computes; communication and offload happen once per optimizer step
-        # (zero3 gathers parameters on every micro-step)
-        regather = (steps - 1) * plan.comm_seconds * 2 / 3 if c.strategy == "zero3" else 0.0
+        # (parameters sharded at rest are gathered again on every micro-step: forward and backward)
+        regather = (steps - 1) * plan.comm_seconds * 2 / 3 if c.strategy_spec.shards_params else 0.0
         seconds = steps * plan.compute_seconds + plan.comm_seconds + regather + plan.offload_seconds
         options.append(GlobalBatch(total, micro, steps, plan, seconds))
     return min(options, key=lambda o: o.seconds_per_global_batch) if options else None
 
 
-def _check(*, world_size: int, batch: int, precision: str, device: str, global_batch: int | None) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise PlanError(f"--gpus {world_size!r}: plan for at least 1 device")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise PlanError(f"--batch {batch!r}: the per-device batch must be at least 1")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise PlanError(f"--precision {precision!r} is not valid; choose one of: fp32, bf16, fp16")
-    if device not in ("cuda", "cpu"):
-        raise PlanError(f"device {device!r} is not valid; choose cuda or cpu")
-    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
-        raise PlanError(f"--global-batch {global_batch!r} must be at least 1")
-
-
-def plan_named(
-    model: str,
-    *,
-    seq_len: int,
-    world_size: int,
-    device_memory: int | str,
-    batch: int = 1,
-    workers: int = 2,
-    **kwargs: Any,
-) -> Plan:
+def plan_named(model: str, request: PlanRequest, *, seq_len: int) -> Plan:
     """`shardwise plan`: the model as a preset name, a config.json path or module:factory.
     Every value is checked before anything is traced."""
-    _check(world_size=world_size, batch=batch, precision=kwargs.get("precision", "fp32"),
-           device=kwargs.get("device", "cuda"), global_batch=kwargs.get("global_batch"))
-    parse_memory(device_memory, "--gpu-memory")
-    if kwargs.get("host_memory") is not None:
-        parse_memory(kwargs["host_memory"], "--cpu-memory")
-    spec = resolve_model(model, seq_len)
-    return plan_model(spec, world_size=world_size, device_memory=device_memory, batch=batch, workers=workers, **kwargs)
+    request.check()
+    parse_memory(request.device_memory, "--gpu-memory")
+    if request.host_memory is not None:
+        parse_memory(request.host_memory, "--cpu-memory")
+    return plan_model(resolve_model(model, seq_len), request)
 
 
 def plan_module(
     model: nn.Module,
     sample_batch: Any,
+    request: PlanRequest,
     *,
-    world_size: int,
-    device_memory: int | str,
-    batch_size: int | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    device: Literal["cuda", "cpu"] = "cuda",
-    precision: str = "fp32",
-    host_memory: int | str | None = None,
-    candidates: Sequence[Candidate] | None = None,
-    activation_checkpointing: bool | None = None,
-    wrap: tuple[Any, ...] = (),
-    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-    overheads: Overheads | None = None,
-    hardware: Hardware | None = None,
 ) -> Plan:
     """Plan for a module the script built (real parameters are only read for their shapes).
 
     `sample_batch` is one batch as the DataLoader yields it (dicts, tuples or a tensor); its
-    tensors whose first dimension is the batch are resized to `batch_size` (default: the
+    tensors whose first dimension is the batch are resized to `request.batch` (default: the
     sample's). `loss_fn(output, batch)` computes the loss; by default the model's `.loss`
-    (a `transformers` model given labels), else the mean of its output. `optimizer(params)`
+    (a `transformers` model given labels), else the mean of its output. `request.optimizer`
     builds the optimizer to trace (default AdamW). Safe to call inside a running job, on every
-    rank (no collective is issued; every rank computes the same plan): the job's process group,
-    RNG state and model are left as they were. Call it before activation checkpointing is
-    applied to the model.
+    rank (no collective is issued; every rank computes the same plan, traced in this process):
+    the job's process group, RNG state and model are left as they were. Call it before
+    activation checkpointing is applied to the model.
     """
-    spec = module_spec(model, sample_batch, loss_fn=loss_fn, wrap=wrap)
-    if batch_size is None:
-        from .presets import _batch_dim
-
-        batch_size = _batch_dim(sample_batch)
-    return plan_model(spec, world_size=world_size, device_memory=device_memory, batch=batch_size, device=device,
-                      precision=precision, host_memory=host_memory, candidates=candidates,
-                      activation_checkpointing=activation_checkpointing, overheads=overheads, hardware=hardware,
-                      wrap=wrap, optimizer=optimizer, workers=1)
+    spec = module_spec(model, sample_batch, loss_fn=loss_fn, wrap=request.wrap)
+    batch = batch_dim(sample_batch) if request.batch is None else request.batch
+    return plan_model(spec, replace(request, batch=batch, workers=1))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .fakes import fake_copy
+from .fakes import current_fake_mode, fake_copy, tree_leaves, tree_map
 from .trace import default_loss
 
 TRACE_DEPTHS = (3, 4)
@@ -59,8 +59,10 @@ _GPT2 = {"vocab_size": 50257, "n_positions": 1024, "resid_pdrop": 0.0, "embd_pdr
 _LLAMA = {"vocab_size": 32000, "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 PRESETS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=768, n_layer=12, n_head=12), "causal"),
-    "gpt2-medium": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16), "causal"),
-    "gpt2-large": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=1280, n_layer=36, n_head=20), "causal"),
+    "gpt2-medium": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16),
+                    "causal"),
+    "gpt2-large": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=1280, n_layer=36, n_head=20),
+                   "causal"),
     "gpt2-xl": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, n_embd=1600, n_layer=48, n_head=25), "causal"),
     "deberta-v2-xlarge": (
         "DebertaV2Config", "DebertaV2ForSequenceClassification",
@@ -72,9 +74,10 @@ PRESETS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     ),
     "blenderbot-400m": (  # BlenderBot-400M-distill's shape: 2 encoder and 12 decoder layers
         "BlenderbotConfig", "BlenderbotForConditionalGeneration",
-        {"vocab_size": 8008, "d_model": 1280, "encoder_layers": 2, "decoder_layers": 12, "encoder_attention_heads": 32,
-             "decoder_attention_heads": 32, "encoder_ffn_dim": 5120, "decoder_ffn_dim": 5120, "max_position_embeddings": 128,
-             "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 1},
+        {"vocab_size": 8008, "d_model": 1280, "encoder_layers": 2, "decoder_layers": 12,
+             "encoder_attention_heads": 32, "decoder_attention_heads": 32, "encoder_ffn_dim": 5120,
+             "decoder_ffn_dim": 5120, "max_position_embeddings": 128, "dropout": 0.0,
+             "attention_dropout": 0.0, "activation_dropout": 0.0, "decoder_start_token_id": 1},
         "seq2seq",
     ),
     "llama-1b": (  # TinyLlama-1.1B's shape: grouped-query attention, SwiGLU, RMSNorm, RoPE
@@ -258,13 +261,10 @@ def module_spec(
     blocks = find_blocks(model, wrap)
     parents = _stack_parents(model, blocks)
     depth = len(blocks) if len(parents) == 1 and len(blocks) >= MIN_EXTRAPOLATED_DEPTH else None
-    dim0 = _batch_dim(sample_batch)
+    dim0 = batch_dim(sample_batch)
 
     def build(layers: int | None) -> nn.Module:
-        from torch._guards import detect_fake_mode
-
-        fake_mode = detect_fake_mode()
-        clone = fake_copy(model, fake_mode)
+        clone = fake_copy(model, current_fake_mode())
         if layers is not None and depth is not None:
             _cut_stack(clone, layers, depth)
         return clone
@@ -305,7 +305,8 @@ def _cut_stack(model: nn.Module, layers: int, depth: int) -> None:
     raise PlanError(f"could not cut {type(model).__name__} to {layers} blocks")
 
 
-def _batch_dim(sample: Any) -> int:
+def batch_dim(sample: Any) -> int:
+    """The batch size of a sample batch: the most common first dimension of its tensors."""
     sizes = [t.shape[0] for t in _tensors(sample) if t.dim() > 0]
     if not sizes:
         raise PlanError("the sample batch holds no tensor with a batch dimension")
@@ -313,16 +314,12 @@ def _batch_dim(sample: Any) -> int:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def _resize_batch(sample: Any, dim0: int, batch: int) -> Any:
     """The sample with every tensor whose first dimension is the batch made `batch` long
     (fresh tensors of the same dtype; inside the fake mode they cost nothing)."""
-    from torch.utils._pytree import tree_map
-
     def one(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x

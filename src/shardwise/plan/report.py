@@ -39,10 +39,12 @@ def describe(plan: Plan) -> str:
     lines = [f"{plan.model} ({_size(plan.parameters)} parameters){seq}, batch {plan.batch} per device, "
              f"{mem}, {plan.precision}"]
     if plan.traced_depths:
-        lines.append(f"traced on fake tensors at {plan.traced_depths[0]} and {plan.traced_depths[1]} blocks and "
-                     f"batches {plan.batch}, {2 * plan.batch}; extrapolated ({plan.seconds:.1f} s)")
+        lines.append(f"traced on fake tensors at {plan.traced_depths[0]} and {plan.traced_depths[1]} "
+                     f"blocks and batches {plan.batch}, {2 * plan.batch}; "
+                     f"extrapolated ({plan.seconds:.1f} s)")
     else:
-        lines.append(f"traced on fake tensors at batches {plan.batch}, {2 * plan.batch} ({plan.seconds:.1f} s)")
+        lines.append(f"traced on fake tensors at batches {plan.batch}, {2 * plan.batch} "
+                     f"({plan.seconds:.1f} s)")
     lines.append("")
     head = (f"{'plan':31s} {'fits':>4s} {'peak':>6s} " + " ".join(f"{_HEAD[p]:>6s}" for p in PARTS)
             + f" {'host':>6s} {'max batch':>9s} {'step':>6s}")
@@ -67,10 +69,11 @@ def describe(plan: Plan) -> str:
     if plan.load is not None:
         ld = plan.load
         plain = [p for p in plan.plans if p.candidate in ld.init and not p.candidate.activation_checkpointing]
-        lines.append(f"host memory per process to build the model: {_g(ld.whole, u)} {u} built whole on every process; "
-                     "under engine.init_empty(), initialized / loaded by engine.from_pretrained: "
-                     + ", ".join(f"{p.name} {_g(ld.init[p.candidate], u)} / {_g(ld.load[p.candidate], u)}" for p in plain)
-                     + f" {u}")
+        each = ", ".join(f"{p.name} {_g(ld.init[p.candidate], u)} / {_g(ld.load[p.candidate], u)}"
+                         for p in plain)
+        lines.append(f"host memory per process to build the model: {_g(ld.whole, u)} {u} built whole on "
+                     "every process; under engine.init_empty(), initialized / loaded by "
+                     f"engine.from_pretrained: {each} {u}")
     if plan.global_batch is not None:
         g = plan.global_batch
         lines.append(f"global batch {g.global_batch} = {g.micro_batch} per device x {g.grad_accum_steps} "
@@ -97,9 +100,11 @@ def plot(plan: Plan, path: str | Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     u = _unit(plan)
     ax.axhline(plan.device_memory / _UNIT[u], color="black", linestyle="--", linewidth=1)
-    ax.text(len(names) - 0.5, plan.device_memory / _UNIT[u], f" {_g(plan.device_memory, u)} {u}", va="bottom", ha="right")
+    ax.text(len(names) - 0.5, plan.device_memory / _UNIT[u], f" {_g(plan.device_memory, u)} {u}",
+            va="bottom", ha="right")
     ax.set_ylabel(f"{u} per device")
-    ax.set_title(f"{plan.model}: batch {plan.batch} per device on {plan.world_size} x {_g(plan.device_memory, u)} {u}")
+    ax.set_title(f"{plan.model}: batch {plan.batch} per device on {plan.world_size} x "
+                 f"{_g(plan.device_memory, u)} {u}")
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=8)
     fig.tight_layout()

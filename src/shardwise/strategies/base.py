@@ -230,7 +230,8 @@ class Strategy(ABC):
         """Backpropagate an already scaled loss."""
         loss.backward(**kwargs)
 
-    def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None, finite: bool | None) -> StepResult:
+    def optimizer_step(self, runner: OptimizerRunner, *, clip: float | None,
+                       finite: bool | None) -> StepResult:
         """One optimizer step on an accumulation boundary (gradients already unscaled).
 
         `clip`: the bound to clip this runner's gradients to first (the config's max_grad_norm
@@ -245,7 +246,8 @@ class Strategy(ABC):
         runner.step()
         return StepResult(applied=True)
 
-    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                       norm_type: float) -> torch.Tensor:
         """Clip the gradients of `parameters` in place; return their global (unsharded) norm."""
         params = [p for p in parameters if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)

@@ -35,7 +35,8 @@ def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Mo
             )
         return blocks
     hinted = set(getattr(model, "_no_split_modules", None) or ())
-    if hinted and (found_hinted := [m for m in model.modules() if m is not model and type(m).__name__ in hinted]):
+    found_hinted = [m for m in model.modules() if m is not model and type(m).__name__ in hinted]
+    if hinted and found_hinted:
         return found_hinted
     # A stack of layers: a container whose children are all one *composite* class (a block
     # with submodules of its own, not a Linear), repeated; the outermost such stack wins, so

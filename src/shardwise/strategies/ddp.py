@@ -14,12 +14,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import EngineConfig
+from ..config import EngineConfig, offload_spec
 from ..dist import DistInfo
-from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
+from .base import EmptyModel, OptimizerRunner, Strategy
 from .frozen import for_inference
-from .host_step import step_on_host
-from .sharded_optim import ShardedOptimizer
+from .sharded_optim import optimizer_runner
 
 
 class DDPStrategy(Strategy):
@@ -48,20 +47,11 @@ class DDPStrategy(Strategy):
         return contextlib.nullcontext()
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
-        if not self.shard_optimizer:
-            # a CPU device's step is a host step (see host_step)
-            host = step_on_host(optimizer, self.info.device, self.info.local_world_size, offloaded=False,
-                                kernel=self.cfg.host_kernel)
-            return InPlaceRunner(optimizer, host=host)
-        return ShardedOptimizer(
-            optimizer,
-            partition="flat",
-            host=self.cfg.offload == "optimizer",
-            device=self.info.device,
-            bucket_numel=self.cfg.offload_bucket_numel,
-            local_world_size=self.info.local_world_size,
-            kernel=self.cfg.host_kernel,
-        )
+        if not self.shard_optimizer:  # ddp: a CPU device's step is a host step (see host_step)
+            return optimizer_runner(optimizer, self.cfg, self.info, partition=None)
+        # zero1: each rank steps 1/W of the flat elements, on the host with optimizer offload
+        return optimizer_runner(optimizer, self.cfg, self.info, partition="flat",
+                                host=offload_spec(self.cfg.offload).optimizer_on_host)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if not self.info.is_main:

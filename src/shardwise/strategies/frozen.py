@@ -48,10 +48,12 @@ def check_inference_models(models: Sequence[nn.Module], optimizers: Sequence[tor
             if not held:
                 continue
             marked = bool(getattr(model, _INFERENCE, False))
-            why, fix = (("is prepared with evaluation_mode=True", "prepare it without evaluation_mode to train it")
+            why, fix = (("is prepared with evaluation_mode=True",
+                         "prepare it without evaluation_mode to train it")
                         if marked else ("has no trainable parameters (all frozen)",
                                         "unfreeze what should train (requires_grad_(True)) before prepare"))
             raise ValueError(
-                f"{type(optimizer).__name__} holds {held} parameter(s) of {type(model).__name__}, which {why} "
+                f"{type(optimizer).__name__} holds {held} parameter(s) of {type(model).__name__}, "
+                f"which {why} "
                 f"and is prepared for inference only: {fix}, or leave the model out of the optimizer"
             )

@@ -40,19 +40,14 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a private module
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-except ImportError:  # pragma: no cover - older torch: FSDP2's own reduce-scatter is used
-    ReduceScatter = None  # type: ignore[assignment,misc]
-
 from ..adapters import is_peft_model, unwrapped
-from ..config import EngineConfig
+from ..config import EngineConfig, offload_spec
 from ..dist import DistInfo, device_mesh
-from .base import EmptyModel, InPlaceRunner, OptimizerRunner, Strategy
+from ..internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
+from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks
 from .frozen import for_inference
-from .host_step import step_on_host
-from .sharded_optim import ShardedOptimizer
+from .sharded_optim import optimizer_runner
 
 
 def apply_fsdp(
@@ -111,10 +106,11 @@ if ReduceScatter is not None:
                      op: Any, async_op: bool = False) -> dist.Work | None:
             # op: a ReduceOp or a ReduceOp.RedOpType (FSDP2 passes AVG for fp32/bf16, SUM for fp16)
             world = group.size()
-            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or input_tensor.numel() != output_tensor.numel() * world:
+            whole = input_tensor.numel() == output_tensor.numel() * world
+            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or not whole:
                 # another reduction (pre-multiplied sums): gloo's own reduce-scatter
-                return cast(dist.Work | None,
-                            _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op))
+                work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+                return cast(dist.Work | None, work)
             dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
             mine = input_tensor.view(world, -1)[group.rank()]
             if op == dist.ReduceOp.AVG:
@@ -151,7 +147,7 @@ class FSDPStrategy(Strategy):
         replica instead, and under zero3 it is sharded like any other (see `strategies.frozen`)."""
         if self.stage < 3 and for_inference(model):
             return self.replicate(model, empty)
-        offload_params = self.cfg.offload == "params"
+        offload_params = offload_spec(self.cfg.offload).params_on_host
         # every process holds process 0's weights already (Session._agree_weights)
         if empty is None and not offload_params:
             model.to(self.info.device)
@@ -194,21 +190,14 @@ class FSDPStrategy(Strategy):
             yield
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
-        if self.cfg.offload != "optimizer":
-            # the user's optimizer steps the shards in place; where they live on the host
-            # (offloaded, or a CPU device) with the fused kernel where its class has one
-            host = step_on_host(optimizer, self.info.device, self.info.local_world_size,
-                                offloaded=self.cfg.offload == "params", dtensors=True, kernel=self.cfg.host_kernel)
-            return InPlaceRunner(optimizer, host=host)
-        return ShardedOptimizer(
-            optimizer,
-            partition="local",
-            host=True,
-            device=self.info.device,
-            bucket_numel=self.cfg.offload_bucket_numel,
-            local_world_size=self.info.local_world_size,
-            kernel=self.cfg.host_kernel,
-        )
+        offload = offload_spec(self.cfg.offload)
+        if offload.optimizer_on_host and not offload.params_on_host:
+            # optimizer offload: fp32 host masters of this rank's shards step on the host
+            return optimizer_runner(optimizer, self.cfg, self.info, partition="local", host=True)
+        # the user's optimizer steps the shards in place; where they live on the host
+        # (offloaded, or a CPU device) with the fused kernel where its class has one
+        return optimizer_runner(optimizer, self.cfg, self.info, partition=None,
+                                offloaded=offload.params_on_host, dtensors=True)
 
     def rebind_state(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A full optimizer-state tensor, cut like its (DTensor) parameter."""

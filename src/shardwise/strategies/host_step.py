@@ -31,10 +31,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
 from ..config import HostKernelName as HostKernel
-from ..internals import local_tensor
+from ..internals import (
+    allow_amp_scaling,
+    is_fake,
+    local_tensor,
+    mark_stepped,
+    step_post_hooks,
+    step_pre_hooks,
+)
 
 log = logging.getLogger("shardwise")
 
@@ -44,7 +50,8 @@ IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")  # ho
 _SAID: set[str] = set()
 
 
-def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False, quiet: bool = False) -> dict[str, Any]:
+def fused_overrides(optimizer: torch.optim.Optimizer, *, dtensors: bool = False,
+                    quiet: bool = False) -> dict[str, Any]:
     """The group settings that select the fused CPU kernel for `optimizer`'s class ({} when it
     has none, or when the user's settings rule it out: differentiable, capturable). `dtensors`:
     the parameters are DTensor shards, whose dispatch knows fused Adam and AdamW only."""
@@ -72,17 +79,14 @@ def use_fused(optimizer: torch.optim.Optimizer, *, dtensors: bool = False, quiet
     for group in optimizer.param_groups:
         group.update(extra)
     optimizer.defaults.update(extra)
-    if hasattr(optimizer, "_step_supports_amp_scaling"):
-        optimizer._step_supports_amp_scaling = True
+    allow_amp_scaling(optimizer)
     return True
 
 
 def _traced(optimizer: torch.optim.Optimizer) -> bool:
     """`optimizer` holds fake (or meta) tensors: the planner's trace, where no kernel runs."""
-    from torch._subclasses.fake_tensor import is_fake
-
     first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-    return first is not None and (bool(is_fake(first)) or first.device.type == "meta")
+    return first is not None and (is_fake(first) or first.device.type == "meta")
 
 
 def host_threads(local_world_size: int) -> int:
@@ -159,20 +163,20 @@ class DeepSpeedAdam:
                 "use host_kernel='torch'")
         for key in ("amsgrad", "maximize", "capturable", "differentiable"):
             if any(g.get(key) for g in optimizer.param_groups):
-                raise ValueError(f"host_kernel='deepspeed' cannot step {name}({key}=True): DeepSpeed's CPUAdam "
-                                 "has no such mode; use host_kernel='torch'")
-        adamw = isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay"))
+                raise ValueError(f"host_kernel='deepspeed' cannot step {name}({key}=True): DeepSpeed's "
+                                 "CPUAdam has no such mode; use host_kernel='torch'")
+        decoupled = bool(optimizer.defaults.get("decoupled_weight_decay"))
+        adamw = isinstance(optimizer, torch.optim.AdamW) or decoupled
         return cls(_cpu_adam_op(), adamw)
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One step of every parameter of `optimizer` that has a gradient, as its own `step()`
         would, the optimizer's step hooks included."""
-        hooks = torch_optimizer._global_optimizer_pre_hooks
-        for pre in itertools.chain(hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
+        for pre in step_pre_hooks(optimizer):
             if pre(optimizer, (), {}) is not None:
-                raise ValueError("host_kernel='deepspeed': an optimizer step pre-hook that changes the step's "
-                                 "arguments is not supported; use host_kernel='torch'")
+                raise ValueError("host_kernel='deepspeed': an optimizer step pre-hook that changes the "
+                                 "step's arguments is not supported; use host_kernel='torch'")
         for group in optimizer.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
@@ -186,11 +190,11 @@ class DeepSpeedAdam:
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
                 self.op.adam_update(self.id, int(st["step"].item()), lr, beta1, beta2, eps, wd, True,
-                                    _local(p), _local(p.grad), _local(st["exp_avg"]), _local(st["exp_avg_sq"]))
-        for post in itertools.chain(torch_optimizer._global_optimizer_post_hooks.values(),
-                          optimizer._optimizer_step_post_hooks.values()):
+                                    _local(p), _local(p.grad), _local(st["exp_avg"]),
+                                    _local(st["exp_avg_sq"]))
+        for post in step_post_hooks(optimizer):
             post(optimizer, (), {})
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # LR-scheduler bookkeeping
+        mark_stepped(optimizer)  # LR-scheduler bookkeeping
         self.steps += 1
 
 
@@ -213,8 +217,9 @@ def _cpu_adam_op() -> Any:
     try:
         return CPUAdamBuilder().load(verbose=False)
     except (ImportError, OSError, RuntimeError, subprocess.SubprocessError) as e:  # a compiler missing, say
-        raise ValueError(f"host_kernel='deepspeed': DeepSpeed's CPUAdam op did not build or load ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); it needs a C++ compiler on the first use. "
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"host_kernel='deepspeed': DeepSpeed's CPUAdam op did not build or load "
+                         f"({type(e).__name__}: {first}); it needs a C++ compiler on the first use. "
                          "Use host_kernel='torch'") from None
 
 

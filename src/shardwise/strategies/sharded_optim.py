@@ -37,10 +37,36 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import HostKernelName
-from ..internals import local_tensor
-from .base import OptimizerRunner, zero_step
-from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, threads, use_fused
+from ..config import EngineConfig, HostKernelName
+from ..dist import DistInfo
+from ..internals import local_tensor, mark_stepped
+from .base import InPlaceRunner, OptimizerRunner, zero_step
+from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, step_on_host, threads, use_fused
+
+
+def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: EngineConfig, info: DistInfo, *,
+                     partition: Literal["flat", "local"] | None, host: bool = False,
+                     offloaded: bool = False, dtensors: bool = False) -> OptimizerRunner:
+    """The runner of `optimizer` for a torch-backend strategy (ddp.py and fsdp.py say what differs).
+
+    `partition` None: the user's optimizer steps the parameters in place; where they live on the
+    host (`offloaded`, or a CPU device) with the host kernel (`step_on_host`; `dtensors`: they
+    are FSDP2 shards). Otherwise a `ShardedOptimizer` over that partition, its masters on the
+    host when `host` (optimizer offload).
+    """
+    if partition is None:
+        placed = step_on_host(optimizer, info.device, info.local_world_size, offloaded=offloaded,
+                              dtensors=dtensors, kernel=cfg.host_kernel)
+        return InPlaceRunner(optimizer, host=placed)
+    return ShardedOptimizer(
+        optimizer,
+        partition=partition,
+        host=host,
+        device=info.device,
+        bucket_numel=cfg.offload_bucket_numel,
+        local_world_size=info.local_world_size,
+        kernel=cfg.host_kernel,
+    )
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
@@ -126,8 +152,10 @@ class ShardedOptimizer(OptimizerRunner):
         self._buckets = self._make_buckets(bucket_numel if host and device.type != "cpu" else None)
         on_host = host or device.type == "cpu"  # a CPU device's step is a host step too
         self._threads = host_threads(local_world_size) if on_host else torch.get_num_threads()
-        self._kernel = host_kernel(optimizer, kernel, on_host=on_host, device=device)  # host_kernel="deepspeed"
+        # the DeepSpeed kernel of host_kernel="deepspeed" (None: the inner optimizers' own step)
+        self._kernel = host_kernel(optimizer, kernel, on_host=on_host, device=device)
         self._fused = False  # the inner optimizers run torch's fused kernel (set by _build_inner)
+        self._user_groups: list[list[int]] = []  # per inner optimizer: the user's group of each of its groups
         self._inner = [self._build_inner(bucket) for bucket in self._buckets]
         optimizer.state.clear()  # its state now lives, sliced, in the inner optimizers
         self._copy_stream = torch.cuda.Stream(device) if pin else None
@@ -175,7 +203,7 @@ class ShardedOptimizer(OptimizerRunner):
         if (self.host or self.device.type == "cpu") and self._kernel is None:
             # host masters: torch's fused CPU kernel where it has one
             self._fused = use_fused(inner, quiet=not self.host)
-        inner._shardwise_groups = self_map
+        self._user_groups.append(self_map)
         for seg in bucket:  # carry over state the user's optimizer already had, sliced
             old = self.optimizer.state.get(seg.param)
             if old:
@@ -192,8 +220,8 @@ class ShardedOptimizer(OptimizerRunner):
 
     # -- the step ---------------------------------------------------------------------------
     def _sync_hyperparams(self) -> None:
-        for inner in self._inner:
-            for group, gi in zip(inner.param_groups, inner._shardwise_groups):  # type: ignore[attr-defined]
+        for inner, user_groups in zip(self._inner, self._user_groups, strict=True):
+            for group, gi in zip(inner.param_groups, user_groups, strict=True):
                 # hyperparameters follow the user's groups (schedulers); how it steps stays ours
                 group.update({k: v for k, v in _hyper(self.optimizer.param_groups[gi]).items()
                               if not (self._fused and k in IMPLEMENTATION_KEYS)})
@@ -214,7 +242,7 @@ class ShardedOptimizer(OptimizerRunner):
                 seg.master.grad = None  # drop the alias, or zero_grad could not free the grad
         if self.partition == "flat" and self.world > 1:  # alone, this rank updated every element
             self._all_gather_params()
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR-scheduler bookkeeping
+        mark_stepped(self.optimizer)  # LR-scheduler bookkeeping
 
     def _host_step(self) -> None:
         stream = self._copy_stream
@@ -284,7 +312,8 @@ class ShardedOptimizer(OptimizerRunner):
         self._init_state()
         for inner in self._inner:
             for master, st in inner.state.items():
-                elem = [k for k, v in st.items() if torch.is_tensor(v) and v.numel() == master.numel() and v.dim() > 0]
+                elem = [k for k, v in st.items()
+                        if torch.is_tensor(v) and v.numel() == master.numel() and v.dim() > 0]
                 scalars = {k: v for k, v in st.items() if k not in elem}
                 return elem, scalars
         return [], {}
@@ -371,7 +400,8 @@ class ShardedOptimizer(OptimizerRunner):
     def tensors(self) -> list[torch.Tensor]:
         out = [v for o in self._inner for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
         if self.host:
-            out += [s.master for s in self._segments] + [s.host_grad for s in self._segments if s.host_grad is not None]
+            out += [s.master for s in self._segments]
+            out += [s.host_grad for s in self._segments if s.host_grad is not None]
         return out
 
 

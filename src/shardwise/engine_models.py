@@ -1,0 +1,111 @@
+"""The model verbs of `Engine`: models in (`init_empty`, `from_pretrained`, `load_model`) and
+out (`unwrap_model`, `get_state_dict`, `save_model`), over the engine's `Session`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from .adapters import save_problem, save_weights, unwrapped
+from .materialize import init_empty
+from .session import PRETRAINED, Session
+from .storage import CheckpointError, agree
+from .weights import Pretrained, check_source
+
+
+class ModelVerbs:
+    """Mixed into `Engine`, which provides `session` and `is_main_process`."""
+
+    _init_rng: torch.Tensor | None  # init_empty(): the generator state it began with
+
+    @property
+    def session(self) -> Session:
+        raise NotImplementedError
+
+    @property
+    def is_main_process(self) -> bool:
+        raise NotImplementedError
+
+    # -- models in ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def init_empty(self) -> Iterator[None]:
+        """Build models inside without memory: parameters on the meta device (buffers stay real).
+
+        `prepare` then allocates each process's shards only and initializes the weights with
+        the model's own initializers, module by module; the result does not depend on the
+        number of processes or the strategy (see `shardwise.materialize`).
+        """
+        with init_empty() as record:
+            yield
+        self._init_rng = record.rng
+
+    def load_model(self, model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
+                   key_map: dict[str, str] | None = None) -> None:
+        """Load safetensors weights into a prepared model: the inverse of `save_model`.
+
+        `path`: a folder written by `save_model`, `shardwise export` or `save_pretrained`, or one
+        `.safetensors` file. Keys, shapes and files are checked before any weight changes (`strict=False`
+        leaves missing keys and skips unused ones, with a warning; `key_map={'old.': 'new.'}` renames key
+        prefixes; a wrapper's `module.` is stripped). Each process reads its shard's rows. A collective.
+        """
+        strategy = self.session.strategy
+        source, found = check_source(path, strategy.unwrap(model), strict=strict,
+                                     shapes=strategy.full_shapes(model),
+                                     key_map=key_map)
+        self.session.load_weights(model, source, found)
+
+    def from_pretrained(self, model_class: Any, path: str | os.PathLike[str], *, strict: bool = True,
+                        key_map: dict[str, str] | None = None, **config_kwargs: Any) -> nn.Module:
+        """A `transformers` model built from the config in `path` without memory; `prepare`
+        then loads the weights in `path` into its shards (keys the files lack, such as a new
+        classification head, are initialized by the model's own `_init_weights`).
+
+        `model_class`: an `AutoModelFor...` class or a model class; `config_kwargs` override the config
+        (`num_labels=2`); `strict`, `key_map` as in `load_model`. Reads local folders (no hub access).
+        """
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, **config_kwargs)
+        with self.init_empty():
+            model = (getattr(model_class, "from_config", None) or model_class)(config)
+        object.__setattr__(model, PRETRAINED, Pretrained(Path(path), strict, key_map))
+        return cast(nn.Module, model)
+
+    # -- models out -------------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The user's module, without the DDP wrapper (an FSDP2 module is its own unwrap); its
+        `save_pretrained` refuses while it is sharded: use `save_model` (see `adapters`)."""
+        return unwrapped(self.session.strategy.unwrap(model))
+
+    def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights as CPU tensors on the main process; `{}` on the others.
+        A collective: call it on every process."""
+        return self.session.strategy.full_state_dict(model)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
+                   max_shard_size: int | str = "5GB",
+                   *, merge_adapters: bool = False) -> None:
+        """Consolidated weights as safetensors (split above `max_shard_size`, with an index),
+        plus config.json for a `transformers` model: `from_pretrained(dir)` loads it. A peft
+        model: its adapter folder (`PeftModel.from_pretrained`), or with `merge_adapters` the
+        merged full model. Only those files are written or replaced; each is staged beside the
+        folder and renamed in, the top file last; checksums: `shardwise verify DIR`. A collective.
+        """
+        target = Path(save_directory)
+        # checked (and agreed on) before the gather
+        agree(save_problem(self.unwrap_model(model), target, merge_adapters, self.is_main_process))
+        state = self.get_state_dict(model)
+        problem = None
+        if self.is_main_process:
+            try:
+                save_weights(self.unwrap_model(model), state, target, max_shard_size=max_shard_size,
+                             merge_adapters=merge_adapters)
+            except CheckpointError as err:
+                problem = str(err)
+        agree(problem)

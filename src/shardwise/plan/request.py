@@ -1,0 +1,118 @@
+"""What the planner is asked: one `PlanRequest` (the devices, the batch, the choices to compare),
+checked before anything is traced, and the memory sizes it is given in."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..config import PRECISIONS, plan_choices, strategy_spec
+from .fit import Hardware, Overheads
+from .presets import PlanError
+from .trace import Candidate
+
+
+def _candidates() -> tuple[Candidate, ...]:
+    """Every (strategy, offload) pair the strategy table allows on the torch backend, without and
+    then with activation checkpointing, the simpler first (a tie in step time goes to the first):
+    nothing offloaded, then the optimizer, then the parameters on the host, each by ZeRO stage;
+    with the optimizer on the host, the plans that keep whole gradients on the device (zero1)
+    come after those that shard them: the same host traffic for more device memory."""
+    from ..config import offload_spec
+
+    def simpler(choice: tuple[str, str]) -> tuple[bool, bool, bool, int]:
+        off, spec = offload_spec(choice[1]), strategy_spec(choice[0])
+        whole_grads = off.optimizer_on_host and not spec.shards_grads
+        return off.optimizer_on_host, off.params_on_host, whole_grads, spec.stage
+
+    choices = sorted(plan_choices("torch"), key=simpler)
+    return tuple(Candidate(s, o, ac) for ac in (False, True) for s, o in choices)
+
+
+CANDIDATES: tuple[Candidate, ...] = _candidates()
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_memory(value: str | float, what: str = "memory") -> int:
+    """'24GB', '24GiB', '512MB', '1.5T' or a number of bytes -> bytes.
+
+    Memory sizes are binary: GB and GiB both mean 2**30 bytes (a "24 GB" card holds 24 GiB).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise PlanError(f"{what}={value!r}: must be more than 0 bytes")
+        return int(value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise PlanError(f"{what}={value!r} is not a memory size; write e.g. 24GB, 80GiB or 512MB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise PlanError(f"{what}={value!r}: must be more than 0 bytes")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """One planning question: which candidates fit these devices at this batch, and how fast."""
+
+    world_size: int
+    """devices (processes) to plan for"""
+    device_memory: int | str
+    """memory of one device: bytes or a size like "24GB" (binary: 24GB = 24 GiB)"""
+    batch: int | None = None
+    """per-device batch to evaluate (None: 1, or the sample batch's size for `plan_module`)"""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """"cuda" counts device tensors against `device_memory` (plus `overheads`) and reports
+    offloaded state as host memory; "cpu" predicts the live tensor bytes of CPU processes"""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 (traced as bf16: the same bytes)"""
+    host_memory: int | str | None = None
+    """host memory of the machine; plans whose host memory (all processes) exceeds it do not fit"""
+    candidates: Sequence[Candidate] | None = None
+    """the configurations to compare (None: `CANDIDATES`, every one the strategy table allows)"""
+    activation_checkpointing: bool | None = None
+    """None: plans with and without it; True/False: only that way"""
+    global_batch: int | None = None
+    """suggest per-device batch x accumulation steps that reach this global batch"""
+    overheads: Overheads | None = None
+    """device memory a trace cannot see (None: `Overheads()`)"""
+    hardware: Hardware | None = None
+    """stated speeds for the step-time estimate (None: `Hardware()`, or `Hardware.cpu()` on cpu)"""
+    wrap: tuple[Any, ...] = ()
+    """the blocks to shard by (module classes or names), as `EngineConfig.wrap`"""
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    """builds the optimizer to trace from the parameters (None: AdamW)"""
+    workers: int = 1
+    """processes tracing in parallel (forked; `plan_module` always traces in its own process)"""
+
+    @property
+    def per_device_batch(self) -> int:
+        """The per-device batch evaluated (1 when none was given)."""
+        return 1 if self.batch is None else self.batch
+
+    def chosen(self) -> list[Candidate]:
+        """The candidates to trace: those asked for, with activation checkpointing as asked."""
+        return [c for c in (self.candidates or CANDIDATES)
+                if self.activation_checkpointing is None
+                or c.activation_checkpointing == self.activation_checkpointing]
+
+    def check(self) -> None:
+        """Refuse a bad value in one line, before anything is traced."""
+        world, batch, gb = self.world_size, self.per_device_batch, self.global_batch
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise PlanError(f"--gpus {world!r}: plan for at least 1 device")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise PlanError(f"--batch {batch!r}: the per-device batch must be at least 1")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"--precision {self.precision!r} is not valid; choose one of: "
+                            + ", ".join(PRECISIONS))
+        if self.device not in ("cuda", "cpu"):
+            raise PlanError(f"device {self.device!r} is not valid; choose cuda or cpu")
+        if gb is not None and (not isinstance(gb, int) or gb < 1):
+            raise PlanError(f"--global-batch {gb!r} must be at least 1")
