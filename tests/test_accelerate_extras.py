@@ -183,3 +183,24 @@ def test_by_feature_extras_script_gives_accelerates_numbers_and_layout(tmp_path:
             logged = json.loads((tmp_path / strategy / f"log_{rank}.json").read_text())
             assert logged == json.loads((tmp_path / "accelerate" / f"log_{rank}.json").read_text())
     assert json.loads((tmp_path / "accelerate" / "log_1.json").read_text()) == ["[RANK 1] everyone 1"]
+
+
+def test_parallelism_config_becomes_the_shard_group() -> None:
+    """Accelerate's ParallelismConfig reaches the engine as shard_group_size (hybrid sharding), or
+    is refused in one line; it is never dropped."""
+    from accelerate import ParallelismConfig
+
+    from shardwise.accelerate_rules import read_parallelism
+    from shardwise.config import ConfigError
+
+    hybrid = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+    kwargs: dict[str, object] = {"parallelism_config": hybrid}
+    read_parallelism(kwargs, 4)
+    assert kwargs == {"shard_group_size": 2}
+    kwargs = {"parallelism_config": ParallelismConfig(dp_shard_size=4)}
+    read_parallelism(kwargs, 4)
+    assert kwargs == {"shard_group_size": None}  # one group of all: the default
+    for bad, world in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), 2),
+                       (ParallelismConfig(dp_shard_size=2, tp_size=2), 4)):
+        with pytest.raises(ConfigError, match="parallelism_config"):
+            read_parallelism({"parallelism_config": bad}, world)

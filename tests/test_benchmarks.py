@@ -87,3 +87,30 @@ def test_host_optimizer_runs_every_way_and_reports_ratios(tmp_path: Path) -> Non
         assert row["elements_per_s"] > 0 and 0 < lo <= row["ms"] <= hi
         assert row["vs_ds_cpu_adam"] > 0 and row["vs_deepspeed"] > 0
     assert ways["ds_cpu_adam"]["vs_ds_cpu_adam"] == 1.0 and "x DeepSpeedCPUAdam" in proc.stdout
+
+
+def test_comm_measures_what_the_planner_computes(tmp_path: Path) -> None:
+    """benchmarks/comm.py on 4 processes as 2 simulated nodes x 2, a tiny GPT: the bytes each rank
+    sends within a node and across nodes per optimizer step, counted by wrapping c10d, equal
+    `shardwise.plan.comm.step_comm` exactly (the model's shards need no padding), for zero2 and
+    zero3, full and hybrid; full sharding sends everything across nodes, hybrid only the
+    all-reduce of each rank's half of the gradients."""
+    import comm
+
+    from shardwise.plan.comm import step_comm
+
+    path = comm.main(["--tiny", "--steps", "1", "--link-gbps", "1", "--out", str(tmp_path)])
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    assert set(rows) == {"zero2 full", "zero2 hybrid", "zero3 full", "zero3 hybrid"}
+    for case, row in rows.items():
+        strategy, mode = case.split()
+        want = step_comm(strategy, row["parameters"], "fp32", world_size=4, nodes=2,
+                         group_size=2 if mode == "hybrid" else None)
+        assert (row["intra"], row["inter"]) == (want.intra, want.inter), case
+        assert all(t > 0 for t in row["step_s"].values()) and set(row["step_s"]) == {"none", "1"}
+    assert rows["zero3 full"]["intra"] == {} and rows["zero3 hybrid"]["inter"].keys() == {"all_reduce"}
+    # on gloo the full-sharding reduce-scatter runs as an all-reduce: twice the bytes on the wire
+    full = rows["zero2 full"]
+    assert full["wire"]["inter"] == full["inter"]["all_gather"] + 2 * full["inter"]["reduce_scatter"]
+    assert set(data["hybrid_speedup"]) == {"zero2", "zero3"}

@@ -258,3 +258,146 @@ def test_launch_accepts_every_torchrun_flag() -> None:
     launch = parser._subparsers._group_actions[0].choices["launch"]
     ours = {s for a in launch._actions for s in a.option_strings}
     assert _torchrun_options() <= ours
+
+
+# -- hybrid sharding: the Accelerate and DeepSpeed spellings of a sharding group -----------------
+def _fsdp_yaml(strategy: str | None = None, processes: int = 4, **parallelism: int) -> dict:
+    fsdp = {"fsdp_sharding_strategy": strategy} if strategy else {}
+    acc = {"distributed_type": "FSDP", "num_processes": processes, "num_machines": 2, "fsdp_config": fsdp}
+    if parallelism:
+        acc["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in parallelism.items()}
+    return acc
+
+
+@pytest.mark.parametrize(("spelling", "strategy"), [
+    ("HYBRID_SHARD", "zero3"), ("4", "zero3"), ("HYBRID_SHARD_ZERO2", "zero2"), ("5", "zero2"),
+])
+def test_accelerate_hybrid_shard_imports_to_node_groups(spelling: str, strategy: str) -> None:
+    from shardwise.imports import from_accelerate
+
+    for value in (spelling, int(spelling) if spelling.isdigit() else spelling):
+        settings, dropped = from_accelerate(_fsdp_yaml(value))  # type: ignore[arg-type]
+        assert (settings["strategy"], settings["shard_group_size"]) == (strategy, "node")
+        assert dropped == []  # the hybrid key is no longer a dropped note
+        fsdp2 = {**_fsdp_yaml(), "fsdp_config": {"fsdp_reshard_after_forward": str(value)}}  # FSDP2
+        assert from_accelerate(fsdp2)[0]["shard_group_size"] == "node"
+
+
+@pytest.mark.parametrize(("strategy", "sizes", "want"), [
+    ("HYBRID_SHARD", {"dp_replicate_size": 2, "dp_shard_size": 2}, ("zero3", 2)),
+    ("HYBRID_SHARD_ZERO2", {"dp_replicate_size": 4, "dp_shard_size": 1 * 1}, None),  # refused below
+    (None, {"dp_replicate_size": 2, "dp_shard_size": 2}, ("zero3", 2)),  # FSDP2 decides by the mesh
+    ("SHARD_GRAD_OP", {"dp_replicate_size": 1, "dp_shard_size": 4}, ("zero2", None)),
+    ("HYBRID_SHARD", {"dp_replicate_size": 1, "dp_shard_size": 4}, ("zero3", None)),  # sizes win
+    ("HYBRID_SHARD", {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1}, ("zero3", "node")),
+])
+def test_accelerate_parallelism_config_sets_the_group(strategy: str | None, sizes: dict, want: tuple | None
+                                                      ) -> None:
+    from shardwise.config import ConfigError
+    from shardwise.imports import from_accelerate
+
+    acc = _fsdp_yaml(strategy, **sizes)
+    if want is None:
+        with pytest.raises(ConfigError, match="parallelism_config: dp_replicate_size=4 with dp_shard_size=1"):
+            from_accelerate(acc)
+        return
+    settings, dropped = from_accelerate(acc)
+    assert (settings["strategy"], settings.get("shard_group_size")) == want
+    assert dropped == []
+    out = shardwise.EngineConfig(**{k: v for k, v in settings.items() if k != "launch"})
+    assert out.shard_group_size == want[1]
+
+
+def test_accelerate_hybrid_file_round_trips_through_the_cli(tmp_path: Path) -> None:
+    import yaml
+
+    src = tmp_path / "acc.yaml"
+    src.write_text(yaml.safe_dump(_fsdp_yaml("HYBRID_SHARD_ZERO2", dp_replicate_size=2, dp_shard_size=2)))
+    out = tmp_path / "shardwise.yaml"
+    assert cli.main(["config", "--from-accelerate", str(src), "--output", str(out)]) == 0
+    cfg = load_config(out)
+    assert (cfg.strategy, cfg.shard_group_size, cfg.launch.num_processes) == ("zero2", 2, 2)
+    assert "dropped" not in out.read_text()
+
+
+def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
+    from shardwise.imports import from_parallelism
+
+    fields = {"dp_replicate_size": 2, "dp_shard_size": 4, "tp_size": 1, "cp_size": None}
+    assert from_parallelism(fields, 8) == 4  # a ParallelismConfig's attributes (None: unset)
+    assert from_parallelism({f"parallelism_config_{k}": v for k, v in fields.items()}, 8) == 4
+    assert from_parallelism({"dp_shard_size": 8}, 8) == "all"
+    assert from_parallelism({}, 8) is None
+
+
+@pytest.mark.parametrize(("acc", "message"), [
+    (_fsdp_yaml("HYBRID_SHARD", processes=8, dp_replicate_size=2, dp_shard_size=2),
+     "dp_replicate_size=2 x dp_shard_size=2 must equal the 8 processes"),
+    (_fsdp_yaml(None, dp_replicate_size=2, dp_shard_size=2, tp_size=2),
+     "parallelism_config: tp_size=2: tensor parallelism is not supported"),
+    (_fsdp_yaml(None, dp_shard_size=2, cp_size=2), "cp_size=2: context parallelism is not supported"),
+    (_fsdp_yaml(None, dp_replicate_size=0, dp_shard_size=4), "dp_replicate_size: expected an integer >= 1"),
+    (_fsdp_yaml(None, dp_shard_size="two"), "dp_shard_size: expected a number"),  # type: ignore[arg-type]
+    ({"distributed_type": "MULTI_GPU", "num_processes": 4, "parallelism_config": {
+        "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}},
+     "dp_shard_size > 1 shards the model, which Accelerate does under distributed_type FSDP only"),
+])
+def test_bad_parallelism_config_is_refused_naming_the_key(acc: dict, message: str) -> None:
+    from shardwise.config import ConfigError
+    from shardwise.imports import from_accelerate
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        from_accelerate(acc)
+
+
+def _zero(**keys: object) -> dict:
+    return {"zero_optimization": {"stage": 3, **keys}}
+
+
+def test_deepspeed_mics_imports_to_a_sharding_group() -> None:
+    from shardwise.imports import from_deepspeed
+
+    settings, dropped = from_deepspeed(_zero(mics_shard_size=2))
+    assert (settings["strategy"], settings["shard_group_size"]) == ("zero3", 2)
+    assert dropped == []
+    settings, dropped = from_deepspeed(_zero(mics_shard_size=-1, mics_hierarchical_params_gather=False,
+                                             zero_hpz_partition_size=1))
+    assert "shard_group_size" not in settings and dropped == []  # MiCS and hpZ off: nothing asked for
+    settings, dropped = from_deepspeed(_zero(mics_shard_size=4, mics_hierarchical_params_gather=True))
+    assert settings["shard_group_size"] == 4
+    assert dropped == ["zero_optimization.mics_hierarchical_params_gather (MiCS's two-hop all-gather: "
+                       "shardwise gathers within the group directly)"]
+
+
+def test_deepspeed_mics_file_loads_as_hybrid_zero3(tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_zero(mics_shard_size=8)))
+    cfg = load_config(path)
+    assert (cfg.strategy, cfg.shard_group_size) == ("zero3", 8)
+
+
+def test_deepspeed_hpz_is_reported_not_made_a_group() -> None:
+    """hpZ shards optimizer states over all processes: not a sharding group; DeepSpeed runs it."""
+    from shardwise.imports import from_deepspeed
+
+    settings, dropped = from_deepspeed(_zero(zero_hpz_partition_size=2))
+    assert (settings["strategy"], "shard_group_size" in settings) == ("zero3", False)
+    assert dropped == ["zero_optimization.zero_hpz_partition_size (ZeRO++ hpZ: run as given by "
+                       "backend='deepspeed'; for hybrid sharding set shard_group_size)"]
+
+
+@pytest.mark.parametrize(("ds", "message"), [
+    (_zero(zero_hpz_partition_size=-2), "zero_hpz_partition_size: expected an integer >= 0, found -2"),
+    (_zero(mics_shard_size=0), "zero_optimization.mics_shard_size: expected a positive integer"),
+    (_zero(mics_shard_size="many"), "zero_optimization.mics_shard_size: expected a number"),
+    ({"zero_optimization": {"stage": 2, "mics_shard_size": 2}},
+     "zero_optimization.mics_shard_size: MiCS is ZeRO stage 3's; found stage 2"),
+])
+def test_bad_deepspeed_hybrid_keys_are_refused_naming_the_key(ds: dict, message: str) -> None:
+    from shardwise.config import ConfigError
+    from shardwise.imports import from_deepspeed
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        from_deepspeed(ds)

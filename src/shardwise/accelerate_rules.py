@@ -8,6 +8,7 @@ table of docs/api.md.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -18,7 +19,26 @@ from .config import ConfigError, EngineConfig, backend_spec, is_auto, strategy_s
 from .loop_rules import LoopRules
 
 _REFUSED = ("deepspeed_plugin", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin", "dynamo_backend",
-            "dynamo_plugin", "deepspeed_plugins", "parallelism_config")
+            "dynamo_plugin", "deepspeed_plugins")
+
+
+def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
+    """`Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size, dp_shard_size))` (popped
+    from `kwargs`) -> the engine's `shard_group_size` (hybrid sharding: groups of dp_shard_size);
+    tensor, context and sequence parallelism, and sizes whose product is not the process count,
+    are refused in one line (`imports.from_parallelism`)."""
+    config = kwargs.pop("parallelism_config", None)
+    if config is None:
+        return
+    from .imports import from_parallelism
+
+    if dataclasses.is_dataclass(config):
+        sizes = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    else:
+        sizes = dict(vars(config))
+    group = from_parallelism(sizes, world_size, "Accelerator(parallelism_config=...)")
+    if group is not None:  # "all": shard across every process, the engine's default
+        kwargs.setdefault("shard_group_size", None if group == "all" else group)
 
 
 def refuse_unsupported(kwargs: dict[str, Any], *, device_placement: bool) -> None:

@@ -41,6 +41,7 @@ from .accelerate_rules import (
     check_rules,
     distributed_type,
     read_handlers,
+    read_parallelism,
     refuse_unsupported,
 )
 from .accelerate_types import (
@@ -88,6 +89,7 @@ class Accelerator(ProcessHelpers):
         **kwargs: Any,
     ) -> None:
         refuse_unsupported(kwargs, device_placement=device_placement)
+        read_parallelism(kwargs, int(os.environ.get("WORLD_SIZE", "1")))
         if mixed_precision is None:  # Accelerate: from the launcher's config or environment, else "no"
             mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
         if mixed_precision is not None:

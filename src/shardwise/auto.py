@@ -5,7 +5,8 @@ at the real world size and per-device batch, against the real device memory (a G
 memory; on CPU processes, this machine's RAM shared by its local processes). Every rank plans
 the same inputs deterministically and without collectives, so every rank makes the same choice.
 `auto` picks the strategy and the offload; activation checkpointing stays the user's setting,
-and an offload the user set restricts the choice to plans with it.
+an offload the user set restricts the choice to plans with it, and a `shard_group_size` the user
+set is planned as set (hybrid sharding: per-rank state cut by the group, not the world).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, EngineConfig, offload_spec
+from .config import ConfigError, EngineConfig, offload_spec, resolve_shard_group
 from .dist import DistInfo
 
 log = logging.getLogger("shardwise")
@@ -62,10 +63,17 @@ def choose(
     loader = loaders[0]
     # an offload the user set restricts the choice to plans with it
     restrict = offload_spec(cfg.offload).any
-    candidates = [c for c in CANDIDATES if c.activation_checkpointing == cfg.activation_checkpointing
+    # a shard_group_size the user set (hybrid sharding) is planned as set, for every sharding plan
+    group = resolve_shard_group(cfg.shard_group_size, info.world_size, info.local_world_size)
+    hybrid = group if group < info.world_size else None
+    sharding = {c: hybrid if c.strategy_spec.shards_optimizer else None for c in CANDIDATES}
+    candidates = [dataclasses.replace(c, shard_group_size=sharding[c]) for c in CANDIDATES
+                  if c.activation_checkpointing == cfg.activation_checkpointing
                   and (not restrict or c.offload == cfg.offload)]
+    local = max(1, info.local_world_size)
     request = PlanRequest(
-        world_size=info.world_size, device_memory=device_memory(info), batch=loader.batch_size,
+        world_size=info.world_size, nodes=info.world_size // local if info.world_size % local == 0 else 1,
+        device_memory=device_memory(info), batch=loader.batch_size,
         device="cuda" if info.device.type == "cuda" else "cpu", precision=cfg.precision,
         candidates=candidates, activation_checkpointing=cfg.activation_checkpointing, wrap=cfg.wrap,
     )

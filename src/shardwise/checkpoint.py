@@ -1,8 +1,9 @@
 """Training checkpoints: sharded, resumable at any world size or strategy, atomic, and safe.
 
 Layout of one checkpoint folder:
-  meta.json         written last: format, world size, strategy, precision, versions, every
-                    model's parameter names/shapes/dtypes, file sizes, the DCP metadata hash
+  meta.json         written last: format, world size, sharding group size, strategy, precision,
+                    versions, every model's parameter names/shapes/dtypes, file sizes, the DCP
+                    metadata hash
   .metadata, *.distcp   torch.distributed.checkpoint (DCP): models and optimizers, each process
                     writing its own shards in parallel. Tensors are keyed by parameter name and
                     stored whole or as DTensor shards, so DCP reshards on load.
@@ -20,6 +21,16 @@ weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256
 recorded in meta.json. A save or load inside the run's checkpoint_dir first takes the run lock
 (`runlock`: one run per checkpoint folder). Saving and loading are here; reading a folder's
 format, its checks and the `step_<N>` layout are `checkpoint_files` (its names are re-exported).
+
+Hybrid sharding (`shard_group_size` G < W): every shard exists once per replica group, but is
+written once. A replicated shard is the same DCP write item (parameter name, offset) on each of
+its R = W/G holders, as is a whole tensor every process holds (ddp, zero1's gathered optimizer
+state); DCP's save planner keeps each item in one plan only, the one with the fewest bytes so
+far, so the W processes write the checkpoint's bytes once between them (about 1/W each, fewer
+per process as groups are added). The planning itself exchanges plan metadata, not tensors. On
+load each process reads only its own shard (1/G of the model), whatever R is, and the layout is
+DCP's by parameter name, so a hybrid checkpoint loads at any world size, strategy or group size
+and any checkpoint loads as hybrid (tests/test_hybrid_resume.py).
 """
 
 from __future__ import annotations
@@ -284,6 +295,7 @@ def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums
         "format": FORMAT,
         "version": VERSION,
         "world_size": parts.world,
+        "shard_group_size": parts.strategy.shard_group_size,  # (informative: loading reshards)
         "engine": parts.info["backend"],  # (the backend; key name of format 1)
         **{k: v for k, v in parts.info.items() if k != "backend"},
         "versions": _versions(),

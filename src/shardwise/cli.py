@@ -29,7 +29,8 @@ DEFAULT_CONFIG = "shardwise.yaml"
 _UNSET: Any = object()
 # Fields of EngineConfig that get a flag (nested sections and code-only fields do not).
 _ENGINE_FLAGS = [
-    "strategy", "backend", "precision", "offload", "grad_accum_steps", "max_grad_norm", "seed", "cpu",
+    "strategy", "backend", "precision", "offload", "shard_group_size", "grad_accum_steps", "max_grad_norm",
+    "seed", "cpu",
     "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "checkpoint_dir",
     "offload_bucket_numel", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_last",
     "collective_timeout_s", "preempt_signals", "preempt_grace_s", "resume",
@@ -43,7 +44,7 @@ _TORCHRUN_FOLDED = {
 
 
 def _whole_number(text: str) -> int | str:
-    if text == "auto":
+    if text in ("auto", "node"):  # the words a whole-number setting may take (the config checks which)
         return text
     try:
         return int(text)

@@ -25,7 +25,15 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=_MODELS_HELP)
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=1, help="per-device batch to evaluate (default 1)")
-    p.add_argument("--gpus", type=int, default=1, help="devices (processes) to plan for (default 1)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="devices (processes) to plan for, all nodes together (default 1, or "
+                        "--nodes x --gpus-per-node)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes the devices spread over (default 1); with 2 or more the table also plans "
+                        "hybrid sharding (shard within a node, replicate across nodes) and splits each "
+                        "plan's communication into bytes within a node and across nodes")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices per node (default: --gpus / --nodes)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
     p.add_argument("--cpu-memory", default=None,
@@ -49,6 +57,25 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                    help="draw the breakdown as stacked bars per plan (needs matplotlib)")
     p.add_argument("--workers", type=int, default=2, help="processes tracing in parallel (default 2)")
     return p
+
+
+def world_layout(gpus: int | None, nodes: int | None, per_node: int | None) -> tuple[int, int]:
+    """(devices, nodes) from --gpus, --nodes and --gpus-per-node; an inconsistent combination is
+    refused in one line."""
+    for flag, value, what in (("--gpus", gpus, "device"), ("--nodes", nodes, "node"),
+                              ("--gpus-per-node", per_node, "device per node")):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: plan for at least 1 {what}")
+    n = 1 if nodes is None else nodes
+    if per_node is None:
+        world = 1 if gpus is None else gpus
+        if world % n:
+            raise ConfigError(f"--gpus {world} does not spread evenly over --nodes {n}")
+        return world, n
+    if gpus is not None and gpus != n * per_node:
+        raise ConfigError(f"--gpus {gpus} disagrees with --nodes {n} x --gpus-per-node {per_node} "
+                          f"= {n * per_node}; give one or the other")
+    return n * per_node, n
 
 
 def _device_memory(ns: argparse.Namespace) -> int | str:
@@ -84,9 +111,10 @@ def run_plan(ns: argparse.Namespace) -> int:
     from .plan import PlanRequest, plan_named
     from .plan.report import describe, plot, write_config
 
+    world, nodes = world_layout(ns.gpus, ns.nodes, ns.gpus_per_node)
     memory = _device_memory(ns)
     request = PlanRequest(
-        world_size=ns.gpus, device_memory=memory, batch=ns.batch, workers=max(1, ns.workers),
+        world_size=world, nodes=nodes, device_memory=memory, batch=ns.batch, workers=max(1, ns.workers),
         device=ns.device, precision=ns.precision, host_memory=ns.cpu_memory,
         activation_checkpointing=ns.activation_checkpointing, global_batch=ns.global_batch,
         overheads=_overheads(ns),

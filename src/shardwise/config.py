@@ -43,6 +43,7 @@ Rendezvous = Literal["c10d", "static"]
 OptimizerType = Literal["AdamW", "Adam", "SGD"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 Auto = Literal["auto"]
+Node = Literal["node"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 OFFLOADS: tuple[str, ...] = get_args(OffloadName)
@@ -223,6 +224,11 @@ class EngineConfig:
     offload: OffloadName = "none"
     """none; optimizer: optimizer states and the optimizer step live on the host (zero1-3);
     params: parameter shards also live on the host between uses (zero3 only)."""
+    shard_group_size: int | Node | None = None
+    """Processes per sharding group (hybrid sharding): zero1-3 shard within each group of this
+    many consecutive ranks and replicate across groups, all-reducing gradients across groups once
+    per optimizer step. None: all processes (one group); "node": the processes of one node
+    (LOCAL_WORLD_SIZE). Must divide the world size; ddp has nothing to shard and ignores it."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; gradients are communicated only on the last one."""
     max_grad_norm: float | None = None
@@ -317,6 +323,11 @@ class EngineConfig:
                 _positive(name, value, allow_auto=True)
         check_strategy(self.strategy, self.offload, self.backend)
         _positive("offload_bucket_numel", self.offload_bucket_numel)
+        group = self.shard_group_size
+        if group is not None and group != "node" and (isinstance(group, bool) or not isinstance(group, int)
+                                                      or group < 1):
+            raise ConfigError(f"shard_group_size={group!r} must be an integer >= 1, 'node' (the processes "
+                              "of one node) or None (all processes)")
         _choice("host_kernel", self.host_kernel, get_args(HostKernelName))
         for name in ("checkpoint_every_steps", "keep_last"):
             value = getattr(self, name)
@@ -378,6 +389,19 @@ def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:
                 f"train_batch_size={total} but micro_batch_size {micro_batch} x "
                 f"grad_accum_steps {cfg.grad_accum_steps} x {world} processes = {actual}"
             )
+
+
+def resolve_shard_group(value: int | str | None, world_size: int, local_world_size: int) -> int:
+    """The processes per sharding group for `shard_group_size=value` in a world of `world_size`
+    (`local_world_size` per node); refused in one line when it does not divide the world."""
+    group = world_size if value is None else local_world_size if value == "node" else int(value)
+    if group < 1 or world_size % group:
+        said = f"{value!r} ({group} processes per node)" if value == "node" else repr(value)
+        raise ConfigError(
+            f"shard_group_size={said} does not divide the {world_size} processes of this run into "
+            f"equal groups; choose a divisor of {world_size} (e.g. the processes per node) or None"
+        )
+    return group
 
 
 def resolve_grad_accum(cfg: EngineConfig, micro_batch: int, world: int) -> int:

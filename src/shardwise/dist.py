@@ -96,9 +96,44 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"/shardwise/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
-def device_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D mesh over every process: the data-parallel (sharding) dimension."""
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+# see device_mesh; keyed by the default group too, so the planner's fake world (plan/fakes.py),
+# which runs inside a live job, never replaces the live job's mesh
+_MESHES: dict[tuple[str, int, int], tuple[dist.ProcessGroup, DeviceMesh]] = {}
+
+
+def device_mesh(device: torch.device, group: int | None = None) -> DeviceMesh:
+    """The data-parallel mesh of a run whose sharding groups hold `group` processes (None: all).
+
+    `group` equal to the world size: a 1-D mesh over every process, the sharding dimension.
+    Otherwise a 2-D mesh, dims named ("replicate", "shard"), of world/group rows of `group`
+    consecutive ranks: ranks 0..group-1 are sharding group 0 (one node, with `shard_group_size:
+    node`), and the replicate dimension links the processes at the same position in each group.
+    `mesh_groups(mesh)` gives the two process groups. A 2-D mesh is built once per default
+    process group and size (building one makes new process groups on every rank, collectively).
+    """
+    world = dist.get_world_size()
+    group = world if group is None else group
+    if group == world:
+        return init_device_mesh(device.type, (world,))
+    if group < 1 or world % group:
+        raise ValueError(f"a sharding group of {group} processes does not divide the world of {world}")
+    key = (device.type, group, id(dist.group.WORLD))
+    cached = _MESHES.get(key)
+    if cached is not None and cached[0] is dist.group.WORLD:
+        return cached[1]
+    mesh = init_device_mesh(device.type, (world // group, group), mesh_dim_names=("replicate", "shard"))
+    world_group = dist.group.WORLD
+    assert world_group is not None  # init_device_mesh needs (and made sure of) a default group
+    _MESHES[key] = (world_group, mesh)
+    return mesh
+
+
+def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard group, replicate group) of a `device_mesh`: the processes this one shards with,
+    and those holding the same shard in the other groups (None on a 1-D mesh: no replicas)."""
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    return mesh.get_group("shard"), mesh.get_group("replicate")
 
 
 def config_source(argv: list[str] | None = None) -> str | None:

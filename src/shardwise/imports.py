@@ -75,8 +75,17 @@ def from_deepspeed(ds: Mapping[str, Any], source: str = "deepspeed JSON") -> tup
                 out["offload"] = "params"
             elif opt:
                 out["offload"] = "optimizer"
+            group = _ds_shard_group(value, stage, where)
+            if group is not None:
+                out["shard_group_size"] = group
             for sub in value:
-                if sub not in ("stage", "offload_optimizer", "offload_param"):
+                if sub == "mics_hierarchical_params_gather" and _flag(value[sub], f"{where}.{sub}"):
+                    dropped.append(f"zero_optimization.{sub} (MiCS's two-hop all-gather: shardwise "
+                                   "gathers within the group directly)")
+                elif sub == "zero_hpz_partition_size" and value[sub] not in (0, 1, "auto"):
+                    dropped.append(f"zero_optimization.{sub} (ZeRO++ hpZ: run as given by "
+                                   "backend='deepspeed'; for hybrid sharding set shard_group_size)")
+                elif sub not in ("stage", "offload_optimizer", "offload_param", *_DS_HYBRID):
                     dropped.append(f"zero_optimization.{sub}")
         elif key in ("fp16", "bf16", "bfloat16"):
             block = value if isinstance(value, Mapping) else {"enabled": value}
@@ -120,6 +129,35 @@ def from_deepspeed(ds: Mapping[str, Any], source: str = "deepspeed JSON") -> tup
         else:
             dropped.append(key)
     return out, dropped
+
+
+_DS_HYBRID = ("mics_shard_size", "mics_hierarchical_params_gather", "zero_hpz_partition_size")
+
+
+def _ds_shard_group(zero: Mapping[str, Any], stage: Any, where: str) -> int | None:
+    """DeepSpeed's hybrid keys -> shard_group_size (None: shard across all processes).
+
+    MiCS (`mics_shard_size: N`, ZeRO-3 only) partitions parameters, gradients and optimizer
+    states within each group of N consecutive ranks, replicates them across groups and
+    all-reduces gradients across groups: exactly `shard_group_size=N` on zero3. ZeRO++ hpZ
+    (`zero_hpz_partition_size: N`) is not: it keeps gradients and optimizer states partitioned
+    across all processes and adds a secondary copy of the parameters partitioned within groups
+    of N for the backward all-gather. shard_group_size=N would hold N times more optimizer state
+    per rank than the JSON asked for, so hpZ is not imported as a group: it stays a DeepSpeed
+    tuning key, passed to DeepSpeed as it is under backend='deepspeed' (where it runs), reported
+    with that reason, and refused only when it is no size.
+    """
+    hpz = _number(zero.get("zero_hpz_partition_size", 1), f"{where}.zero_hpz_partition_size")
+    if hpz != "auto" and (not isinstance(hpz, int) or hpz < 0):
+        raise ConfigError(f"{where}.zero_hpz_partition_size: expected an integer >= 0, found {hpz!r}")
+    mics = _number(zero.get("mics_shard_size", -1), f"{where}.mics_shard_size")
+    if mics in (-1, "auto"):
+        return None
+    if not isinstance(mics, int) or mics < 1:
+        raise ConfigError(f"{where}.mics_shard_size: expected a positive integer (-1: off), found {mics!r}")
+    if stage != 3:
+        raise ConfigError(f"{where}.mics_shard_size: MiCS is ZeRO stage 3's; found stage {stage!r}")
+    return mics
 
 
 def _fp16_loss_scale(block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -209,7 +247,10 @@ def from_accelerate(
     """Accelerate config YAML -> (shardwise settings, dropped keys).
 
     A `deepspeed_config_file` is read with `read_json` and translated in: as in Accelerate, that
-    JSON then decides stage, offload, precision, accumulation and clipping.
+    JSON then decides stage, offload, precision, accumulation and clipping. Hybrid sharding:
+    `HYBRID_SHARD` / `HYBRID_SHARD_ZERO2` (4 / 5) are zero3 / zero2 within a node
+    (shard_group_size "node", as FSDP's hybrid shards within a node), unless a
+    `parallelism_config` section gives the sizes (`from_parallelism`), which then decide.
     """
     out: dict[str, Any] = {}
     launch: dict[str, Any] = {}
@@ -264,10 +305,20 @@ def from_accelerate(
         launch["rdzv_backend"] = acc["rdzv_backend"]
     if acc.get("gradient_accumulation_steps"):
         out["grad_accum_steps"] = int(acc["gradient_accumulation_steps"])
+    if acc.get("parallelism_config"):
+        where = f"{source}: parallelism_config"
+        group = from_parallelism(acc["parallelism_config"], total if "num_processes" in acc else None, where)
+        if group is not None and kind != "FSDP":
+            raise ConfigError(f"{where}: dp_shard_size > 1 shards the model, which Accelerate does under "
+                              f"distributed_type FSDP only (found {kind})")
+        if group is not None:  # the sizes decide the group, over HYBRID_SHARD's node default
+            out.pop("shard_group_size", None)
+            if group != "all":
+                out["shard_group_size"] = group
     out["launch"] = launch
     handled = {"distributed_type", "fsdp_config", "deepspeed_config", "mixed_precision", "use_cpu",
                "num_machines", "num_processes", "machine_rank", "main_process_ip", "main_process_port",
-               "rdzv_backend", "gradient_accumulation_steps"}
+               "rdzv_backend", "gradient_accumulation_steps", "parallelism_config"}
     for key, value in acc.items():
         if key in handled:
             continue
@@ -277,6 +328,46 @@ def from_accelerate(
     return out, dropped
 
 
+_PARALLELISM_UNSUPPORTED = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}
+
+
+def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
+                     source: str = "parallelism_config") -> int | str | None:
+    """Accelerate's `ParallelismConfig` sizes -> shard_group_size: an int (hybrid sharding),
+    "all" (they ask for sharding across all processes) or None (they ask for nothing).
+
+    `sizes` holds its fields by name (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) or
+    as an Accelerate YAML's `parallelism_config` section spells them (`parallelism_config_`
+    before each). `dp_shard_size` processes shard the model and `dp_replicate_size` groups of
+    them hold replicas, so the group is `dp_shard_size`; their product must be the process count
+    (`num_processes`, when known). tensor, context and sequence parallelism are refused; the
+    keys that only tune those (backends, strategies) mean nothing while their size is 1.
+    """
+    plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
+
+    def size(name: str) -> int:
+        value = _number(plain.get(name, 1), f"{source}: {name}")
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{source}: {name}: expected an integer >= 1, found {value!r}")
+        return value
+
+    for name, what in _PARALLELISM_UNSUPPORTED.items():
+        if size(name) > 1:
+            raise ConfigError(f"{source}: {name}={size(name)}: {what} parallelism is not supported by "
+                              "shardwise; set it to 1 (data parallelism: dp_replicate_size, dp_shard_size)")
+    replicas, shard = size("dp_replicate_size"), size("dp_shard_size")
+    if replicas == shard == 1:
+        return None
+    if shard == 1:
+        raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
+                          "parallelism, which Accelerate refuses here too; use strategy ddp instead")
+    if num_processes is not None and replicas * shard != num_processes:
+        raise ConfigError(f"{source}: dp_replicate_size={replicas} x dp_shard_size={shard} must equal "
+                          f"the {num_processes} processes (num_processes)")
+    return shard if replicas > 1 else "all"
+
+
+_FSDP_HYBRID = ("4", "5", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 # FSDP1 switches FSDP2 (and so shardwise) always behaves as if they were set.
 _FSDP_NEUTRAL = {"sync_module_states": True, "use_orig_params": True}
 
@@ -292,8 +383,8 @@ def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[s
                 "choose 1-5 or FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
             )
         out["strategy"] = _FSDP_SHARDING[key]
-        if key.startswith(("4", "5", "HYBRID")):
-            dropped.append("fsdp_config.sharding_strategy (hybrid: shards across all processes instead)")
+        if key in _FSDP_HYBRID:  # FSDP's hybrid shards within a node; a parallelism_config may say otherwise
+            out["shard_group_size"] = "node"
     if "reshard_after_forward" in plain:  # FSDP2 spelling; a bool, or an FSDP1 strategy name
         value = plain["reshard_after_forward"]
         flag = _flag(value, f"{source}: fsdp_config.reshard_after_forward") if not (
@@ -301,6 +392,8 @@ def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[s
         out["strategy"] = (
             ("zero3" if flag else "zero2") if flag is not None else _FSDP_SHARDING[str(value).upper()]
         )
+        if flag is None and str(value).upper() in _FSDP_HYBRID:
+            out["shard_group_size"] = "node"
     if _flag(plain.get("offload_params", False), f"{source}: fsdp_config.offload_params"):
         out["offload"] = "params"
     if _flag(plain.get("activation_checkpointing", False), f"{source}: fsdp_config.activation_checkpointing"):

@@ -64,7 +64,9 @@ def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch
     FSDP2 keeps each shard in a padded storage: the count includes that padding, as the
     allocator does. Host bytes are reported as well; on a CPU-only machine everything is host.
     Parameters count as held: a shard, and beside it the whole parameter while it is gathered
-    (mid-forward, or kept for a backward), never the configured shard alone.
+    (mid-forward, or kept for a backward), never the configured shard alone. Being counted from
+    the local tensors, hybrid sharding shows as it is: shards and optimizer state of 1/G
+    (`shard_group_size` G), not 1/W.
     """
     models = list(models)
     c = _Counter()

@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from ..internals import local_tensor
-from .fakes import DispatchMode, overload_packet, storage_key, tree_leaves
+from .fakes import DispatchMode, is_fake, overload_packet, storage_key, tree_leaves
 
 ROLES = ("params", "grads", "optimizer", "comm", "activations", "temporaries")
 _PRECEDENCE = {r: i for i, r in enumerate(ROLES)}
@@ -134,9 +134,10 @@ class StorageCounter(DispatchMode):
                 self.role[s] = role
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.nonzero.default:
+        if func is torch.ops.aten.nonzero.default and is_fake(args[0]):
             # A fake tensor has no data: take the largest result (every element nonzero), which
-            # is also what the usual uses (label masks, all valid) produce.
+            # is also what the usual uses (label masks, all valid) produce. (A real one, such as
+            # a device mesh's coordinates, is answered for real.)
             x = args[0]
             out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
             self.see(out)

@@ -17,7 +17,8 @@ here only, each behind a function or a re-export (checked against torch 2.13.0):
   `_verify_param_shape_across_processes` (`no_ddp_shape_check`).
 - `torch.utils._python_dispatch.TorchDispatchMode` (re-exported as `DispatchMode`),
   `torch.utils._pytree.tree_leaves` / `tree_map`, `torch._subclasses.fake_tensor.FakeTensorMode`
-  (`fake_mode`), `torch._guards.detect_fake_mode` (`current_fake_mode`).
+  (`fake_mode`), `torch._guards.detect_fake_mode` (`current_fake_mode`),
+  `torch._subclasses.fake_tensor.unset_fake_temporarily` (`real_mesh_slices`) and `is_fake`.
 - `UntypedStorage._cdata` (`storage_key`: the address that names a storage while it lives) and
   an operator's `_overloadpacket` (`overload_packet`: the key of torch's FLOP formulas).
 """
@@ -38,8 +39,9 @@ from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
-    "DispatchMode", "current_fake_mode", "fake_copy", "fake_ddp", "fake_mode", "fake_world", "kept_rng",
-    "no_ddp_shape_check", "overload_packet", "patched", "storage_key", "tree_leaves", "tree_map",
+    "DispatchMode", "current_fake_mode", "fake_copy", "fake_ddp", "fake_mode", "fake_world", "is_fake",
+    "kept_rng", "no_ddp_shape_check", "overload_packet", "patched", "real_mesh_slices", "storage_key",
+    "tree_leaves", "tree_map",
 ]
 
 
@@ -58,6 +60,13 @@ def current_fake_mode() -> Any:
     return detect_fake_mode()
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor (shape and dtype, no data)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return bool(fake(t))
+
+
 def storage_key(st: torch.UntypedStorage) -> int:
     """The address of a storage's implementation: the same for every view while it lives."""
     return int(st._cdata)
@@ -66,6 +75,23 @@ def storage_key(st: torch.UntypedStorage) -> int:
 def overload_packet(func: Any) -> Any:
     """The overload packet of an aten operator (what `flop_counter.flop_registry` is keyed by)."""
     return func._overloadpacket
+
+
+@contextlib.contextmanager
+def real_mesh_slices() -> Iterator[None]:
+    """A device mesh sliced inside the fake mode (FSDP2 takes the "shard" dimension of a hybrid
+    2-D mesh per parameter) computes its coordinates from real tensors: fake ones hold no data."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__getitem__
+
+    def getitem(mesh: DeviceMesh, names: Any) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return original(mesh, names)
+
+    with patched(DeviceMesh, "__getitem__", getitem):
+        yield
 
 
 def no_ddp_shape_check() -> contextlib.AbstractContextManager[None]:

@@ -63,6 +63,8 @@ class Hardware:
     """Sustained fp32 FLOP/s (TF32 matmuls where enabled)."""
     interconnect: float = 25e9
     """Bus bandwidth between devices in bytes/s (PCIe peer-to-peer; NVLink is ~10x)."""
+    inter_node: float = 12.5e9
+    """Bandwidth per process between nodes in bytes/s (a 100 Gb/s network link per GPU)."""
     pcie: float = 20e9
     """Host<->device copy bandwidth in bytes/s (offload)."""
     host_adam: float = 1.0e9
@@ -71,7 +73,8 @@ class Hardware:
     @staticmethod
     def cpu() -> Hardware:
         """Rough speeds of CPU processes talking through gloo on one machine."""
-        return Hardware(flops_bf16=20e9, flops_fp32=50e9, interconnect=2e9, pcie=1e12, host_adam=1e12)
+        return Hardware(flops_bf16=20e9, flops_fp32=50e9, interconnect=2e9, inter_node=1e9, pcie=1e12,
+                        host_adam=1e12)
 
     def flops(self, precision: str) -> float:
         """The sustained rate at `precision`: fp32's for 4-byte compute, else the 16-bit one."""

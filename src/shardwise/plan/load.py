@@ -66,8 +66,9 @@ def load_memory(spec: ModelSpec, candidates: list[Candidate], *, world_size: int
     init, load = {}, {}
     for c in candidates:
         sharded = _sharded_at_rest(c)
+        world = c.sharding_group(world_size)  # hybrid: cut within the sharding group only
         on_host = device == "cpu" or c.offload_spec.params_on_host
-        resident = (params / world_size if sharded else params) if on_host else 0.0
+        resident = (params / world if sharded else params) if on_host else 0.0
         init[c] = resident + largest + buffers
-        load[c] = resident + (biggest_tensor / world_size if sharded else biggest_tensor) + buffers
+        load[c] = resident + (biggest_tensor / world if sharded else biggest_tensor) + buffers
     return LoadMemory(whole=params + buffers, init=init, load=load, parameters=params, largest_module=largest)

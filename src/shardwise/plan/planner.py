@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .comm import CommVolume, step_comm
 from .fit import Fitted, GiB, Hardware, Overheads, largest_batch
 from .load import LoadMemory, load_memory
 from .presets import TRACE_DEPTHS, ModelSpec, PlanError, batch_dim, module_spec, resolve_model
@@ -61,6 +62,8 @@ class StrategyPlan:
     relative_time: float = 1.0
     """step time relative to the fastest plan that fits"""
     why: str = ""
+    comm: CommVolume | None = None
+    """bytes each rank sends per optimizer step, within a node and across nodes (`plan.comm`)"""
 
     @property
     def name(self) -> str:
@@ -69,8 +72,11 @@ class StrategyPlan:
     def settings(self) -> dict[str, Any]:
         """The `EngineConfig` fields this plan sets."""
         c = self.candidate
-        return {"strategy": c.strategy, "offload": c.offload,
-                "activation_checkpointing": c.activation_checkpointing}
+        out: dict[str, Any] = {"strategy": c.strategy, "offload": c.offload,
+                               "activation_checkpointing": c.activation_checkpointing}
+        if c.shard_group_size is not None:
+            out["shard_group_size"] = c.shard_group_size
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,17 +117,20 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     load: LoadMemory | None = None
     """host memory per process to build and load the model, whole or empty (`plan.load`)"""
+    nodes: int = 1
+    """nodes the devices spread over (`world_size / nodes` each)"""
 
     def find(
-        self, strategy: str, offload: str = "none", activation_checkpointing: bool = False
+        self, strategy: str, offload: str = "none", activation_checkpointing: bool = False,
+        shard_group_size: int | None = None,
     ) -> StrategyPlan:
-        """The plan of one candidate."""
-        wanted = Candidate(strategy, offload, activation_checkpointing)
+        """The plan of one candidate (`shard_group_size`: its hybrid twin)."""
+        wanted = Candidate(strategy, offload, activation_checkpointing, shard_group_size)
         for p in self.plans:
             if p.candidate == wanted:
                 return p
-        raise KeyError(f"no plan for {strategy} offload={offload} "
-                       f"activation_checkpointing={activation_checkpointing}")
+        raise KeyError(f"no plan for {strategy} offload={offload} activation_checkpointing="
+                       f"{activation_checkpointing} shard_group_size={shard_group_size}")
 
 
 # -- running the traces --------------------------------------------------------------------------
@@ -228,13 +237,17 @@ def _evaluate(fitted: Fitted, cand: Candidate, flops: Fitted, budget: _Budget, b
     breakdown = dict(mem.roles)
     breakdown["overhead"] = peak - mem.device
     compute = flops.linear("flops", batch) / hardware.flops(req.precision)
-    comm = fitted.comm_seconds(hardware)
+    volume = step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
+                       world_size=req.world_size, nodes=req.nodes, group_size=cand.shard_group_size)
+    # one node: the traced collectives over the interconnect; several: the links they cross
+    comm = (fitted.comm_seconds(hardware) if req.nodes <= 1 and cand.shard_group_size is None
+            else volume.seconds(hardware.interconnect, hardware.inter_node))
     offload = (fitted.linear("offload_bytes", batch) / hardware.pcie
                + fitted.linear("host_optimizer_numel", batch) / hardware.host_adam)
     return StrategyPlan(
         candidate=cand, batch=batch, fits=fits(batch), peak=peak, breakdown=breakdown, host=host,
         max_batch=largest_batch(fits), step_seconds=max(compute, comm) + offload, compute_seconds=compute,
-        comm_seconds=comm, offload_seconds=offload, segment=mem.segment,
+        comm_seconds=comm, offload_seconds=offload, segment=mem.segment, comm=volume,
     )
 
 
@@ -295,6 +308,7 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
         hardware=budget.hardware, seconds=time.perf_counter() - t0, global_batch=accum,
         traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
         load=load_memory(spec, cands, world_size=request.world_size, device=request.device),
+        nodes=request.nodes,
     )
 
 
@@ -323,7 +337,8 @@ def _global_batch(spec: ModelSpec, plans: list[StrategyPlan], fitted: dict[Candi
     if needs_accum:
         batch = min(max(1, min(p.max_batch for p in plans if p.candidate in needs_accum)), per_device)
         traces = _trace_candidates(spec, needs_accum, req, batch=batch, grad_accum_steps=2)
-        accum_fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, world, req.device) for c, t in traces.items()}
+        accum_fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, world, req.device)
+                        for c, t in traces.items()}
     for p in plans:
         c = p.candidate
         flops = flop_src[c.activation_checkpointing]

@@ -46,20 +46,27 @@ def describe(plan: Plan) -> str:
         lines.append(f"traced on fake tensors at batches {plan.batch}, {2 * plan.batch} "
                      f"({plan.seconds:.1f} s)")
     lines.append("")
-    head = (f"{'plan':31s} {'fits':>4s} {'peak':>6s} " + " ".join(f"{_HEAD[p]:>6s}" for p in PARTS)
-            + f" {'host':>6s} {'max batch':>9s} {'step':>6s}")
+    nodes = plan.nodes > 1
+    w = max([30] + [len(p.name) for p in plan.plans])
+    head = (f"{'plan':{w + 1}s} {'fits':>4s} {'peak':>6s} " + " ".join(f"{_HEAD[p]:>6s}" for p in PARTS)
+            + f" {'host':>6s} {'max batch':>9s} {'step':>6s}"
+            + (f" {'intra':>6s} {'inter':>6s}" if nodes else ""))
     lines += [head, "-" * len(head)]
     for p in plan.plans:
         mark = "*" if plan.best is not None and p.candidate == plan.best.candidate else " "
+        sent = f" {_g(p.comm.intra_bytes, u):>6s} {_g(p.comm.inter_bytes, u):>6s}" if nodes and p.comm else ""
         lines.append(
-            f"{mark}{p.name:30s} {'yes' if p.fits else 'no':>4s} {_g(p.peak, u):>6s} "
+            f"{mark}{p.name:{w}s} {'yes' if p.fits else 'no':>4s} {_g(p.peak, u):>6s} "
             + " ".join(f"{_g(p.breakdown.get(k, 0.0), u):>6s}" for k in PARTS)
             + f" {_g(p.host, u):>6s} {p.max_batch:>9d} "
             + (f"{p.relative_time:>5.2f}x" if p.fits else f"{'-':>6s}")  # a time only where it runs
+            + sent
         )
     lines.append("")
     lines.append(f"{u} per device at the planned batch (peak = the parts + overhead); host = host memory per "
                  "process; step = estimated time relative to the fastest plan that fits")
+    if nodes:
+        lines += _hybrid_lines(plan, u)
     if plan.device == "cuda":
         o = plan.overheads
         lines.append(f"overhead = CUDA context {_g(o.cuda_context, u)} {u}"
@@ -80,6 +87,34 @@ def describe(plan: Plan) -> str:
                      f"accumulation step(s) x {plan.world_size} device(s), with {g.plan.name}")
     lines += list(plan.notes)
     return "\n".join(lines)
+
+
+def _hybrid_lines(plan: Plan, u: str) -> list[str]:
+    """What the intra/inter columns mean, and per sharding strategy whether hybrid wins."""
+    hw = plan.hardware
+    per_node = plan.world_size // plan.nodes
+    lines = [f"{plan.nodes} nodes x {per_node} devices; hybrid G = sharded within a group of G "
+             f"(one node), replicated across nodes; intra / inter = {u} each rank sends per optimizer "
+             f"step within a node / across nodes (links: {hw.interconnect / 1e9:g} / "
+             f"{hw.inter_node / 1e9:g} GB/s per process)"]
+    for p in plan.plans:
+        c = p.candidate
+        if c.shard_group_size is None or c.offload_spec.any or c.activation_checkpointing:
+            continue
+        full = plan.find(c.strategy)
+        if full.comm is None or p.comm is None:
+            continue
+        t_full = full.comm.seconds(hw.interconnect, hw.inter_node)
+        t_hyb = p.comm.seconds(hw.interconnect, hw.inter_node)
+        mem = p.peak - full.peak
+        if t_hyb < t_full:
+            verdict = f"hybrid wins: {t_full / max(t_hyb, 1e-12):.1f}x less communication time"
+        else:
+            verdict = "full sharding wins: the inter-node link is fast enough"
+        lines.append(f"{c.strategy}: full sends {_g(full.comm.inter_bytes, u)} {u} across nodes per rank "
+                     f"({t_full * 1e3:.1f} ms), hybrid {_g(p.comm.inter_bytes, u)} {u} "
+                     f"({t_hyb * 1e3:.1f} ms) for {_g(mem, u)} {u} more per device: {verdict}")
+    return lines
 
 
 def plot(plan: Plan, path: str | Path) -> None:
@@ -127,7 +162,9 @@ def write_config(plan: Plan, path: str | Path, chosen: StrategyPlan | None = Non
     if g is not None and g.plan.candidate == chosen.candidate:
         batch, accum = g.micro_batch, g.grad_accum_steps
     settings: dict[str, Any] = dict(chosen.settings(), precision=plan.precision, micro_batch_size=batch,
-                                    grad_accum_steps=accum, launch={"num_processes": plan.world_size})
+                                    grad_accum_steps=accum,
+                                    launch={"num_processes": plan.world_size // plan.nodes,
+                                            "num_nodes": plan.nodes})
     cfg = make_config(**settings)
     u = _unit(plan)
     header = (f"# written by shardwise plan for {plan.model}: {chosen.name}, predicted peak "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -90,17 +90,36 @@ class PlanRequest:
     """builds the optimizer to trace from the parameters (None: AdamW)"""
     workers: int = 1
     """processes tracing in parallel (forked; `plan_module` always traces in its own process)"""
+    nodes: int = 1
+    """nodes the `world_size` devices spread over, `gpus_per_node` each; with more than one, the
+    sharding strategies are also planned hybrid (sharded within a node, replicated across nodes)
+    and every plan's communication is split into bytes within a node and across nodes"""
 
     @property
     def per_device_batch(self) -> int:
         """The per-device batch evaluated (1 when none was given)."""
         return 1 if self.batch is None else self.batch
 
+    @property
+    def gpus_per_node(self) -> int:
+        """Devices (processes) on each node."""
+        return self.world_size // max(1, self.nodes)
+
     def chosen(self) -> list[Candidate]:
-        """The candidates to trace: those asked for, with activation checkpointing as asked."""
-        return [c for c in (self.candidates or CANDIDATES)
+        """The candidates to trace: those asked for, with activation checkpointing as asked; on
+        more than one node (and when none were named) each sharding one also hybrid, its group
+        one node, listed right after its full-sharding twin."""
+        base = [c for c in (self.candidates or CANDIDATES)
                 if self.activation_checkpointing is None
                 or c.activation_checkpointing == self.activation_checkpointing]
+        if self.candidates is not None or self.nodes <= 1:
+            return base
+        out: list[Candidate] = []
+        for c in base:
+            out.append(c)
+            if c.strategy_spec.shards_optimizer and c.shard_group_size is None:
+                out.append(replace(c, shard_group_size=self.gpus_per_node))
+        return out
 
     def check(self) -> None:
         """Refuse a bad value in one line, before anything is traced."""
@@ -112,6 +131,16 @@ class PlanRequest:
         if self.precision not in PRECISIONS:
             raise PlanError(f"--precision {self.precision!r} is not valid; choose one of: "
                             + ", ".join(PRECISIONS))
+        nodes = self.nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise PlanError(f"--nodes {nodes!r}: plan for at least 1 node")
+        if world % nodes:
+            raise PlanError(f"--gpus {world} does not spread evenly over --nodes {nodes}; "
+                            "give --nodes and --gpus-per-node instead")
+        for c in self.candidates or ():
+            group = c.shard_group_size
+            if group is not None and (group < 1 or world % group):
+                raise PlanError(f"shard_group_size={group} does not divide the {world} devices")
         if self.device not in ("cuda", "cpu"):
             raise PlanError(f"device {self.device!r} is not valid; choose cuda or cpu")
         if gb is not None and (not isinstance(gb, int) or gb < 1):

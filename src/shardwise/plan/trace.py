@@ -5,7 +5,9 @@ and dtypes only), the process group is torch's "fake" backend of the planned wor
 model goes through our own `Engine.prepare` with the strategy under study, so DDP's buckets,
 zero1's flat sharded optimizer, FSDP2's shards and all-gather buffers and both offload modes are
 the real code paths. We then run the usual loop (forward, loss, backward, optimizer step,
-zero_grad) and count live tensor storage the way an allocator would (`counter.py`).
+zero_grad) and count live tensor storage the way an allocator would (`counter.py`). A hybrid
+candidate (`shard_group_size`) runs the same way on its 2-D (replicate, shard) mesh of fake
+ranks, which the strategy builds as in a real run (FSDP2 slices it per parameter: `fakes.py`).
 
 The per-rank figure is rank 0's (FSDP2 pads shards evenly; zero1's first ranks own the full
 chunks). Fake tensors hold no data, so a data-dependent `nonzero` is taken at its largest (every
@@ -63,7 +65,16 @@ from .counter import (
     resize_seen,
     step_views,
 )
-from .fakes import fake_ddp, fake_mode, fake_world, kept_rng, no_ddp_shape_check, patched, tree_leaves
+from .fakes import (
+    fake_ddp,
+    fake_mode,
+    fake_world,
+    kept_rng,
+    no_ddp_shape_check,
+    patched,
+    real_mesh_slices,
+    tree_leaves,
+)
 
 __all__ = ["ROLES", "Candidate", "SegmentPeak", "TraceJob", "TraceResult", "default_loss", "run_trace"]
 # fp16 is traced as bf16: the same bytes, without a loss scaler (its few scalars are not worth a
@@ -78,6 +89,8 @@ class Candidate:
     strategy: str
     offload: str = "none"
     activation_checkpointing: bool = False
+    shard_group_size: int | None = None
+    """hybrid sharding: processes per sharding group (None: all processes, full sharding)"""
 
     @property
     def strategy_spec(self) -> StrategySpec:
@@ -91,9 +104,15 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """How the plan table names it, e.g. "zero3 + offload params + AC"."""
+        """How the plan table names it, e.g. "zero3 + offload params + AC", "zero2 hybrid 8"."""
         off = f" + offload {self.offload}" if self.offload_spec.any else ""
-        return f"{self.strategy}{off}{' + AC' if self.activation_checkpointing else ''}"
+        hybrid = f" hybrid {self.shard_group_size}" if self.shard_group_size is not None else ""
+        return f"{self.strategy}{hybrid}{off}{' + AC' if self.activation_checkpointing else ''}"
+
+    def sharding_group(self, world_size: int) -> int:
+        """Processes that share the sharded state among themselves: its group under hybrid
+        sharding (every rank holds 1/G of it), else all `world_size`."""
+        return world_size if self.shard_group_size is None else self.shard_group_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,13 +257,14 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
     cfg = make_config(strategy=cand.strategy, offload=cand.offload, cpu=True,
                       precision=_TRACED_AS.get(job.precision, job.precision),
                       activation_checkpointing=cand.activation_checkpointing, wrap=tuple(job.wrap),
-                      grad_accum_steps=job.grad_accum_steps)
+                      grad_accum_steps=job.grad_accum_steps, shard_group_size=cand.shard_group_size)
     stack.enter_context(kept_rng())
     stack.enter_context(fake_world(job.world_size))
     session = Session(cfg, make_strategy(cfg, init_distributed(force_cpu=True)))
     stack.enter_context(fake_mode())
     stack.enter_context(patched(torch.UntypedStorage, "resize_", resize_seen(counter)))
     stack.enter_context(no_ddp_shape_check())
+    stack.enter_context(real_mesh_slices())
     return session
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -21,9 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 
-from ..config import EngineConfig
-from ..dist import DistInfo
+from ..config import EngineConfig, resolve_shard_group
+from ..dist import DistInfo, mesh_groups
 from ..materialize import Places, allocate, materialize
 from ..precision import Precision
 from ..weights import Reader, copy_into, full_shapes
@@ -155,12 +157,39 @@ class InPlaceRunner(OptimizerRunner):
 
 
 class Strategy(ABC):
-    """Turns a model into its distributed form and performs the optimizer step on it."""
+    """Turns a model into its distributed form and performs the optimizer step on it.
+
+    Hybrid sharding: `shard_group_size` processes (consecutive ranks) shard among themselves and
+    the groups replicate each other; `mesh` is the data-parallel mesh the strategy shards on and
+    `process_groups()` its (shard, replicate) groups, for whoever counts or checkpoints by group.
+    """
+
+    mesh: DeviceMesh | None = None
+    """`dist.device_mesh` of the run: 1-D over every process, or 2-D ("replicate", "shard")
+    under hybrid sharding; None where the strategy keeps no mesh (ddp, the DeepSpeed engine)."""
 
     def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
         self.cfg = cfg
         self.info = info
+        # resolved (and a size that does not divide the world refused) before any model is touched
+        self.shard_group_size = self.sharding_group()
         self.precision = self.make_precision()
+
+    def sharding_group(self) -> int:
+        """Processes per sharding group: `shard_group_size` resolved at this run's world size
+        (`config.resolve_shard_group`, which refuses one that does not divide it)."""
+        info = self.info
+        return resolve_shard_group(self.cfg.shard_group_size, info.world_size, info.local_world_size)
+
+    def process_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """(shard group, replicate group): the processes this one shards parameters, gradients or
+        optimizer states with, and the ones holding the same shard in the other sharding groups
+        (None without hybrid sharding: one group of every process)."""
+        if self.mesh is not None:
+            return mesh_groups(self.mesh)
+        world = dist.group.WORLD
+        assert world is not None, "no default process group"
+        return world, None
 
     def make_precision(self) -> Precision:
         """The precision component: autocast on every prepared model, fp16's loss scaler."""

@@ -4,29 +4,56 @@ ddp keeps the optimizer whole on every rank. zero1 keeps DDP's bucketed, backwar
 all-reduce and shards only the optimizer: each rank updates 1/W of the elements and an
 all-gather redistributes them (see `sharded_optim`). With offload='optimizer' those 1/W live
 and step on the host.
+
+Hybrid zero1 (`shard_group_size` G < W): gradients are still all-reduced over all W processes
+(DDP), then each rank updates 1/G of the elements and the all-gather runs within its group of G
+(the groups update the same elements identically), so optimizer state is 1/G per rank and no
+parameter bytes cross between groups. ddp shards nothing and ignores `shard_group_size` (said
+once, in a log line).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import EngineConfig, offload_spec
-from ..dist import DistInfo
+from ..dist import DistInfo, device_mesh, mesh_groups
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner
+
+log = logging.getLogger("shardwise")
+
+
+@functools.cache
+def _say_ignored(value: int | str) -> None:
+    """One log line per process and value (free_memory builds the strategy again)."""
+    log.warning("shard_group_size=%r is ignored: ddp shards nothing (every process keeps the whole model "
+                "and optimizer)", value)
 
 
 class DDPStrategy(Strategy):
     """Replicated model; `shard_optimizer` turns ddp into zero1."""
 
     def __init__(self, cfg: EngineConfig, info: DistInfo, *, shard_optimizer: bool) -> None:
-        super().__init__(cfg, info)
         self.shard_optimizer = shard_optimizer
+        super().__init__(cfg, info)
+        if shard_optimizer:  # zero1: the mesh whose shard group splits the optimizer state
+            self.mesh = device_mesh(info.device, self.shard_group_size)
+
+    def sharding_group(self) -> int:
+        """zero1: the resolved group; ddp: every process (the setting is ignored, in one log line)."""
+        if self.shard_optimizer:
+            return super().sharding_group()
+        if self.cfg.shard_group_size is not None and self.info.is_main:
+            _say_ignored(self.cfg.shard_group_size)
+        return self.info.world_size
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         if for_inference(model):  # a frozen reference: nothing to all-reduce, no DDP wrapper
@@ -50,8 +77,12 @@ class DDPStrategy(Strategy):
         if not self.shard_optimizer:  # ddp: a CPU device's step is a host step (see host_step)
             return optimizer_runner(optimizer, self.cfg, self.info, partition=None)
         # zero1: each rank steps 1/W of the flat elements, on the host with optimizer offload
+        # (hybrid: 1/G within the shard group; gradients were all-reduced over every process)
+        assert self.mesh is not None
+        shard, replicate = mesh_groups(self.mesh)
         return optimizer_runner(optimizer, self.cfg, self.info, partition="flat",
-                                host=offload_spec(self.cfg.offload).optimizer_on_host)
+                                host=offload_spec(self.cfg.offload).optimizer_on_host,
+                                group=shard if replicate is not None else None)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if not self.info.is_main:

@@ -59,7 +59,7 @@ from ..weights import Reader
 from . import deepspeed_internals as ds
 from .base import EmptyModel, OptimizerRunner, StepResult, Strategy
 from .deepspeed_runner import DeepSpeedRunner
-from .deepspeed_setup import deepspeed_config, import_deepspeed
+from .deepspeed_setup import check_shard_group, deepspeed_config, import_deepspeed
 from .frozen import for_inference
 from .fsdp import sync_generate
 from .host_step import step_on_host
@@ -122,6 +122,7 @@ class DeepSpeedStrategy(Strategy):
 
     def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
         deepspeed_config(cfg, device=info.device, numel=1)  # refuse a bad combination up front
+        check_shard_group(cfg, info.world_size, info.local_world_size)  # ... and a hybrid group
         super().__init__(cfg, info)
         self.stage = stage
         self.ds = import_deepspeed(info.device)

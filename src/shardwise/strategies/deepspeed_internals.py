@@ -31,6 +31,8 @@ Stage 3
 - `deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`: a module-level list a forward
   pushes the module on and never pops (it would keep a released model alive).
 - a parameter's `ds_shape`: its whole shape (the module holds an empty tensor).
+- a parameter's `ds_tensor` / `ds_secondary_tensor`: its primary partition and ZeRO++ hpZ's
+  secondary one (read by tests and reports only).
 """
 
 from __future__ import annotations
@@ -138,3 +140,10 @@ class _KernelStep:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._user, name, value)
+
+
+def partition_numels(t: Any) -> tuple[int, int | None]:
+    """The elements of this rank's ZeRO-3 partition of `t`, and of its ZeRO++ hpZ secondary
+    partition (None without hpZ)."""
+    secondary = getattr(t, "ds_secondary_tensor", None)
+    return int(t.ds_tensor.numel()), None if secondary is None else int(secondary.numel())

@@ -14,11 +14,21 @@ from typing import Any
 
 import torch
 
-from ..config import STRATEGY_TABLE, ConfigError, EngineConfig, check_strategy, offload_spec
+from ..config import (
+    STRATEGY_TABLE,
+    ConfigError,
+    EngineConfig,
+    check_strategy,
+    offload_spec,
+    resolve_shard_group,
+)
 
 # Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
-# through untouched; the stage and the offload targets always come from our config.
-_OURS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"}
+# through untouched (ZeRO++ hpZ's `zero_hpz_partition_size` among them: it runs on CPU processes
+# and changes no number); the stage, the offload targets and MiCS's sharding group (imported as
+# shard_group_size, see `shardwise.imports`; DeepSpeed 0.19 refuses the keys) come from our config.
+_OURS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
+         "mics_shard_size", "mics_hierarchical_params_gather"}
 
 
 def import_deepspeed(device: torch.device) -> Any:
@@ -37,6 +47,27 @@ def import_deepspeed(device: torch.device) -> Any:
     renamed = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`"
     warnings.filterwarnings("ignore", renamed, FutureWarning)
     return deepspeed
+
+
+def check_shard_group(cfg: EngineConfig, world_size: int, local_world_size: int) -> None:
+    """Refuse, in one line, a sharding group smaller than the world on DeepSpeed (pure).
+
+    Hybrid sharding on DeepSpeed was MiCS (`mics_shard_size`: parameters, gradients and optimizer
+    states sharded within each group, replicated across groups); DeepSpeed 0.19 removed it and
+    refuses the key. ZeRO++ hpZ (`zero_hpz_partition_size`) is no replacement: it keeps gradients
+    and optimizer states sharded across all processes and adds a secondary parameter copy per
+    group, so the group's states would not be what `shard_group_size` promises (a DeepSpeed
+    JSON's hpZ key passes through to DeepSpeed as it is: measured on 4 CPU processes, it runs
+    and matches one process). A group of all processes (None, or "node" on one node) is plain
+    ZeRO and runs.
+    """
+    group = resolve_shard_group(cfg.shard_group_size, world_size, local_world_size)
+    if group < world_size and STRATEGY_TABLE[cfg.strategy].shards_optimizer:
+        raise ConfigError(
+            f"shard_group_size={cfg.shard_group_size!r} (groups of {group} of {world_size} processes) is not "
+            "supported by backend='deepspeed': DeepSpeed 0.19 removed MiCS (mics_shard_size), its hybrid "
+            "sharding; use backend='torch' for shard_group_size"
+        )
 
 
 def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> dict[str, Any]:

@@ -7,6 +7,13 @@ are stored as dim-0 shards (DTensor) and all-gathered just before its forward an
   zero2  keep the gathered parameters from forward to backward (one all-gather per step instead
          of two, at the cost of holding them through the step); gradients and optimizer state
          are still 1/W.
+Hybrid sharding (`shard_group_size` G < W): the mesh is 2-D ("replicate", "shard"); FSDP2
+shards each unit over its group of G processes (HSDP: all-gathers and reduce-scatters never
+leave the group) and all-reduces each reduce-scattered gradient shard across the W/G groups, so
+per-rank parameters, gradients and optimizer state are 1/G. On gloo both collectives sum and
+FSDP2 divides by W once after them (`set_force_sum_reduction_for_comms`): gloo's reduce-scatter
+has no AVG, nor had its all-reduce before torch 2.8.
+
 offload='params' (zero3) keeps parameter shards on the host between uses and runs the optimizer
 there (FSDP2's CPUOffloadPolicy). offload='optimizer' is ours: `sharded_optim` moves the
 reduce-scattered gradient shards to the host, steps fp32 host masters and copies them back.
@@ -42,7 +49,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..adapters import is_peft_model, unwrapped
 from ..config import EngineConfig, offload_spec
-from ..dist import DistInfo, device_mesh
+from ..dist import DistInfo, device_mesh, mesh_groups
 from ..internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks
@@ -75,13 +82,21 @@ def apply_fsdp(
     if reduce_scatter is not None:
         for unit in units:
             cast(FSDPModule, unit).set_custom_reduce_scatter(reduce_scatter)
+    replicate = mesh_groups(mesh)[1]
+    if replicate is not None and dist.get_backend(replicate) == "gloo":
+        # FSDP2 averages fp32/bf16 gradients with AVG on both collectives (reduce-scatter in the
+        # group, then dist.all_reduce across groups); gloo: SUM on both, one division by W after
+        for unit in units:
+            cast(FSDPModule, unit).set_force_sum_reduction_for_comms(True)
 
 
 def gloo_reduce_scatter(mesh: DeviceMesh) -> ReduceScatter | None:
-    """The gradient reduce-scatter FSDP2 units use on `mesh`: ours on gloo, else FSDP2's (None)."""
-    if ReduceScatter is None or mesh.device_type != "cpu" or mesh.ndim != 1 or mesh.size() == 1:
+    """The gradient reduce-scatter FSDP2 units use on `mesh` (1-D, or 2-D hybrid: within the
+    shard group): ours on gloo, else FSDP2's (None)."""
+    shard = mesh_groups(mesh)[0]
+    if ReduceScatter is None or mesh.device_type != "cpu" or shard.size() == 1:
         return None  # NCCL (device meshes) has a real reduce-scatter
-    return _AllReduceScatter() if dist.get_backend(mesh.get_group()) == "gloo" else None
+    return _AllReduceScatter() if dist.get_backend(shard) == "gloo" else None
 
 
 if ReduceScatter is not None:
@@ -94,7 +109,9 @@ if ReduceScatter is not None:
         elements), although an all-reduce moves twice the bytes. FSDP2 reduce-scatters each
         unit's gradients every step, so on gloo this unit's flat gradient buffer (FSDP's
         temporary, freed after the call) is all-reduced in place and this rank's chunk is
-        copied out, divided by W for an average. The sums equal gloo's bit for bit on 2
+        copied out, divided by W for an average. `group` is the one FSDP2 reduce-scatters over:
+        every process, or under hybrid sharding the shard group (G processes, SUM: FSDP2 then
+        all-reduces the chunk across groups and divides). The sums equal gloo's bit for bit on 2
         processes; on more, the order of the additions may differ (fp32 rounding).
         """
 
@@ -140,7 +157,8 @@ class FSDPStrategy(Strategy):
     def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
         super().__init__(cfg, info)
         self.stage = stage
-        self.mesh = device_mesh(info.device)
+        # 1-D over every process, or hybrid's 2-D (replicate, shard): see `dist.device_mesh`
+        self.mesh: DeviceMesh = device_mesh(info.device, self.shard_group_size)
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         """Shard `model` in FSDP2 units; under zero2 a model prepared for inference only is a

@@ -11,7 +11,9 @@ Where segments come from (``partition``):
   ``flat``  zero1 over DDP. Parameters are full replicas with full, all-reduced gradients. All
             parameters of one dtype are laid end to end and split into W equal ranges; rank r
             updates range r, then one all-gather (a transient buffer the size of those
-            parameters) gives every rank the updated full parameters.
+            parameters) gives every rank the updated full parameters. Hybrid (a shard `group`
+            of G < W processes): W is G, ranges and all-gather are within the group, and every
+            group updates the same ranges from the same all-reduced gradients.
   ``local`` zero2/zero3 + optimizer offload. Parameters are FSDP2 DTensors, gradients already
             reduce-scattered; the segment is this rank's whole local shard, nothing to gather.
 
@@ -46,13 +48,15 @@ from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, step_on_h
 
 def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: EngineConfig, info: DistInfo, *,
                      partition: Literal["flat", "local"] | None, host: bool = False,
-                     offloaded: bool = False, dtensors: bool = False) -> OptimizerRunner:
+                     offloaded: bool = False, dtensors: bool = False,
+                     group: dist.ProcessGroup | None = None) -> OptimizerRunner:
     """The runner of `optimizer` for a torch-backend strategy (ddp.py and fsdp.py say what differs).
 
     `partition` None: the user's optimizer steps the parameters in place; where they live on the
     host (`offloaded`, or a CPU device) with the host kernel (`step_on_host`; `dtensors`: they
     are FSDP2 shards). Otherwise a `ShardedOptimizer` over that partition, its masters on the
-    host when `host` (optimizer offload).
+    host when `host` (optimizer offload); `group`: the process group a "flat" partition splits
+    the elements over (None: every process).
     """
     if partition is None:
         placed = step_on_host(optimizer, info.device, info.local_world_size, offloaded=offloaded,
@@ -66,6 +70,7 @@ def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: EngineConfig, info: 
         bucket_numel=cfg.offload_bucket_numel,
         local_world_size=info.local_world_size,
         kernel=cfg.host_kernel,
+        group=group,
     )
 
 
@@ -122,12 +127,15 @@ class ShardedOptimizer(OptimizerRunner):
         bucket_numel: int,
         local_world_size: int = 1,
         kernel: HostKernelName = "torch",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.partition = partition
         self.host = host
         self.device = device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # "flat": the processes the elements are split over (None: every process)
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         owned = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
         self._spaces = _flat_spaces([p for _, p in owned], self.world) if partition == "flat" else []
         pin = host and device.type == "cuda"
@@ -296,7 +304,7 @@ class ShardedOptimizer(OptimizerRunner):
             total = space.params[-1][1] + space.params[-1][0].numel()
             if lo + space.chunk > total:  # the last rank's padding: defined bytes, never read back
                 mine[max(0, total - lo) :].zero_()
-            _all_gather_flat(full, mine)
+            _all_gather_flat(full, mine, group=self.group)
             for p, off in space.params:
                 local_flat(p).copy_(full[off : off + p.numel()])
 
@@ -361,7 +369,7 @@ class ShardedOptimizer(OptimizerRunner):
             if id(seg.param) in offsets:
                 a = offsets[id(seg.param)] + seg.start
                 full[a : a + seg.end - seg.start].copy_(self._state_of(seg)[key])
-        dist.all_reduce(full)  # ranges are disjoint: the sum is the concatenation
+        dist.all_reduce(full, group=self.group)  # ranges are disjoint: the sum is the concatenation
         return full
 
     @torch.no_grad()

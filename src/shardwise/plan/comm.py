@@ -1,0 +1,104 @@
+"""Bytes each rank sends per optimizer step, within its sharding group and across groups.
+
+Computed from the parameter count and the precision, for full sharding (one group of all W
+processes) and hybrid sharding (groups of G processes, one per node; R = W / G replicas):
+
+    zero3  all-gather the parameters twice (forward, and again in backward) and reduce-scatter
+           the gradients, within the group; hybrid then all-reduces each rank's 1/G gradient
+           shard across the R replicas.
+    zero2  the same with one all-gather (the parameters stay gathered from forward to backward).
+    zero1  DDP all-reduces whole gradients over all W processes; each rank steps its slice of
+           the optimizer and the updated parameters are all-gathered within the group.
+    ddp    the gradient all-reduce over all W processes.
+
+A collective's cost per rank is what a ring algorithm sends (bandwidth-optimal, what NCCL's
+rings do): all-gather and reduce-scatter (g-1)/g of the full buffer, all-reduce 2(g-1)/g. A
+collective counts as *inter-node* when its group spans two nodes (the ring then runs at the
+speed of the slowest link it crosses), else as *intra-node*. Parameters are gathered in the
+compute dtype (FSDP2's `param_dtype`: 2 bytes under bf16/fp16) by zero2/zero3, whose gradients
+are reduced in fp32 (`reduce_dtype`); zero1 and ddp keep fp32 parameters and gradients. FSDP2
+pads each unit's shards to equal sizes; the padding (at most W-1 elements per unit) is not
+counted. `benchmarks/comm.py` measures the same figures on real processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import strategy_spec
+
+__all__ = ["KINDS", "CommVolume", "ring_bytes", "step_comm"]
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# bytes of one gathered parameter element by precision under FSDP2's MixedPrecisionPolicy (a
+# lookup, not a rule: config has no precision table to ask); gradients are reduced in fp32
+_GATHER_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_REDUCE_BYTES = 4
+
+
+def ring_bytes(kind: str, nbytes: float, group: int) -> float:
+    """Bytes one rank sends in a ring `kind` collective over `group` ranks whose full buffer
+    (the gathered output, the reduce-scatter input, the all-reduced tensor) is `nbytes`."""
+    if group <= 1:
+        return 0.0
+    share = (group - 1) / group
+    return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class CommVolume:
+    """Bytes one rank sends in one optimizer step, by kind of collective and by link."""
+
+    intra: dict[str, float] = field(default_factory=dict)
+    """collectives whose group lies within one node"""
+    inter: dict[str, float] = field(default_factory=dict)
+    """collectives whose group spans nodes"""
+
+    @property
+    def intra_bytes(self) -> float:
+        """Everything sent within a node."""
+        return sum(self.intra.values())
+
+    @property
+    def inter_bytes(self) -> float:
+        """Everything sent across nodes."""
+        return sum(self.inter.values())
+
+    def seconds(self, intra_bandwidth: float, inter_bandwidth: float) -> float:
+        """Communication time at these link speeds (bytes/s per process), nothing overlapped."""
+        return self.intra_bytes / intra_bandwidth + self.inter_bytes / inter_bandwidth
+
+
+def step_comm(strategy: str, parameters: float, precision: str, *, world_size: int, nodes: int = 1,
+              group_size: int | None = None) -> CommVolume:
+    """Bytes each rank sends per optimizer step (see the module doc) for `parameters` trained
+    with `strategy` on `world_size` processes over `nodes` nodes, sharded within groups of
+    `group_size` consecutive ranks (None: one group of all processes)."""
+    group = world_size if group_size is None else group_size
+    if group < 1 or world_size % group or world_size % nodes:
+        raise ValueError(f"{world_size} processes do not split into groups of {group} on {nodes} nodes")
+    per_node = world_size // nodes
+    replicas = world_size // group
+    spec = strategy_spec(strategy)
+    gathered, reduced = parameters * _GATHER_BYTES[precision], parameters * _REDUCE_BYTES
+    # a group of consecutive ranks spans nodes when it is larger than a node or straddles one
+    group_spans = group > per_node or per_node % group != 0
+    replicas_span = nodes > 1  # the replica group holds one rank of every group: on every node
+    world_spans = nodes > 1
+    volume: dict[bool, dict[str, float]] = {False: {}, True: {}}
+
+    def add(kind: str, nbytes: float, size: int, spans: bool) -> None:
+        sent = ring_bytes(kind, nbytes, size)
+        if sent:
+            scope = volume[spans]
+            scope[kind] = scope.get(kind, 0.0) + sent
+
+    if spec.shards_grads:  # zero2, zero3 (FSDP2): gradients reduce-scattered in the group
+        add("all_gather", gathered * (2 if spec.regathers_in_backward else 1), group, group_spans)
+        add("reduce_scatter", reduced, group, group_spans)
+        add("all_reduce", reduced / group, replicas, replicas_span and replicas > 1)
+    else:  # ddp, zero1: DDP's all-reduce of whole gradients over every process
+        add("all_reduce", reduced, world_size, world_spans)
+        if spec.shards_optimizer:  # zero1: the updated fp32 slices all-gathered in the group
+            add("all_gather", parameters * 4, group, group_spans)
+    return CommVolume(intra=volume[False], inter=volume[True])

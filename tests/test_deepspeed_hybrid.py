@@ -1,0 +1,139 @@
+"""shard_group_size on backend="deepspeed": refused in one line at Engine construction; and
+ZeRO++ hpZ from a DeepSpeed JSON, which runs as given.
+
+DeepSpeed 0.19.8 removed MiCS (`mics_shard_size` raises DeepSpeedConfigError), its hybrid
+sharding; ZeRO++ hpZ keeps optimizer states sharded over all processes, so it cannot stand in
+for a sharding group (see `deepspeed_setup.check_shard_group`). A group of all processes is
+plain ZeRO and is accepted. hpZ passes through to DeepSpeed: 4 processes with secondary groups
+of 2 train like one plain process (the equivalence tolerances: losses 1e-5, clip norms 1e-5
+relative, weights 2e-5).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from spawn import spawn
+
+from shardwise.config import ConfigError, EngineConfig
+from shardwise.strategies.deepspeed_setup import check_shard_group, deepspeed_config
+
+REFUSAL = ("is not supported by backend='deepspeed': DeepSpeed 0.19 removed MiCS (mics_shard_size), its "
+           "hybrid sharding; use backend='torch' for shard_group_size")
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("group", [2, "node"])
+def test_a_group_below_the_world_is_refused_on_deepspeed(strategy: str, group: int | str) -> None:
+    cfg = EngineConfig(backend="deepspeed", strategy=strategy, shard_group_size=group)
+    with pytest.raises(ConfigError) as err:
+        check_shard_group(cfg, world_size=4, local_world_size=2)  # 2 nodes of 2
+    assert str(err.value) == f"shard_group_size={group!r} (groups of 2 of 4 processes) {REFUSAL}"
+
+
+@pytest.mark.parametrize("group", [None, 4, "node"])
+def test_a_group_of_all_processes_is_plain_zero_on_deepspeed(group: int | str | None) -> None:
+    cfg = EngineConfig(backend="deepspeed", strategy="zero3", shard_group_size=group)
+    check_shard_group(cfg, world_size=4, local_world_size=4)  # one node: "node" is everyone
+
+
+def test_a_group_that_does_not_divide_the_world_is_refused_first() -> None:
+    cfg = EngineConfig(backend="deepspeed", strategy="zero3", shard_group_size=3)
+    with pytest.raises(ConfigError, match="shard_group_size=3 does not divide the 4 processes"):
+        check_shard_group(cfg, world_size=4, local_world_size=4)
+
+
+def test_deepspeed_json_mics_keys_never_reach_deepspeed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A user's JSON keys pass through to DeepSpeed (hpZ too), except MiCS's: those are ours."""
+    import json
+
+    import torch
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True,
+        "zero_hpz_partition_size": 2, "overlap_comm": False}}))
+    cfg = EngineConfig(backend="deepspeed", strategy="zero3", deepspeed_config=str(path))
+    zero = deepspeed_config(cfg, device=torch.device("cpu"), numel=100)["zero_optimization"]
+    assert zero["overlap_comm"] is False and zero["zero_hpz_partition_size"] == 2  # DeepSpeed's own tuning
+    assert not {"mics_shard_size", "mics_hierarchical_params_gather"} & set(zero)  # ours: shard_group_size
+
+
+def _engine(group: int | str) -> str:
+    """Build an Engine with a hybrid group; no model is made (the refusal comes first)."""
+    import shardwise
+
+    try:
+        shardwise.Engine(backend="deepspeed", strategy="zero3", cpu=True, shard_group_size=group)
+    except ConfigError as err:
+        import sys
+
+        return str(err) + f" | deepspeed imported: {'deepspeed' in sys.modules}"
+    return "accepted"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_engine_refuses_a_hybrid_group_before_any_model() -> None:
+    """4 processes, groups of 2: every rank refuses at Engine(...), before DeepSpeed is imported."""
+    out = spawn(_engine, 4, 2, timeout=300)
+    said = f"shard_group_size=2 (groups of 2 of 4 processes) {REFUSAL}"
+    assert out == [f"{said} | deepspeed imported: False"] * 4
+
+
+RUN = {"batch": 2, "accum": 2, "steps": 3, "clip": 0.5}  # 0.5: below every norm, so every step clips
+
+
+def _hpz_run(ds_json: str) -> dict:
+    """W.run_loop's loop under backend='deepspeed' with the JSON's hpZ; plus each parameter's
+    primary and secondary partition sizes on this rank (after prepare)."""
+    import workloads as W
+    from torch.utils.data import DataLoader
+
+    import shardwise
+    from shardwise.strategies.deepspeed_internals import partition_numels
+
+    engine = shardwise.Engine(backend="deepspeed", strategy="zero3", cpu=True, seed=W.SEED,
+                              grad_accum_steps=RUN["accum"], deepspeed_config=ds_json)
+    model = W.build("tiny")
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    opt = W.make_optimizer(model)
+    data = W.Tokens(engine.num_processes * RUN["batch"] * RUN["accum"] * RUN["steps"])
+    model, opt, loader = engine.prepare(model, opt, DataLoader(data, batch_size=RUN["batch"], shuffle=True))
+    # DeepSpeed drops the secondary copy after each step and rebuilds it at the next gather: read at rest
+    parts = {n: (full[n], *partition_numels(p)) for n, p in engine.unwrap_model(model).named_parameters()}
+    losses, norms = [], []
+    for ids in loader:
+        with engine.accumulate(model):
+            loss = W.lm_loss(model, ids)
+            engine.backward(loss)
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+            if engine.sync_gradients:
+                norms.append(float(engine.clip_grad_norm_(model.parameters(), RUN["clip"])))
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "parts": parts}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_hpz_from_a_deepspeed_json_runs_and_matches_one_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """4 processes, ZeRO-3 with hpZ groups of 2: each rank keeps 1/4 of every parameter and a
+    secondary 1/2 copy, and the run trains like one plain process."""
+    import json
+
+    import workloads as W
+
+    path = tmp_path / "hpz.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}))
+    outs = spawn(_hpz_run, 4, str(path), timeout=900)
+    ref = W.reference("tiny", world=4, batch=RUN["batch"], accum=RUN["accum"], steps=RUN["steps"],
+                      clip=RUN["clip"])
+    for out in outs:
+        for name, (full, primary, secondary) in out["parts"].items():
+            assert primary == -(-full // 4), name  # DeepSpeed pads each partition up to 1/4
+            assert secondary is not None and secondary == -(-full // 2), name
+    run = outs[0]
+    assert W.close(run["losses"], ref["losses"]) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(run["norms"], ref["norms"], strict=True)) < 1e-5
+    assert all(n > RUN["clip"] for n in ref["norms"])  # the clip changed every step
+    assert W.max_diff(run["state"], ref["state"]) < 2e-5

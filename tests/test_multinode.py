@@ -1,0 +1,157 @@
+"""Multi-node for real: two `shardwise launch --nnodes 2 --node-rank 0/1` on this machine, 2
+processes each, meeting through a c10d rendezvous on a free localhost port, with zero3 and
+`shard_group_size: node`.
+
+Asserted: both launchers exit 0 (each under a timeout: a hang fails the test, it cannot stall
+CI); the run equals one plain process on the same global batches (the equivalence tolerances:
+losses 1e-5, weights 2e-5); and the groups that ran are the nodes' own: every rank's sharding
+group (the shard dimension of its parameters' 2-D mesh) is exactly the global ranks its
+launcher started, its replica group holds one rank of each node, and it holds 1/2 of every
+parameter (its node's share), not 1/4 and not all of it.
+
+This file is also the training script the launchers run (`python tests/test_multinode.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads as W
+from spawn import GLOO_ABORT, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = {"batch": 2, "accum": 2, "steps": 4}
+NODE_TAG = "SHARDWISE_TEST_NODE"  # set per launcher: which "node" a worker was started on
+LAUNCH_TIMEOUT_S = 300  # both launchers; the run takes ~75 s on 2 shared cores
+
+
+def _groups(model: torch.nn.Module) -> dict[str, Any]:
+    """The mesh every sharded parameter of `model` lives on: its (replicate, shard) groups,
+    as global ranks, and the share of the parameters this rank holds."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    meshes, local, total = set(), 0, 0
+    shard: list[int] = []
+    replicate: list[int] = []
+    for p in model.parameters():
+        assert isinstance(p, DTensor), type(p)
+        mesh = p.device_mesh
+        meshes.add(tuple((type(x).__name__, getattr(x, "dim", None)) for x in p.placements))
+        shard = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
+        replicate = dist.get_process_group_ranks(mesh.get_group(0)) if mesh.ndim == 2 else []
+        local += p.to_local().numel()
+        total += p.numel()
+    return {"meshes": sorted(meshes), "shard": sorted(shard), "replicate": sorted(replicate),
+            "share": local / total}
+
+
+def _train(out: Path) -> None:
+    """The worker: the loop of `workloads.run_loop` on an Engine configured by the launcher."""
+    import torch.distributed as dist
+
+    import shardwise
+
+    engine = shardwise.Engine()
+    accum = engine.config.grad_accum_steps
+    model = W.build("tiny")
+    opt = W.make_optimizer(model)
+    data = W.Tokens(engine.num_processes * RUN["batch"] * accum * RUN["steps"])
+    loader = torch.utils.data.DataLoader(data, batch_size=RUN["batch"], shuffle=True)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    losses = []
+    for ids in loader:
+        with engine.accumulate(model):
+            loss = W.lm_loss(model, ids)
+            engine.backward(loss)
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+            if engine.sync_gradients:
+                engine.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    result = {
+        "rank": dist.get_rank(), "world": engine.num_processes, "node": int(os.environ[NODE_TAG]),
+        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "groups": _groups(model),
+        "losses": losses, "config": shardwise.config_io.to_dict(engine.config),
+    }
+    state = engine.get_state_dict(model)  # a collective; the full weights land on rank 0
+    if engine.is_main_process:
+        result["state"] = state
+    torch.save(result, out / f"rank{dist.get_rank()}.pt")
+    engine.end_training()
+
+
+def _launch(out: Path) -> tuple[list[int | None], list[str]]:
+    """Two launchers (two "nodes"), 2 workers each, all done within LAUNCH_TIMEOUT_S; past it,
+    each launcher's whole session (the launcher and the workers it started) is killed."""
+    port = str(free_port())
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", NODE_TAG: str(node)}
+        env.pop("SHARDWISE_CONFIG", None)
+        cmd = [sys.executable, "-m", "shardwise", "launch", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--main-address", "127.0.0.1", "--main-port", port,
+               "--strategy", "zero3", "--shard-group-size", "node", "--grad-accum-steps", str(RUN["accum"]),
+               "--seed", str(W.SEED), "--cpu", str(Path(__file__).resolve()), "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:  # the sessions started above (each launcher is its session's leader)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
+            outs.append(f"timed out after {LAUNCH_TIMEOUT_S} s\n" + (p.communicate()[0] or ""))
+    return [p.returncode for p in procs], outs
+
+
+def test_two_nodes_shard_within_each_node_and_match_one_process(tmp_path: Path) -> None:
+    codes, outs = _launch(tmp_path)
+    if codes != [0, 0] and any(GLOO_ABORT in o for o in outs):  # see spawn.GLOO_ABORT
+        for f in tmp_path.glob("rank*.pt"):
+            f.unlink()
+        codes, outs = _launch(tmp_path)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    ranks_of = {node: sorted(r["rank"] for r in results if r["node"] == node) for node in (0, 1)}
+    assert [len(ranks_of[0]), len(ranks_of[1])] == [2, 2], ranks_of
+    for res in results:
+        g = res["groups"]
+        assert res["world"] == 4 and res["local_world_size"] == 2
+        assert res["config"]["shard_group_size"] == "node"
+        # HSDP: every parameter on the one (replicate, shard) mesh
+        assert g["meshes"] == [(("Replicate", None), ("Shard", 0))], g["meshes"]
+        assert g["shard"] == ranks_of[res["node"]], (res["rank"], g, ranks_of)
+        assert len(g["replicate"]) == 2 and res["rank"] in g["replicate"], g
+        assert {results[r]["node"] for r in g["replicate"]} == {0, 1}, g
+        assert abs(g["share"] - 0.5) < 0.02, g["share"]  # 1/2: the node's share
+    ref = W.reference("tiny", world=4, **RUN)
+    main = results[0]
+    assert len(main["losses"]) == RUN["accum"] * RUN["steps"]
+    print(f"2 nodes x 2, zero3, shard_group_size node: groups {[r['groups']['shard'] for r in results]}, "
+          f"losses within {W.close(main['losses'], ref['losses']):.2e}, "
+          f"weights within {W.max_diff(main['state'], ref['state']):.2e} of one process")
+    assert W.close(main["losses"], ref["losses"]) < 1e-5
+    assert W.max_diff(main["state"], ref["state"]) < 2e-5
+    assert W.max_diff(main["state"], W.build("tiny").state_dict()) > 1e-3  # training moved the weights
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args, _unknown = parser.parse_known_args()
+    _train(Path(args.out))
