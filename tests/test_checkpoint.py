@@ -63,24 +63,8 @@ def _train(engine: Any, steps: int, *, load: str | None = None, save: str | None
 
 
 def _reference(steps: int = 8) -> dict[str, Any]:
-    model = W.build("tiny")
-    opt = W.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    data = W.Tokens(N).data
-    losses = []
-    for epoch in range(2):
-        order = torch.randperm(N, generator=torch.Generator().manual_seed(W.SEED + epoch)).tolist()
-        for k in range(N // G):
-            loss = W.lm_loss(model, data[order[k * G : (k + 1) * G]])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if len(losses) == steps:
-                return {"losses": losses, "state": model.state_dict()}
-    raise AssertionError
+    """One plain process over the same global batches (the loader's seeded permutation)."""
+    return W.plain_reference(steps, N, G)
 
 
 def _engine(strategy: str) -> Any:

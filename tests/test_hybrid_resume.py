@@ -81,23 +81,7 @@ def _train(settings: dict[str, Any], steps: int, *, load: str | None = None, res
 
 def _reference(steps: int = 8) -> dict[str, Any]:
     """One plain process over the same global batches (the loader's seeded permutation)."""
-    model = W.build("tiny")
-    opt = W.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    data, losses = W.Tokens(N).data, []
-    for epoch in range(2):
-        order = torch.randperm(N, generator=torch.Generator().manual_seed(W.SEED + epoch)).tolist()
-        for k in range(N // G):
-            loss = W.lm_loss(model, data[order[k * G : (k + 1) * G]])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if len(losses) == steps:
-                return {"losses": losses, "state": model.state_dict()}
-    raise AssertionError
+    return W.plain_reference(steps, N, G)
 
 
 def _resume(folder: str, sources: list[str], targets: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -201,3 +201,26 @@ def is_finite(xs: list[float]) -> bool:
 
 def clone_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
+
+
+def plain_reference(steps: int, n: int, batch: int) -> dict[str, Any]:
+    """One plain process over the global batches a seeded loader of `n` samples serves in
+    batches of `batch` (the permutation `randperm(n, SEED + epoch)`), clipping at 1.0 and an LR
+    decayed 0.9 per step: the checkpoint tests' reference."""
+    model = build("tiny")
+    opt = make_optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    data, losses = Tokens(n).data, []
+    for epoch in range(2):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+        for k in range(n // batch):
+            loss = lm_loss(model, data[order[k * batch : (k + 1) * batch]])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if len(losses) == steps:
+                return {"losses": losses, "state": model.state_dict()}
+    raise AssertionError(f"{steps} steps need more than two epochs of {n} samples")
