@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import EngineConfig, offload_spec
-from ..dist import DistInfo, device_mesh, mesh_groups
+from ..dist import DistInfo, device_mesh
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner
@@ -78,8 +78,7 @@ class DDPStrategy(Strategy):
             return optimizer_runner(optimizer, self.cfg, self.info, partition=None)
         # zero1: each rank steps 1/W of the flat elements, on the host with optimizer offload
         # (hybrid: 1/G within the shard group; gradients were all-reduced over every process)
-        assert self.mesh is not None
-        shard, replicate = mesh_groups(self.mesh)
+        shard, replicate = self.process_groups()
         return optimizer_runner(optimizer, self.cfg, self.info, partition="flat",
                                 host=offload_spec(self.cfg.offload).optimizer_on_host,
                                 group=shard if replicate is not None else None)
