@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent a GPU machine (torch and CUDA preinstalled, no network), in
-# about 8 minutes of an H200: the CUDA tests, the planner check, the largest batch of GPT-2 Large
-# and XL under a 24 GB cap, and GPT-2 XL tokens/s with ZeRO-3 + offload against DeepSpeed.
+# about 11 minutes of an H200: the CUDA tests, the planner check, the largest batch of GPT-2 Large
+# and XL under a 24 GB cap, GPT-2 XL tokens/s with ZeRO-3 + offload against DeepSpeed, and the
+# speed features at ~100M (eager vs compiled step time, synchronous vs asynchronous save stall,
+# the activation-checkpointing modes' peak and step time; pinned staging and offload on CUDA).
 # (gpu_capacity.py and offload_gpu.py have CPU dry runs in tests/test_benchmarks.py.) The wheels shardwise needs beyond that image travel in .whl/ (pydantic and its parts, hjson,
 # the deepspeed sdist). Writes its logs and JSON to $OUT.
 set -u
@@ -19,3 +21,6 @@ timeout "${CAP_S:-130}" python3 benchmarks/gpu_capacity.py --budget-gb 24 --mode
     --timed-steps 2 --out "$OUT" 2>&1 | tee "$OUT/gpu_capacity.log" | tail -12
 timeout "${OFFLOAD_S:-100}" python3 benchmarks/offload_gpu.py --model gpt2-xl --batch 8 --seq 512 --rounds 2 \
     --steps 2 --out "$OUT" 2>&1 | tee "$OUT/offload_gpu.log" | tail -6
+timeout "${SPEED_S:-170}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/speed_features.py --strategies zero3 --steps 4 --batch 8 --seq 512 --out "$OUT" 2>&1 \
+    | tee "$OUT/speed_features.log" | tail -10

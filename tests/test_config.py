@@ -193,7 +193,7 @@ def test_questionnaire_validates_answers(
     assert expected in capsys.readouterr().out
     cfg = load_config(out)
     got = (cfg.strategy, cfg.precision, cfg.grad_accum_steps, cfg.activation_checkpointing)
-    assert got == ("zero3", "bf16", 2, True)
+    assert got == ("zero3", "bf16", 2, "full")  # "yes" is full checkpointing
     assert (cfg.launch.num_processes, cfg.launch.num_nodes) == (2, 1)
 
 
@@ -205,6 +205,25 @@ def test_config_with_flags_is_non_interactive_and_refuses_overwrite(
     assert load_config(out).launch.num_processes == 4
     assert cli.main(["config", "-o", str(out), "--strategy", "zero3"]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "mode"), [
+    (["--activation-checkpointing"], "full"), (["--no-activation-checkpointing"], "none"),
+    (["--activation-checkpointing-mode", "selective"], "selective"),
+    (["--activation-checkpointing-mode", "offload"], "offload"), ([], "none"),
+])
+def test_activation_checkpointing_flags_keep_the_bool_spelling_and_name_a_mode(
+    tmp_path: Path, flags: list[str], mode: str
+) -> None:
+    """The bool flag pair still means full/none (a value after it would swallow `launch`'s script
+    name); a mode has its own flag; a YAML's true/false is full/none."""
+    out = tmp_path / "s.yaml"
+    assert cli.main(["config", "-o", str(out), "--strategy", "zero3", *flags]) == 0
+    assert load_config(out).activation_checkpointing == mode
+    ns = cli.build_parser().parse_args(["launch", *flags, "train.py"])
+    assert ns.training_script == "train.py"
+    for value, want in ((True, "full"), (False, "none"), ("selective", "selective")):
+        assert shardwise.EngineConfig(activation_checkpointing=value).activation_checkpointing == want
 
 
 def test_env_report(capsys: pytest.CaptureFixture[str]) -> None:

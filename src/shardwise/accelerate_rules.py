@@ -9,6 +9,8 @@ table of docs/api.md.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import warnings
 from typing import Any
 
@@ -18,8 +20,31 @@ from .accelerate_types import DistributedType
 from .config import ConfigError, EngineConfig, backend_spec, is_auto, strategy_spec
 from .loop_rules import LoopRules
 
-_REFUSED = ("deepspeed_plugin", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin", "dynamo_backend",
-            "dynamo_plugin", "deepspeed_plugins")
+_REFUSED = ("deepspeed_plugin", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin", "deepspeed_plugins")
+log = logging.getLogger("shardwise")
+
+
+def read_dynamo(kwargs: dict[str, Any]) -> None:
+    """`Accelerator(dynamo_backend=...)` or `dynamo_plugin=TorchDynamoPlugin(...)` (popped from
+    `kwargs`) -> the engine's compile settings (`imports.from_dynamo`): backend NO compiles
+    nothing; any other compiles each block. Backend options, and both keywords at once, are
+    refused in one line; Accelerate's whole-model compilation is named in one log line."""
+    backend, plugin = kwargs.pop("dynamo_backend", None), kwargs.pop("dynamo_plugin", None)
+    if backend is not None and plugin is not None:
+        raise ConfigError("Accelerator(dynamo_backend=..., dynamo_plugin=...): pass one of them (the plugin "
+                          "names its backend)")
+    if backend is None and plugin is None:
+        return
+    from .imports import from_dynamo
+
+    fields = {"backend": backend} if plugin is None else dict(vars(plugin))
+    if plugin is None:  # Accelerate compiles the whole model unless a plugin asks for regions
+        fields["use_regional_compilation"] = False
+    where = "Accelerator(dynamo_plugin=...)" if plugin is not None else "Accelerator(dynamo_backend=...)"
+    settings, notes = from_dynamo(fields, where)
+    kwargs.update(settings)
+    if notes and os.environ.get("RANK", "0") == "0":
+        log.warning("%s: %s", where, "; ".join(notes))
 
 
 def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:

@@ -12,9 +12,10 @@ calls made on one process alone (`accelerate_hooks`: ddp saves a one-process che
 sharded state refuses in one line, never a hang).
 The Accelerate objects a script passes (DataLoaderConfiguration, ProjectConfiguration,
 GradientAccumulationPlugin, kwargs handlers) are read by their fields; accelerate is imported
-only where installed, to fill the state its logger reads (`accelerate_extras`). Plugins for
-other engines (deepspeed_plugin, fsdp_plugin, megatron, dynamo, tensor parallel) are refused:
-choose the strategy in shardwise's config instead.
+only where installed, to fill the state its logger reads (`accelerate_extras`). dynamo_backend
+and dynamo_plugin become `compile: true` (each block compiled, `strategies.compile`). Plugins for
+other engines (deepspeed_plugin, fsdp_plugin, megatron, tensor parallel) are refused: choose the
+strategy in shardwise's config instead.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .accelerate_rules import (
     accumulation_steps,
     check_rules,
     distributed_type,
+    read_dynamo,
     read_handlers,
     read_parallelism,
     refuse_unsupported,
@@ -54,6 +56,7 @@ from .accelerate_types import (
     numbered_checkpoints,
     prune_checkpoints,
 )
+from .checkpoint_async import WRITER
 from .config import ConfigError, EngineConfig
 from .data import PreparedDataLoader
 from .engine import Engine
@@ -89,6 +92,7 @@ class Accelerator(ProcessHelpers):
         **kwargs: Any,
     ) -> None:
         refuse_unsupported(kwargs, device_placement=device_placement)
+        read_dynamo(kwargs)  # dynamo_backend / dynamo_plugin: compile each block
         read_parallelism(kwargs, int(os.environ.get("WORLD_SIZE", "1")))
         if mixed_precision is None:  # Accelerate: from the launcher's config or environment, else "no"
             mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -434,7 +438,7 @@ class Accelerator(ProcessHelpers):
         if output_dir is not None or not getattr(pc, "automatic_checkpoint_naming", False):
             with alone:
                 path = self.engine.save_state(output_dir, keep_last=keep_last)
-            self._state_hooks.after_save(self.session.models, self.unwrap_model, str(path))
+            self._after_save(path)
             return path
         root = self._checkpoints()
         runlock.hold(root, self.process_index)
@@ -448,17 +452,24 @@ class Accelerator(ProcessHelpers):
         pc.iteration = start[0]
         with alone:
             path = self.engine.save_state(root / f"checkpoint_{pc.iteration}")
-        self._state_hooks.after_save(self.session.models, self.unwrap_model, str(path))
+        self._after_save(path)
         pc.iteration += 1
         self._auto_saved.append(path)
         limit = getattr(pc, "total_limit", None)
         if limit and len(self._auto_saved) > limit:
             old, self._auto_saved = self._auto_saved[:-limit], self._auto_saved[-limit:]
-            if self.is_main_process:
-                prune_checkpoints(old)
+            if self.is_main_process:  # checkpoint_async: only once the new one is complete
+                WRITER.after(lambda: prune_checkpoints(old))
         if together:
             self.wait_for_everyone()
         return path
+
+    def _after_save(self, path: Path) -> None:
+        """The save hooks, which write into the checkpoint folder: it must be in place first (with
+        checkpoint_async, the save is waited for when there are hooks)."""
+        if self._state_hooks.save:
+            WRITER.wait()
+        self._state_hooks.after_save(self.session.models, self.unwrap_model, str(path))
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None,
                    **load_model_func_kwargs: Any) -> int | None:

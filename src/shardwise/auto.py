@@ -4,9 +4,10 @@ The planner (`shardwise.plan`) traces the user's model on fake tensors through e
 at the real world size and per-device batch, against the real device memory (a GPU's total
 memory; on CPU processes, this machine's RAM shared by its local processes). Every rank plans
 the same inputs deterministically and without collectives, so every rank makes the same choice.
-`auto` picks the strategy and the offload; activation checkpointing stays the user's setting,
-an offload the user set restricts the choice to plans with it, and a `shard_group_size` the user
-set is planned as set (hybrid sharding: per-rank state cut by the group, not the world).
+`auto` picks the strategy and the offload; activation checkpointing stays the user's setting
+(its mode is planned on every strategy), an offload the user set restricts the choice to plans
+with it, and a `shard_group_size` the user set is planned as set (hybrid sharding: per-rank
+state cut by the group, not the world).
 """
 
 from __future__ import annotations
@@ -67,15 +68,18 @@ def choose(
     group = resolve_shard_group(cfg.shard_group_size, info.world_size, info.local_world_size)
     hybrid = group if group < info.world_size else None
     sharding = {c: hybrid if c.strategy_spec.shards_optimizer else None for c in CANDIDATES}
-    candidates = [dataclasses.replace(c, shard_group_size=sharding[c]) for c in CANDIDATES
-                  if c.activation_checkpointing == cfg.activation_checkpointing
-                  and (not restrict or c.offload == cfg.offload)]
+    # the config's activation checkpointing (any mode), on every strategy
+    mode, every = str(cfg.activation_checkpointing), cfg.activation_checkpointing_every
+    candidates = [dataclasses.replace(c, shard_group_size=sharding[c], activation_checkpointing=mode,
+                                      activation_checkpointing_every=every)
+                  for c in CANDIDATES if not c.checkpointed and (not restrict or c.offload == cfg.offload)]
     local = max(1, info.local_world_size)
     request = PlanRequest(
         world_size=info.world_size, nodes=info.world_size // local if info.world_size % local == 0 else 1,
         device_memory=device_memory(info), batch=loader.batch_size,
         device="cuda" if info.device.type == "cuda" else "cpu", precision=cfg.precision,
-        candidates=candidates, activation_checkpointing=cfg.activation_checkpointing, wrap=cfg.wrap,
+        candidates=candidates, activation_checkpointing=mode, activation_checkpointing_every=every,
+        wrap=cfg.wrap, checkpoint_async=cfg.checkpoint_async,
     )
     plan = plan_module(models[0], sample_batch(loader), request)
     if plan.best is None:

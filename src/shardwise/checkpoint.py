@@ -19,7 +19,9 @@ file's size and xxh3-64 checksum (each process hashes the files it wrote, from t
 a load verifies them all first, each process a share of the files. Loading reads only JSON and
 weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256 matches the one
 recorded in meta.json. A save or load inside the run's checkpoint_dir first takes the run lock
-(`runlock`: one run per checkpoint folder). Saving and loading are here; reading a folder's
+(`runlock`: one run per checkpoint folder). With `checkpoint_async`, the state is copied to host
+memory on the calling thread and written, as above, by a writer thread (`checkpoint_async`);
+`latest` moves only once the folder is in place. Saving and loading are here; reading a folder's
 format, its checks and the `step_<N>` layout are `checkpoint_files` (its names are re-exported).
 
 Hybrid sharding (`shard_group_size` G < W): every shard exists once per replica group, but is
@@ -35,6 +37,7 @@ and any checkpoint loads as hybrid (tests/test_hybrid_resume.py).
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
 import logging
 import os
@@ -42,6 +45,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -53,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from . import runlock
+from . import checkpoint_async, runlock
 from .checkpoint_files import (
     DCP_FAILURES,
     FORMAT,
@@ -75,6 +79,7 @@ from .checkpoint_files import (
     verify_files,
 )
 from .consolidate import find_aliases, hf_config_json
+from .dist import background_group
 from .storage import (
     STAGING_MARK,
     CheckpointError,
@@ -183,8 +188,23 @@ class SaveReport:
 
     path: Path
     bytes: int
-    seconds: float
+    seconds: float  # writing it (an asynchronous save: in the background; 0.0 while pending)
     checksum_seconds: float  # this process's share of hashing (the files it wrote)
+    stall: float = 0.0  # seconds the caller was blocked: a synchronous save's whole time; an
+    # asynchronous one's wait for the save before it plus the staging copy
+    pending: bool = False  # an asynchronous save still being written (bytes and seconds unknown yet)
+
+
+@dataclass
+class _Snapshot:
+    """What a save writes, taken at the call (an asynchronous save: copied, as training moves on)."""
+
+    state: dict[str, Any]  # the DCP state dict
+    rng: dict[str, Any]  # this process's generator states
+    loop_state: dict[str, Any]
+    models: list[dict[str, Any]]  # meta.json's entry of each model
+    configs: list[str | None]  # each model's `transformers` config.json text
+    nbytes: int = 0  # the staged copy's bytes (0: not copied)
 
 
 def _check_target(target: Path, stage: Path) -> str | None:
@@ -207,83 +227,138 @@ def _check_target(target: Path, stage: Path) -> str | None:
     return None
 
 
-def save(parts: Parts, target: Path) -> SaveReport:
+Then = Callable[[SaveReport, Any], None]  # (report, the process group of the thread that wrote it)
+
+
+def save(parts: Parts, target: Path, *, background: bool = False, then: Then | None = None) -> SaveReport:
     """Write a checkpoint of `parts` to `target` (a collective: every process calls it).
 
     Refused with one line, before anything is written, when `target` is a file, the current
     directory, or a folder that is neither empty nor an earlier checkpoint. A failed save leaves
-    the previous checkpoint at `target` untouched and removes what it wrote.
+    the previous checkpoint at `target` untouched and removes what it wrote. A save pending
+    in the background (`checkpoint_async`) completes first. `then(report, group)` runs on every
+    process once the checkpoint is in place (collectives in it go on `group`).
+
+    `background`: stage the state to host memory, start its write in this process's writer
+    thread (`checkpoint_async`) and return at once; the report says `pending` and the stall.
     """
     target = Path(target)
     stage = staging_dir(target)
     start = time.perf_counter()
+    checkpoint_async.wait_for_save()  # one save in flight: a pending one completes first (or raises)
     runlock.hold_for(parts.checkpoint_dir, target, parts.rank)  # before anything is checked or written
     agree(_check_target(target, stage) if parts.rank == 0 else None)
+    if background and not dist.is_initialized():
+        # a lone process's save (Accelerate's save_state called on one ddp process) runs no
+        # collective, and no process group is there for a writer thread's: it is written now
+        log.info("%s: saved synchronously: a save by one process alone has no group for a background "
+                 "writer", target)
+        background = False
+    group = background_group() if background else None  # a collective: every process is here
     try:
-        return _save_staged(parts, target, stage, start)
+        _begin(parts, target)
+        snap = _snapshot(parts, copy=background)
+        if not background:
+            report = _write(parts, target, stage, snap, start, None, None)
     except BaseException:
         if parts.rank == 0:
             shutil.rmtree(stage, ignore_errors=True)
         raise
+    if not background:
+        if then is not None:
+            then(report, None)
+        return report
+    stall = time.perf_counter() - start
+
+    def job() -> None:
+        try:
+            done = _write(parts, target, stage, snap, time.perf_counter(), group, stall)
+        except BaseException:
+            if parts.rank == 0:
+                shutil.rmtree(stage, ignore_errors=True)
+            raise
+        if then is not None:
+            then(done, group)
+
+    checkpoint_async.WRITER.start(target, snap.nbytes, job)
+    return SaveReport(target, 0, 0.0, 0.0, stall=stall, pending=True)
 
 
-def _save_staged(parts: Parts, target: Path, stage: Path, start: float) -> SaveReport:
+def _begin(parts: Parts, target: Path) -> None:
+    """Process 0 makes the staging folder (any earlier one of ours removed); every process agrees."""
     error = None
     if parts.rank == 0:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            new_staging(target, OURS)
+            stage = new_staging(target, OURS)
             (stage / "rng").mkdir()
         except (OSError, CheckpointError) as err:
             error = (str(err) if isinstance(err, CheckpointError)
                      else os_error_line(target, "start the checkpoint", err))
     agree(error)
-    state = _dcp_state(parts)
+
+
+def _snapshot(parts: Parts, *, copy: bool) -> _Snapshot:
+    """The state to write, now. `copy`: into fresh host memory (`checkpoint_async.stage`), the
+    loop state and the models' entries too, so training may go on while it is written."""
+    state = _dcp_state(parts)  # (zero1: gathers its optimizer state, a collective)
+    configs = [hf_config_json(module) for module in parts.unwrapped]
+    models = [_model_meta(m, state[f"model{i}"]) for i, m in enumerate(parts.unwrapped)]
+    if not copy:
+        return _Snapshot(state, _rng_state(), parts.loop_state, models, configs)
+    staged, nbytes = checkpoint_async.stage(state, checkpoint_async.WRITER.pool)
+    return _Snapshot(staged, _rng_state(), copy_module.deepcopy(parts.loop_state), models, configs, nbytes)
+
+
+def _write(parts: Parts, target: Path, stage: Path, snap: _Snapshot, start: float, group: Any,
+           stall: float | None) -> SaveReport:
+    """Write `snap` into the staging folder and move it into place. `group`: the process group of
+    every collective here (None: the default one; a background write's own, see `dist`);
+    `stall`: an asynchronous save's (None: synchronous, the whole time is the stall)."""
     writer = _RecordingWriter(stage)
     try:
-        dcp.save(state, storage_writer=writer)  # each process writes its own shards
+        dcp.save(snap.state, storage_writer=writer, process_group=group)  # each process writes its own shards
     except DCP_FAILURES as err:  # DCP agrees on failure across processes itself
-        needed = _tensor_bytes(state)  # the same on every process: the message is too
+        needed = _tensor_bytes(snap.state)  # the same on every process: the message is too
         line = os_error_line(target, "write the checkpoint's tensors", first_failure(err), needed)
         raise CheckpointError(line) from None
     sums: dict[str, str] = {}
     hashing = 0.0
+    error = None
     try:
-        write_torch(_rng_state(), stage / "rng" / f"rank{parts.rank}.pt")
+        write_torch(snap.rng, stage / "rng" / f"rank{parts.rank}.pt")
         t0 = time.perf_counter()
         for name in [*writer.written, f"rng/rank{parts.rank}.pt"]:
             sums[name] = checksum_file(stage / name)  # just written: read back from the page cache
         hashing = time.perf_counter() - t0
-        error = None
     except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
         error = os_error_line(target, "write the checkpoint", err)
     gathered: list[Any] = [(error, sums)]
     if parts.world > 1:
         gathered = [None] * parts.world
-        dist.all_gather_object(gathered, (error, sums))
-    agree(next((e for e, _ in gathered if e), None))
+        dist.all_gather_object(gathered, (error, sums), group=group)
+    agree(next((e for e, _ in gathered if e), None), group)
     size, error = 0, None
     if parts.rank == 0:
         try:
-            size = _finish(parts, target, stage, state, {k: v for _, s in gathered for k, v in s.items()})
+            size = _finish(parts, target, stage, snap, {k: v for _, s in gathered for k, v in s.items()})
         except (OSError, RuntimeError) as err:  # (CheckpointError is a RuntimeError)
             error = (str(err) if isinstance(err, CheckpointError)
                      else os_error_line(target, "finish the checkpoint", err))
-    agree(error)
-    report = SaveReport(target, size, time.perf_counter() - start, hashing)
+    agree(error, group)
+    seconds = time.perf_counter() - start
+    report = SaveReport(target, size, seconds, hashing, stall=seconds if stall is None else stall)
     if parts.rank == 0:
-        log.info("saved %s: %.3f GB in %.2f s (checksums %.3f s)", target, size / 1e9, report.seconds,
-                 hashing)
+        how = "" if stall is None else " in the background"
+        log.info("saved %s: %.3f GB in %.2f s%s (checksums %.3f s); training stalled %.2f s", target,
+                 size / 1e9, report.seconds, how, hashing, report.stall)
     return report
 
 
-def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums: dict[str, str]) -> int:
+def _finish(parts: Parts, target: Path, stage: Path, snap: _Snapshot, sums: dict[str, str]) -> int:
     """Process 0: the loop state, meta.json (written last), then the exchange into place."""
-    write_torch(parts.loop_state, stage / "engine.pt")  # (the loop state; file name of format 1)
-    models = []
-    for i, module in enumerate(parts.unwrapped):
-        models.append(_model_meta(module, state[f"model{i}"]))
-        config = hf_config_json(module)
+    write_torch(snap.loop_state, stage / "engine.pt")  # (the loop state; file name of format 1)
+    for i, config in enumerate(snap.configs):
         if config is not None:
             (stage / f"model{i}.config.json").write_text(config)
     files = {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*"))
@@ -299,7 +374,7 @@ def _finish(parts: Parts, target: Path, stage: Path, state: dict[str, Any], sums
         "engine": parts.info["backend"],  # (the backend; key name of format 1)
         **{k: v for k, v in parts.info.items() if k != "backend"},
         "versions": _versions(),
-        "models": models,
+        "models": snap.models,
         "optimizers": [{"model": m, "class": type(r.optimizer).__name__}
                        for m, r in zip(parts.optimizer_models, parts.runners)],
         "files": files,
@@ -345,6 +420,7 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     Every file is checked against its checksum first (each process a share), so nothing is
     loaded from a checkpoint that is not the one that was written."""
     folder = Path(folder)
+    checkpoint_async.wait_for_save()  # a save being written completes first (it may be this folder)
     runlock.hold_for(parts.checkpoint_dir, folder, parts.rank)
     meta = read_meta(folder)
     agree(verify_files(folder, meta, parts.rank, parts.world))

@@ -20,7 +20,8 @@ from typing import Any, NoReturn
 
 from .cli_env import environment, run_env
 from .cli_plan import add_plan_parser, run_plan
-from .config import ConfigError, EngineConfig, LaunchConfig, check_train_batch, field_docs
+from .config import ConfigError, EngineConfig, LaunchConfig, check_train_batch
+from .config_docs import field_docs
 from .config_io import build, load_layers, merge, read_file, to_yaml, write_yaml
 
 __all__ = ["build_parser", "entry", "environment", "main", "resolve"]
@@ -34,6 +35,8 @@ _ENGINE_FLAGS = [
     "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "checkpoint_dir",
     "offload_bucket_numel", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_last",
     "collective_timeout_s", "preempt_signals", "preempt_grace_s", "resume",
+    "activation_checkpointing_every", "compile", "compile_backend", "compile_mode", "compile_fullgraph",
+    "compile_dynamic", "checkpoint_async",
 ]
 # torchrun's own flags that fill the launch section instead of passing through.
 _TORCHRUN_FOLDED = {
@@ -68,9 +71,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _flag_type(tp: Any) -> dict[str, Any]:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if tp is bool:
+    if tp is bool or args == [bool]:
         return {"action": argparse.BooleanOptionalAction}
     literals = [x for a in [tp, *args] for x in typing.get_args(a) if typing.get_origin(a) is typing.Literal]
+    if literals and all(isinstance(x, str) for x in literals) and bool in args:
+        # a choice that a bool also names (activation_checkpointing): --<flag>/--no-<flag> as when the
+        # setting was a bool (a value after it would swallow the script's name), --<flag>-mode MODE
+        return {"action": argparse.BooleanOptionalAction, "modes": list(literals)}
     if literals and all(isinstance(x, str) for x in literals) and typing.get_origin(tp) is typing.Literal:
         return {"choices": list(literals)}
     if int in args or tp is int:
@@ -97,8 +104,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, *, skip: frozenset[str] =
             flag = "--" + name.replace("_", "-")
             if flag in skip:
                 continue
-            group.add_argument(flag, dest=prefix + name, default=_UNSET, help=docs.get(name, ""),
-                               **_flag_type(hints[name]))
+            kind = _flag_type(hints[name])
+            modes = kind.pop("modes", None)
+            group.add_argument(flag, dest=prefix + name, default=_UNSET, help=docs.get(name, ""), **kind)
+            if modes:
+                group.add_argument(flag + "-mode", dest=prefix + name, default=_UNSET, choices=modes,
+                                   help=f"{name} by name ({flag}: {modes[1]}, --no-{flag[2:]}: {modes[0]})")
 
 
 def _flag_settings(ns: argparse.Namespace) -> dict[str, Any]:
@@ -232,7 +243,7 @@ _QUESTIONS = [
     ("offload", "Offload to host memory (none, optimizer, params)"),
     ("grad_accum_steps", "Gradient accumulation steps"),
     ("max_grad_norm", "Clip gradients to this norm (empty: no clipping)"),
-    ("activation_checkpointing", "Activation checkpointing (yes/no)"),
+    ("activation_checkpointing", "Activation checkpointing (none, full, selective, offload; yes = full)"),
     ("launch.num_processes", "Processes per machine (one per GPU)"),
     ("launch.num_nodes", "Number of machines"),
 ]
@@ -270,6 +281,9 @@ def _ask(defaults: EngineConfig) -> dict[str, Any]:
             questions.insert(0, (key, text))
             continue
         answers = trial
+        if key == "activation_checkpointing" and value == "selective":
+            questions.insert(0, ("activation_checkpointing_every",
+                                 "Checkpoint every k-th block in full instead (empty: keep matmul outputs)"))
         if key == "launch.num_nodes" and value != 1:
             questions += [("launch.node_rank", "This machine's rank (0 hosts the rendezvous)"),
                           ("launch.main_address", "Address of machine 0"),

@@ -17,7 +17,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
         "plan",
         help="which strategy and per-device batch fit, predicted from a trace on fake tensors",
         description="Trace the model through every strategy on fake tensors (nothing is allocated, no "
-                    "GPU needed) and report, per strategy with and without activation checkpointing, the "
+                    "GPU needed) and report, per strategy without and with activation checkpointing (or "
+                    "with the mode --activation-checkpointing names), the "
                     "per-device peak memory and its parts, the largest batch that fits and the relative "
                     "step time; the fastest plan that fits is marked. Memory sizes are binary: "
                     "24GB = 24 GiB.",
@@ -39,8 +40,16 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--cpu-memory", default=None,
                    help="host memory of the machine; offload plans must fit in it")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
-    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="only plans with (or, --no-..., without) activation checkpointing (default: both)")
+    p.add_argument("--activation-checkpointing", nargs="?", const="full", default=None,
+                   choices=["none", "full", "selective", "offload"], metavar="{none,full,selective,offload}",
+                   help="plan every strategy with this activation-checkpointing mode only (alone: full; "
+                        "default: without and with full)")
+    p.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
+                   const="none", help="only plans without activation checkpointing (= none)")
+    p.add_argument("--activation-checkpointing-every", type=int, default=None, metavar="K",
+                   help="with selective: every K-th block in full, instead of keeping matmul outputs")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="count the host copy a background checkpoint holds (checkpoint_async)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="suggest per-device batch x accumulation steps for this global batch")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -116,8 +125,9 @@ def run_plan(ns: argparse.Namespace) -> int:
     request = PlanRequest(
         world_size=world, nodes=nodes, device_memory=memory, batch=ns.batch, workers=max(1, ns.workers),
         device=ns.device, precision=ns.precision, host_memory=ns.cpu_memory,
-        activation_checkpointing=ns.activation_checkpointing, global_batch=ns.global_batch,
-        overheads=_overheads(ns),
+        activation_checkpointing=ns.activation_checkpointing,
+        activation_checkpointing_every=ns.activation_checkpointing_every, global_batch=ns.global_batch,
+        overheads=_overheads(ns), checkpoint_async=ns.checkpoint_async,
     )
     result = plan_named(ns.model, request, seq_len=ns.seq_len)
     print(describe(result))

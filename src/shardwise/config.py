@@ -8,12 +8,8 @@ fill this tree (see `config_io`); precedence is defaults < file < flags < `Engin
 
 from __future__ import annotations
 
-import ast
 import difflib
-import functools
-import inspect
-import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 # the strategy table lives in `specs`; re-exported here, where the config checks against it
@@ -44,6 +40,7 @@ OptimizerType = Literal["AdamW", "Adam", "SGD"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 Auto = Literal["auto"]
 Node = Literal["node"]
+CheckpointingName = Literal["none", "full", "selective", "offload"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 OFFLOADS: tuple[str, ...] = get_args(OffloadName)
@@ -243,8 +240,27 @@ class EngineConfig:
     wrap: tuple[str | type, ...] = ()
     """Module classes (or class names) sharded as units (zero2/zero3). Empty: detect the
     repeated blocks (a transformer's layers) automatically."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of keeping them."""
+    activation_checkpointing: CheckpointingName | bool = "none"
+    """What each block keeps for backward. none; full (true): nothing inside the block, its forward
+    is recomputed in backward; selective: the outputs of matrix multiplications (torch's selective
+    policy), the rest recomputed, or with activation_checkpointing_every=k every k-th block full;
+    offload: every saved activation, in host memory (pinned on CUDA), copied back for backward."""
+    activation_checkpointing_every: int | None = None
+    """selective only: recompute every this-many-th block in full (1st, k+1-th, ...) and keep the
+    others' activations, instead of the matmul-output policy (None)."""
+    compile: bool = False
+    """Compile each block (the units found for sharding; the whole model when it has none) with
+    torch.compile, fullgraph where it holds; a graph break, and a recompilation after the first step,
+    is reported once per block class. Names, checkpoints and save_model stay eager's (no _orig_mod.)."""
+    compile_backend: str = "inductor"
+    """The torch.compile backend (inductor, aot_eager, eager, ...; torch.compiler.list_backends())."""
+    compile_mode: str | None = None
+    """torch.compile's mode: None (default), reduce-overhead, max-autotune, max-autotune-no-cudagraphs."""
+    compile_fullgraph: bool = False
+    """A graph break is an error naming the block and the reason (default: reported once, and the
+    block runs compiled around the break)."""
+    compile_dynamic: bool | None = None
+    """torch.compile's dynamic: None (a shape seen to change is made dynamic, one recompile), True, False."""
     micro_batch_size: int | Auto | None = None
     """Per-process batch the config expects (None/"auto": the prepared DataLoader's)."""
     train_batch_size: int | Auto | None = None
@@ -264,6 +280,10 @@ class EngineConfig:
     """Also save one when this many seconds have passed since the last (process 0's clock)."""
     keep_last: int | None = None
     """Keep only the newest this many step_<N> checkpoints (None: keep all)."""
+    checkpoint_async: bool = False
+    """save_state (and checkpoints by policy) copies the state to host memory, returns, and writes
+    it in the background: atomic, checksummed and kept as a synchronous save; one save in flight
+    (the next waits), and preemption, load_state and end_training wait for it."""
     collective_timeout_s: float = 600.0
     """A collective that does not complete within this many seconds ends the run with an error
     naming the step and the processes that did not arrive (torch's default is 30 minutes). At
@@ -329,6 +349,7 @@ class EngineConfig:
             raise ConfigError(f"shard_group_size={group!r} must be an integer >= 1, 'node' (the processes "
                               "of one node) or None (all processes)")
         _choice("host_kernel", self.host_kernel, get_args(HostKernelName))
+        _check_speed(self)
         for name in ("checkpoint_every_steps", "keep_last"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -379,6 +400,53 @@ class EngineConfig:
             raise ConfigError("scheduler needs an optimizer section to build with it")
 
 
+def _check_speed(cfg: EngineConfig) -> None:
+    """activation_checkpointing (a bool means full or none) and the compile settings."""
+    ac = cfg.activation_checkpointing
+    if isinstance(ac, bool):
+        cfg.activation_checkpointing = "full" if ac else "none"
+    _choice("activation_checkpointing", cfg.activation_checkpointing, get_args(CheckpointingName))
+    every = cfg.activation_checkpointing_every
+    if every is not None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"activation_checkpointing_every={every!r} must be an integer >= 1 (or None)")
+        if cfg.activation_checkpointing != "selective":
+            raise ConfigError(
+                f"activation_checkpointing_every={every} applies to activation_checkpointing: selective "
+                f"only (it is {cfg.activation_checkpointing!r}); set it to selective or drop the setting")
+    for name in ("compile", "compile_fullgraph", "checkpoint_async"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} must be true or false")
+    if cfg.compile_dynamic is not None and not isinstance(cfg.compile_dynamic, bool):
+        raise ConfigError(f"compile_dynamic={cfg.compile_dynamic!r} must be true, false or None")
+    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    if cfg.compile_mode is not None:
+        _choice("compile_mode", cfg.compile_mode, modes)
+    if not isinstance(cfg.compile_backend, str) or not cfg.compile_backend:
+        raise ConfigError(f"compile_backend={cfg.compile_backend!r} must name a torch.compile backend "
+                          "(e.g. inductor)")
+    if cfg.compile:
+        _check_compile(cfg)
+
+
+def _check_compile(cfg: EngineConfig) -> None:
+    """compile: true: a backend that compiles blocks, a torch.compile backend torch has here, a
+    mode only inductor takes."""
+    if not backend_spec(cfg.backend).compiles_blocks:
+        raise ConfigError(f"compile: true is not supported with backend: {cfg.backend} (its engine wraps the "
+                          "model itself); use backend: torch to compile each block, or compile: false")
+    import torch
+
+    known = torch.compiler.list_backends(exclude_tags=())
+    if cfg.compile_backend not in known:
+        raise ConfigError(f"compile_backend={cfg.compile_backend!r} is not a torch.compile backend of this "
+                          f"torch ({torch.__version__}); choose one of: "
+                          f"{', '.join(sorted({*torch.compiler.list_backends(), 'aot_eager', 'eager'}))}")
+    if cfg.compile_mode not in (None, "default") and cfg.compile_backend != "inductor":
+        raise ConfigError(f"compile_mode={cfg.compile_mode!r} is an inductor setting; drop compile_mode or "
+                          f"use compile_backend: inductor (it is {cfg.compile_backend!r})")
+
+
 def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:
     """A `train_batch_size` the config states must equal micro x grad_accum_steps x processes."""
     total = cfg.train_batch_size
@@ -427,37 +495,3 @@ def resolve_grad_accum(cfg: EngineConfig, micro_batch: int, world: int) -> int:
             "DataLoader's batch_size"
         )
     return total // (micro_batch * world)
-
-
-def field_names(cls: type) -> list[str]:
-    """Names of a config dataclass's fields (used to suggest the closest valid key)."""
-    return [f.name for f in fields(cls)]
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a config dataclass (the CLI's help text)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(after.value.value).split())
-    return docs
-
-
-def suggest(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def make_config(**overrides: Any) -> EngineConfig:
-    """Build an `EngineConfig` from keywords, refusing unknown ones with the closest valid name."""
-    valid = field_names(EngineConfig)
-    for key in overrides:
-        if key not in valid:
-            raise ConfigError(
-                f"unknown setting {key!r}{suggest(key, valid)}; valid settings: {', '.join(valid)}"
-            )
-    return EngineConfig(**overrides)

@@ -8,12 +8,30 @@ reference page, so the page cannot drift from the code. Regenerate it with `make
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from .config import EngineConfig, LaunchConfig, LossScaleConfig, OptimizerConfig, SchedulerConfig, field_docs
+from .config import EngineConfig, LaunchConfig, LossScaleConfig, OptimizerConfig, SchedulerConfig
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (the CLI's help text)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
 
 REGENERATE = "python -m shardwise.config_docs > docs/config.md"
 

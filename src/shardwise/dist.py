@@ -73,6 +73,7 @@ def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> Dist
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     # a collective not done within the timeout raises (gloo) or aborts the process (NCCL)
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    _TIMEOUT[0] = timeout
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     elif world_size == 1 and "MASTER_ADDR" not in os.environ:
@@ -84,6 +85,29 @@ def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> Dist
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(rank, world_size, local_rank, local_world_size, device)
+
+
+_TIMEOUT: list[datetime.timedelta | None] = [None]  # the collective timeout the default group was joined with
+# default group -> (it, its group for background checkpoint writes); kept with the default group
+# itself, so a later default group at the same address never gets a destroyed one
+_BACKGROUND: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def background_group() -> dist.ProcessGroup:
+    """A gloo group of every process, for the collectives of a checkpoint written in a background
+    thread (`checkpoint_async`): on the training's own group they would interleave with the
+    training's collectives, which the main thread issues meanwhile, in an order no other process
+    shares. Made once per default group, by a collective: call it on the main thread at a point
+    every process reaches (the first asynchronous save). Same timeout as the default group."""
+    world = dist.group.WORLD
+    assert world is not None, "background_group() needs the default process group"
+    cached = _BACKGROUND.get(id(world))
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    made = dist.new_group(backend="gloo", timeout=_TIMEOUT[0])
+    assert isinstance(made, dist.ProcessGroup)  # every process is a member
+    _BACKGROUND[id(world)] = (world, made)
+    return made
 
 
 def _attempt_store(rank: int, world_size: int) -> dist.Store:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint_async import staging_bytes, wait_for_save
 from .collectives import check_reduction, gather_one, map_tensors, reduce_one
 from .config import EngineConfig, is_auto, resolve_grad_accum
 from .data import PreparedDataLoader
@@ -46,6 +47,7 @@ from .resilience import Guard, say
 from .session import Session, check_optimizer
 from .storage import agree, os_error_line
 from .strategies import make_strategy
+from .strategies.compile import compile_boundary
 from .strategies.frozen import check_inference_models, for_inference
 
 log = logging.getLogger("shardwise")
@@ -263,6 +265,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if self._session is not None and self._session.models:
             self._observer.at_boundary(self.step, self._probe)
             self._guard.at_boundary(self.step, self._policy_save)
+            compile_boundary(self.step, self._info)  # compile: recompilations, the start-up line
 
     def _probe(self) -> tuple[MemoryReport | None, dict[str, Any]]:
         """What a metrics record takes from the engine: memory by role, skipped steps, loss scale."""
@@ -284,8 +287,12 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def _policy_save(self, reason: str) -> None:
         path = self._save_by_policy()
         report = self._last_save
+        if report is not None and report.pending:  # checkpoint_async: the write's own line follows in the log
+            say(self._info, f"checkpoint {path} staged in {report.stall:.2f} s (the training's stall), "
+                f"written in the background ({reason})")
+            return
         size = f", {report.bytes / 1e9:.2f} GB" if report is not None else ""
-        secs = f" in {report.seconds:.2f} s" if report is not None else ""
+        secs = f" in {report.seconds:.2f} s (stall {report.stall:.2f} s)" if report is not None else ""
         say(self._info, f"checkpoint {path} saved{secs}{size} ({reason})")
 
     def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -383,23 +390,34 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         `keep_last` (default: the config's) step folders are kept. A folder given must be absent,
         empty or an earlier checkpoint; anything else (a folder of other files, a file, the
         current directory) is refused with a `CheckpointError` before anything is written.
+        `checkpoint_async`: the state is copied to host memory and this returns; the folder (and
+        `latest`) appear once a writer thread has written it (`shardwise.checkpoint_async`).
         """
         from . import checkpoint
 
         root = Path(self.config.checkpoint_dir)
         target = Path(output_dir) if output_dir is not None else root / f"step_{self.step}"
-        keep_last = keep_last if keep_last is not None else self.config.keep_last
+        keep_last, step = keep_last if keep_last is not None else self.config.keep_last, self.step
+
+        def placed(report: Any, group: Any) -> None:  # every process, once it is in place (checkpoint_async:
+            self._guard.saved(report, step)  # in the writer thread); noted for resume and the launcher
+            problem = None
+            if output_dir is None and self.is_main_process:
+                try:
+                    checkpoint.mark_latest(target.parent, target, keep_last)
+                except OSError as err:
+                    problem = os_error_line(root / "latest", "point at the new checkpoint", err)
+            agree(problem, group)
+
         with self._guard.timeouts():
-            report = checkpoint.save(self._checkpoint_parts(), target)
-        self._last_save = self._guard.saved(report, self.step)  # noted for resume and the launcher
-        problem = None
-        if output_dir is None and self.is_main_process:
-            try:
-                checkpoint.mark_latest(target.parent, target, keep_last)
-            except OSError as err:
-                problem = os_error_line(root / "latest", "point at the new checkpoint", err)
-        agree(problem)
-        return report.path
+            self._last_save = checkpoint.save(self._checkpoint_parts(), target, then=placed,
+                                              background=self.config.checkpoint_async)
+        return Path(self._last_save.path)
+
+    def wait_for_checkpoint(self) -> float:
+        """Block until a checkpoint being written in the background (`checkpoint_async`) is in
+        place, raising its failure if it failed; the seconds waited (0.0 when none is pending)."""
+        return wait_for_save()
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> int | None:
         """Resume from a checkpoint saved at any world size, strategy or offload setting; return
@@ -413,6 +431,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         """
         from . import checkpoint, runlock
 
+        wait_for_save()  # a checkpoint still being written (checkpoint_async) completes first
         if input_dir is None:
             # one run per checkpoint folder
             runlock.hold(Path(self.config.checkpoint_dir), self.process_index)
@@ -438,14 +457,17 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
                                 self.process_index, self.num_processes)
 
     def memory_report(self) -> MemoryReport:
-        """Tensor bytes this process holds for the prepared models and optimizers."""
+        """Tensor bytes this process holds for the prepared models and optimizers (and the host
+        copy of a checkpoint being written in the background: `staging`)."""
         session = self.session
-        return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()])
+        return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()],
+                             staging=staging_bytes())
 
     def free_memory(self, *objects: Any) -> tuple[Any, ...]:
         """Release everything prepared on this engine (between two trainings in one process),
         then collect; the objects come back as None. DeepSpeed's engines are destroyed first
         (DeepSpeed's own cleanup of its hooks); a later `prepare` starts afresh, on the same strategy."""
+        wait_for_save()  # a checkpoint being written (checkpoint_async) completes, its copy is freed
         if self._session is not None:  # a later prepare keeps the strategy launched or chosen (planner: once)
             self._session.release()
             self._session = Session(self.config, make_strategy(self.config, self._info))

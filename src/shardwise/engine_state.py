@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, EngineConfig, make_config
-from .config_io import config_with_code
+from .config import ConfigError, EngineConfig
+from .config_io import config_with_code, make_config
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source
 from .optim import PreparedOptimizer

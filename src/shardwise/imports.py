@@ -315,10 +315,14 @@ def from_accelerate(
             out.pop("shard_group_size", None)
             if group != "all":
                 out["shard_group_size"] = group
+    if acc.get("dynamo_config"):
+        compiled, notes = from_dynamo(acc["dynamo_config"], f"{source}: dynamo_config")
+        out.update(compiled)
+        dropped += [f"dynamo_config.{note}" for note in notes]
     out["launch"] = launch
     handled = {"distributed_type", "fsdp_config", "deepspeed_config", "mixed_precision", "use_cpu",
                "num_machines", "num_processes", "machine_rank", "main_process_ip", "main_process_port",
-               "rdzv_backend", "gradient_accumulation_steps", "parallelism_config"}
+               "rdzv_backend", "gradient_accumulation_steps", "parallelism_config", "dynamo_config"}
     for key, value in acc.items():
         if key in handled:
             continue
@@ -437,3 +441,34 @@ def _acc_deepspeed(cfg: Mapping[str, Any], dropped: list[str], source: str) -> d
                "gradient_accumulation_steps", "gradient_clipping"}
     dropped += [f"deepspeed_config.{k}" for k in cfg if k not in handled]
     return out
+
+
+def from_dynamo(fields: Mapping[str, Any], source: str = "dynamo_config") -> tuple[dict[str, Any], list[str]]:
+    """Accelerate's torch.compile settings -> (compile settings, notes on what differs).
+
+    `fields`: a `TorchDynamoPlugin`'s fields (backend, mode, fullgraph, dynamic, options, disable,
+    use_regional_compilation) or an Accelerate YAML's `dynamo_config` (the same, spelled
+    `dynamo_backend`, `dynamo_mode`, `dynamo_use_fullgraph`, ...). Backend NO (or disable) compiles
+    nothing; any other backend compiles each block, named in lower case (the config checks torch
+    has it). Backend options are refused: shardwise passes none. Accelerate without regional
+    compilation compiles the whole model; shardwise compiles the blocks either way (a note says so).
+    """
+    plain = {str(k).removeprefix("dynamo_").removeprefix("use_"): v for k, v in fields.items()}
+    backend = plain.get("backend")
+    name = str(getattr(backend, "value", backend) or "no").lower()  # a DynamoBackend member or its name
+    if name == "no" or _flag(plain.get("disable", False), f"{source}: disable"):
+        return {}, []
+    if plain.get("options"):
+        raise ConfigError(f"{source}: options={plain['options']!r}: shardwise passes no backend options to "
+                          "torch.compile; drop them (mode, fullgraph and dynamic are taken)")
+    mode = plain.get("mode")
+    fullgraph = _flag(plain.get("fullgraph", False), f"{source}: fullgraph")
+    out: dict[str, Any] = {"compile": True, "compile_backend": name,
+                           "compile_mode": None if mode in (None, "default") else str(mode),
+                           "compile_fullgraph": bool(fullgraph),
+                           "compile_dynamic": _flag(plain.get("dynamic"), f"{source}: dynamic")}
+    notes = []
+    if not _flag(plain.get("regional_compilation", False), f"{source}: use_regional_compilation"):
+        notes.append("use_regional_compilation (false: Accelerate compiles the whole model; shardwise "
+                     "compiles each block, the rest runs eagerly)")
+    return out, notes

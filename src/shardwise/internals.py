@@ -30,6 +30,11 @@ Process groups and the launcher
   interface (torch >= 2.8; None before).
 - FSDP2's per-module state, `module._get_fsdp_state()._fsdp_param_groups[*].fsdp_params`, and an
   FSDPParam's `_unsharded_param`: the gathered parameter, counted by `shardwise.memory`.
+
+Compilation (`torch._dynamo`)
+- `torch._dynamo.utils.counters`: dynamo's per-process counters; `["stats"]["unique_graphs"]`
+  counts the graphs compiled (`strategies.compile` tells a recompilation by it).
+- `torch._dynamo.exc.Unsupported`: what `torch.compile(fullgraph=True)` raises at a graph break.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ except ImportError:  # pragma: no cover - older torch: FSDP2's own reduce-scatte
 Hook = Callable[..., Any]
 
 __all__ = [
-    "FSDPReduceScatter", "allow_amp_scaling", "default_store", "is_fake", "is_sharded", "local_tensor",
-    "mark_stepped", "no_grad_trunc_normal", "shard_box", "step_post_hooks", "step_pre_hooks",
-    "terminate_handler", "tree_map", "view_base",
+    "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
+    "is_fake", "is_sharded", "local_tensor", "mark_stepped", "no_grad_trunc_normal", "shard_box",
+    "step_post_hooks", "step_pre_hooks", "terminate_handler", "tree_map", "view_base",
 ]
 
 
@@ -167,3 +172,20 @@ def fsdp_params(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
         return []
     return [(fp.sharded_param, getattr(fp, "_unsharded_param", None))
             for group in getattr(get_state(), "_fsdp_param_groups", []) for fp in group.fsdp_params]
+
+
+# -- compilation -----------------------------------------------------------------------------------
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process (`torch._dynamo.utils.counters`, its
+    `["stats"]["unique_graphs"]`); it only grows."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def graph_break_error() -> type[Exception]:
+    """The exception `torch.compile(fullgraph=True)` raises at a graph break
+    (`torch._dynamo.exc.Unsupported`)."""
+    from torch._dynamo.exc import Unsupported
+
+    return Unsupported

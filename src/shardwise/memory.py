@@ -19,16 +19,18 @@ class MemoryReport:
     grads: int
     optimizer: int
     host: int
+    staging: int = 0  # host copies of a checkpoint being written (checkpoint_async); 0 when none is
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.staging
 
     def __str__(self) -> str:
         mib = 2**20
+        staging = f", checkpoint staging {self.staging / mib:.2f} MiB" if self.staging else ""
         return (
             f"params {self.params / mib:.2f} MiB, grads {self.grads / mib:.2f} MiB, "
-            f"optimizer {self.optimizer / mib:.2f} MiB (on host: {self.host / mib:.2f} MiB)"
+            f"optimizer {self.optimizer / mib:.2f} MiB{staging} (on host: {self.host / mib:.2f} MiB)"
         )
 
 
@@ -58,7 +60,8 @@ class _Counter:
         return total
 
 
-def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch.Tensor]) -> MemoryReport:
+def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch.Tensor], *,
+                  staging: int = 0) -> MemoryReport:
     """Count parameters, gradients and optimizer tensors (each storage once) on this process.
 
     FSDP2 keeps each shard in a padded storage: the count includes that padding, as the
@@ -66,7 +69,8 @@ def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch
     Parameters count as held: a shard, and beside it the whole parameter while it is gathered
     (mid-forward, or kept for a backward), never the configured shard alone. Being counted from
     the local tensors, hybrid sharding shows as it is: shards and optimizer state of 1/G
-    (`shard_group_size` G), not 1/W.
+    (`shard_group_size` G), not 1/W. `staging`: the host bytes of a checkpoint being written in
+    the background (`checkpoint_async.staging_bytes`), counted on the host.
     """
     models = list(models)
     c = _Counter()
@@ -74,7 +78,8 @@ def tensor_memory(models: Iterable[nn.Module], optimizer_tensors: Iterable[torch
     n_params = c.add(params)
     n_grads = c.add(p.grad for p in params)
     n_opt = c.add(optimizer_tensors)
-    return MemoryReport(params=n_params, grads=n_grads, optimizer=n_opt, host=c.host)
+    return MemoryReport(params=n_params, grads=n_grads, optimizer=n_opt, host=c.host + staging,
+                        staging=staging)
 
 
 def _held_params(model: nn.Module) -> Iterator[torch.Tensor]:

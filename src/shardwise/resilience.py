@@ -7,11 +7,15 @@ a checkpoint there resumes exactly), the Engine calls `Guard.at_boundary`:
               a count of boundaries, forwards and backwards, with the step), also at every
               forward of a prepared model and every `backward()`, so a process whose collective
               times out can say which processes did not arrive;
-  agreement   one all-reduce (MAX) of three flags, so every process acts alike: a preemption
+  agreement   one all-reduce (MAX) of four flags, so every process acts alike: a preemption
               signal arrived (on any process), the launcher is gone, checkpoint_every_seconds
-              has passed (process 0's clock);
+              has passed (process 0's clock), a checkpoint written in the background failed
+              (`checkpoint_async`: then every process raises its CheckpointError here);
   checkpoint  every checkpoint_every_steps steps or when the time is due; on preemption or a gone
-              launcher, a checkpoint and then the exit with PREEMPTED_EXIT (75, "try again").
+              launcher, a checkpoint and then the exit with PREEMPTED_EXIT (75, "try again"):
+              a checkpoint still being written in the background completes first (and is not
+              saved again when it is of this step), and the process exits only once the last
+              one is complete.
 Signals: the configured preempt_signals (SIGTERM, SIGUSR1) set a flag. Schedulers (SLURM,
 Kubernetes) signal every process of the job at once, and `shardwise launch` passes its own signal
 on, so a worker gets the same signal twice or more: the repeats change nothing. A process that
@@ -47,8 +51,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checkpoint_async import WRITER
 from .config import EngineConfig
 from .dist import DistInfo
+from .storage import CheckpointError
 
 log = logging.getLogger("shardwise")
 
@@ -204,19 +210,28 @@ class Guard:
         PROCESS.stepping = True
         self.heartbeat("at the start")
         flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone),
-                              float(self._time_due())])
+                              float(self._time_due()), float(WRITER.failed)])
         if self.info.world_size > 1:
             with self.timeouts():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, gone, due = (bool(x) for x in flags.tolist())
+        stop, gone, due, failed = (bool(x) for x in flags.tolist())
         every = self.cfg.checkpoint_every_steps
+        if failed and not (stop or gone):  # a background write failed (checkpoint_async): all raise
+            WRITER.wait()  # (its line: the failure is agreed over the writer's group)
+            raise CheckpointError("a checkpoint written in the background failed on another process; see its "
+                                  "error")
         if stop or gone:
             PROCESS.at_boundary = True
             signalled = PROCESS.why() if PROCESS.preempted else "a signal to another process"
             reason = signalled if stop else "the launcher is gone"
             t0 = time.monotonic()
+            try:  # a save still being written completes first: it may be of this very step
+                WRITER.wait()
+            except CheckpointError as err:  # said, and this step is saved anew below
+                say(self.info, f"the checkpoint being written failed: {err}")
             if self.last_saved_step != step:  # not saved at this step already (by policy or the script)
                 save(reason)
+                WRITER.wait()  # checkpoint_async: the process exits only once it is complete
             self._record(step, time.monotonic() - t0, path=self.last_saved_path, stop=reason)
             say(self.info, f"stopped after step {step} ({reason}) with its checkpoint saved in "
                            f"{time.monotonic() - t0:.2f} s; exit code {PREEMPTED_EXIT}")
@@ -232,11 +247,13 @@ class Guard:
         is here, so the save's collectives are safe; interpreter exit is not such a place)."""
         from .checkpoint import step_dirs
 
+        WRITER.wait()  # a checkpoint being written (checkpoint_async) completes before anything else
         policy = self.cfg.checkpoint_every_steps or self.cfg.checkpoint_every_seconds
         root = Path(self.cfg.checkpoint_dir)
         saved = self.last_saved_step == step or any(p.name == f"step_{step}" for p in step_dirs(root))
         if policy and step > 0 and not saved:  # (a run resumed at its last step has it already)
             save("the end of training")
+            WRITER.wait()  # before the process group goes
 
     def saved(self, report: Any, step: int) -> Any:
         """A checkpoint of `step` was written (any save): note it, and in the launcher's run record."""
@@ -260,7 +277,6 @@ class Guard:
         """The checkpoint `load_state()` with no folder resumes from (the `resume` setting), or
         None for a start at step 0, said in one line; an error when there must be one."""
         from .checkpoint import newest
-        from .storage import CheckpointError
 
         if self.cfg.resume == "never":
             say(self.info, f"resume: never: no checkpoint loaded (checkpoint_dir {root}/); starting at "

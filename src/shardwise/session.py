@@ -27,6 +27,7 @@ from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
 from .step import StepState
 from .strategies import Strategy, apply_activation_checkpointing, find_blocks
 from .strategies.base import EmptyModel
+from .strategies.compile import apply_compile, compile_options
 from .weights import make_reader, verify_shared
 
 log = logging.getLogger("shardwise")
@@ -104,9 +105,7 @@ class Session:
                 names[id(p)] = (len(self.models) + k, name)
         prepared: dict[int, Any] = {}
         for model in models:
-            if self.config.activation_checkpointing:
-                apply_activation_checkpointing(find_blocks(model, self.config.wrap))
-                _no_kv_cache(model)
+            self._transform_blocks(model)
             prepared[id(model)] = self._prepare_model(model)
         new_params = [dict(self.strategy.unwrap(m).named_parameters()) for m in self.models]
 
@@ -122,6 +121,26 @@ class Session:
         for scheduler in schedulers:
             prepared[id(scheduler)] = self.add_scheduler(scheduler)
         return prepared
+
+    def _transform_blocks(self, model: nn.Module) -> None:
+        """Activation checkpointing and compilation, per block, before sharding: each replaces
+        the block's own `forward` (its module tree and parameter names stay as they are)."""
+        cfg = self.config
+        mode, compiling = str(cfg.activation_checkpointing), cfg.compile
+        if mode == "none" and not compiling:
+            return
+        blocks = find_blocks(model, cfg.wrap)
+        if mode != "none":
+            _no_kv_cache(model)
+        # offload's saved-tensor hooks stay outside the compiled graph (they wrap the compiled
+        # forward); full and selective checkpointing are compiled with the block (dynamo traces
+        # torch's checkpoint and its selective policy as one graph)
+        if compiling and mode == "offload":
+            apply_compile(blocks or [model], compile_options(cfg))
+        if mode != "none":
+            apply_activation_checkpointing(blocks, mode, every=cfg.activation_checkpointing_every)
+        if compiling and mode != "offload":
+            apply_compile(blocks or [model], compile_options(cfg))
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         pending = getattr(model, PRETRAINED, None)

@@ -42,10 +42,12 @@ class BackendSpec:
     """It can force a gradient sync on every micro-batch (Accelerate's `sync_each_batch`)."""
     plans_auto: bool
     """`strategy='auto'` plans for it."""
+    compiles_blocks: bool = False
+    """`compile: true` compiles each block's forward with torch.compile before it is wrapped."""
 
 
 BACKEND_TABLE: dict[str, BackendSpec] = {
-    "torch": BackendSpec(distributed_type=None, sync_each_batch=True, plans_auto=True),
+    "torch": BackendSpec(distributed_type=None, sync_each_batch=True, plans_auto=True, compiles_blocks=True),
     "deepspeed": BackendSpec(distributed_type="DEEPSPEED", sync_each_batch=False, plans_auto=False),
 }
 

@@ -173,15 +173,16 @@ def inside_cwd_check(target: Path) -> str | None:
     return None
 
 
-def agree(error: str | None) -> None:
+def agree(error: str | None, group: Any = None) -> None:
     """Every process raises the same CheckpointError when any process had one (a collective
-    where a process group is up: no process is left waiting for one that gave up)."""
+    where a process group is up: no process is left waiting for one that gave up). `group`: the
+    process group to agree on (None: the default one; a background write passes its own)."""
     import torch.distributed as dist
 
     errors: list[str | None] = [error]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
     first = next((e for e in errors if e), None)
     if first is not None:
         raise CheckpointError(first)

@@ -74,6 +74,7 @@ class StorageCounter(DispatchMode):
         self.birth: dict[int, int] = {}  # serial -> log index of its creation
         self.role: dict[int, str] = {}
         self.sharded_params: set[int] = set()
+        self.host_copies: set[int] = set()  # serials of activations offloaded to the host
         self.phase = "setup"
         self.counting = False  # collectives are counted during the training steps only
         self.comm_bytes: dict[str, float] = {}

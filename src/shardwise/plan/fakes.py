@@ -160,6 +160,33 @@ def fake_world(world_size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """`transformers`' test for packed sequences answered as for the planner's batches.
+
+    Without a KV cache (activation checkpointing turns it off), `transformers` reads the
+    position ids to tell whether several sequences are packed in one row; a fake tensor has no
+    data, so it would assume they are, and build a (batch, 1, seq, seq) causal mask that a real
+    run, whose position ids count 0..seq-1, skips for SDPA's `is_causal` (one mask per layer
+    kept for backward: batch x seq^2 bytes that dominate at long sequences). Here a fake
+    tensor's rows count as one sequence each; a real batch is still read."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if is_fake(position_ids) else cast(torch.Tensor | None, find(position_ids))
+
+    with patched(masking_utils, "find_packed_sequence_indices", unpacked):
+        yield
+
+
+@contextlib.contextmanager
 def kept_rng() -> Iterator[None]:
     """Engine() seeds every generator; a plan made inside a training script must not."""
     state = (random.getstate(), np.random.get_state(), torch.get_rng_state())

@@ -74,6 +74,8 @@ class StrategyPlan:
         c = self.candidate
         out: dict[str, Any] = {"strategy": c.strategy, "offload": c.offload,
                                "activation_checkpointing": c.activation_checkpointing}
+        if c.activation_checkpointing_every is not None:
+            out["activation_checkpointing_every"] = c.activation_checkpointing_every
         if c.shard_group_size is not None:
             out["shard_group_size"] = c.shard_group_size
         return out
@@ -121,16 +123,20 @@ class Plan:
     """nodes the devices spread over (`world_size / nodes` each)"""
 
     def find(
-        self, strategy: str, offload: str = "none", activation_checkpointing: bool = False,
-        shard_group_size: int | None = None,
+        self, strategy: str, offload: str = "none", activation_checkpointing: str | bool = "none",
+        shard_group_size: int | None = None, activation_checkpointing_every: int | None = None,
     ) -> StrategyPlan:
-        """The plan of one candidate (`shard_group_size`: its hybrid twin)."""
-        wanted = Candidate(strategy, offload, activation_checkpointing, shard_group_size)
+        """The plan of one candidate (`shard_group_size`: its hybrid twin; a bool
+        `activation_checkpointing` is read as full or none)."""
+        wanted = Candidate(strategy, offload, activation_checkpointing, shard_group_size,  # type: ignore[arg-type]
+                           activation_checkpointing_every)
         for p in self.plans:
             if p.candidate == wanted:
                 return p
-        raise KeyError(f"no plan for {strategy} offload={offload} activation_checkpointing="
-                       f"{activation_checkpointing} shard_group_size={shard_group_size}")
+        raise KeyError(f"no plan for {wanted.name} (shard_group_size={shard_group_size})")
+
+
+Recompute = tuple[str, int | None]  # an activation-checkpointing mode and its `every`
 
 
 # -- running the traces --------------------------------------------------------------------------
@@ -174,12 +180,13 @@ def _trace_candidates(
 ) -> dict[Candidate, dict[tuple[int | None, int], TraceResult]]:
     """Trace every candidate at each traced depth, at `batch` and twice it: the traces per
     candidate keyed by (depth, batch)."""
-    depths: tuple[int | None, ...] = TRACE_DEPTHS if spec.depth is not None else (None,)
-    flop_counted: set[bool] = set()
+    flop_counted: set[Recompute] = set()
     jobs: list[tuple[Candidate, int | None, TraceJob]] = []
     for cand in candidates:
-        count = cand.activation_checkpointing not in flop_counted  # FLOPs depend on recompute only
-        flop_counted.add(cand.activation_checkpointing)
+        count = _recompute(cand) not in flop_counted  # FLOPs depend on the recompute only
+        flop_counted.add(_recompute(cand))
+        cut = trace_depths(cand, spec.depth)
+        depths: tuple[int | None, ...] = (None,) if cut is None else cut
         # what CUDA defaults to (foreach) where the optimizer steps on the device
         foreach = True if request.device == "cuda" and not cand.offload_spec.any else None
         for depth in depths:
@@ -187,7 +194,7 @@ def _trace_candidates(
                 build=functools.partial(spec.build, depth), make_batch=spec.make_batch, loss_fn=spec.loss_fn,
                 candidate=cand, world_size=request.world_size, batches=_batches(batch),
                 precision=request.precision, foreach=foreach, grad_accum_steps=grad_accum_steps,
-                wrap=request.wrap, optimizer=request.optimizer, count_flops=count,
+                wrap=request.wrap, optimizer=request.optimizer, count_flops=count, target=request.device,
             )
             jobs.append((cand, depth, job))
     order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))  # deep traces first: balance
@@ -225,9 +232,14 @@ def _evaluate(fitted: Fitted, cand: Candidate, flops: Fitted, budget: _Budget, b
     req, overheads, hardware = budget.request, budget.overheads, budget.hardware
     fixed, frag = overheads.fixed(req.device, req.world_size), overheads.frag(req.device)
 
+    # checkpoint_async: the staged copy of this rank's state lives from a save until its write
+    # ends, across the next steps' peaks: host memory beside a GPU, more of the same on a CPU
+    staging = fitted.linear("staging", batch) if req.checkpoint_async else 0.0
+    on_host = staging if req.device == "cuda" else 0.0
+
     def need(b: int) -> tuple[float, float, Any]:
         mem = fitted.memory(b)
-        return mem.device * (1 + frag) + fixed, mem.host, mem
+        return (mem.device + staging - on_host) * (1 + frag) + fixed, mem.host + on_host, mem
 
     def fits(b: int) -> bool:
         peak, host, _ = need(b)
@@ -235,7 +247,9 @@ def _evaluate(fitted: Fitted, cand: Candidate, flops: Fitted, budget: _Budget, b
 
     peak, host, mem = need(batch)
     breakdown = dict(mem.roles)
-    breakdown["overhead"] = peak - mem.device
+    if staging - on_host:
+        breakdown["staging"] = staging - on_host
+    breakdown["overhead"] = peak - mem.device - (staging - on_host)
     compute = flops.linear("flops", batch) / hardware.flops(req.precision)
     volume = step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
                        world_size=req.world_size, nodes=req.nodes, group_size=cand.shard_group_size)
@@ -270,7 +284,7 @@ def _choose(
     fitting = [p for p in plans if p.fits]
     best = min(fitting, key=lambda p: p.step_seconds)  # ties: the simpler one (listed first)
     others = sorted((p for p in fitting if p is not best), key=lambda p: p.step_seconds)
-    refused = [p for p in plans if not p.fits and not p.candidate.activation_checkpointing]
+    refused = [p for p in plans if not p.fits and not p.candidate.checkpointed]
     why = (f"{best.name}: the fastest of {len(fitting)} plans that fit batch {batch} "
            f"({_gib(best.peak)} of {_gib(budget)} per device")
     if others:
@@ -292,10 +306,9 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
     batch = request.per_device_batch
     cands = request.chosen()
     traces = _trace_candidates(spec, cands, request, batch=batch, grad_accum_steps=1)
-    fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, request.world_size, request.device)
-              for c, t in traces.items()}
+    fitted = {c: _fit(t, c, spec, request) for c, t in traces.items()}
     flop_src = _flop_sources(fitted, cands)
-    plans = [_evaluate(fitted[c], c, flop_src[c.activation_checkpointing], budget, batch) for c in cands]
+    plans = [_evaluate(fitted[c], c, flop_src[_recompute(c)], budget, batch) for c in cands]
     plans, best, why = _choose(plans, batch, budget.device)
     n_params = round(next(iter(fitted.values())).linear("parameters", batch))
     accum = None
@@ -308,19 +321,60 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
         hardware=budget.hardware, seconds=time.perf_counter() - t0, global_batch=accum,
         traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
         load=load_memory(spec, cands, world_size=request.world_size, device=request.device),
-        nodes=request.nodes,
+        nodes=request.nodes, notes=_depth_notes(cands, spec.depth),
     )
 
 
-def _flop_sources(fitted: dict[Candidate, Fitted], cands: list[Candidate]) -> dict[bool, Fitted]:
-    """Per activation-checkpointing setting, the fit whose traces counted FLOPs (one per setting)."""
-    return {ac: next(f for c, f in fitted.items() if c.activation_checkpointing == ac
+def trace_depths(cand: Candidate, depth: int | None) -> tuple[int, int] | None:
+    """The two depths a model of `depth` blocks is cut to for tracing `cand` (None: traced whole).
+
+    `TRACE_DEPTHS`, except under selective checkpointing of every k-th block: then two
+    multiples of k, so that both cuts checkpoint the same share of their blocks (exact at a
+    depth that is a multiple of k; within one block's difference otherwise); a model not
+    deeper than those is traced whole."""
+    if depth is None:
+        return None
+    k = cand.activation_checkpointing_every or 1
+    if k == 1:
+        return TRACE_DEPTHS
+    low = k * -(-TRACE_DEPTHS[0] // k)
+    return (low, low + k) if low + k < depth else None
+
+
+def _fit(traces: dict[tuple[int | None, int], TraceResult], cand: Candidate, spec: ModelSpec,
+         request: PlanRequest) -> Fitted:
+    """`cand`'s traces, extrapolated to the model's depth (see `trace_depths`)."""
+    cut = trace_depths(cand, spec.depth)
+    return Fitted(traces, spec.depth if cut is not None else None, cut or TRACE_DEPTHS, request.world_size,
+                  request.device)
+
+
+def _depth_notes(cands: list[Candidate], depth: int | None) -> tuple[str, ...]:
+    """A line for each candidate not traced at `TRACE_DEPTHS` (selective every k-th block)."""
+    notes = []
+    for c in cands:
+        cut = trace_depths(c, depth)
+        if depth is not None and cut != TRACE_DEPTHS:
+            at = f"{cut[0]} and {cut[1]} blocks" if cut is not None else f"its full {depth} blocks"
+            notes.append(f"{c.name}: traced at {at} (every {c.activation_checkpointing_every}th block "
+                         "checkpointed)")
+    return tuple(notes)
+
+
+def _recompute(c: Candidate) -> Recompute:
+    """What decides the FLOPs a step recomputes: the checkpointing mode (and its `every`)."""
+    return c.activation_checkpointing, c.activation_checkpointing_every
+
+
+def _flop_sources(fitted: dict[Candidate, Fitted], cands: list[Candidate]) -> dict[Recompute, Fitted]:
+    """Per recompute setting (`_recompute`), the fit whose traces counted FLOPs (one per setting)."""
+    return {ac: next(f for c, f in fitted.items() if _recompute(c) == ac
                      and any(r.flops for r in f.traces.values()))
-            for ac in {c.activation_checkpointing for c in cands}}
+            for ac in {_recompute(c) for c in cands}}
 
 
 def _global_batch(spec: ModelSpec, plans: list[StrategyPlan], fitted: dict[Candidate, Fitted],
-                  flop_src: dict[bool, Fitted], budget: _Budget) -> GlobalBatch | None:
+                  flop_src: dict[Recompute, Fitted], budget: _Budget) -> GlobalBatch | None:
     """Per-device batch and accumulation steps that reach the request's global batch, fastest first.
 
     Accumulating holds gradients between micro-steps (FSDP keeps them unsharded until the last
@@ -337,11 +391,10 @@ def _global_batch(spec: ModelSpec, plans: list[StrategyPlan], fitted: dict[Candi
     if needs_accum:
         batch = min(max(1, min(p.max_batch for p in plans if p.candidate in needs_accum)), per_device)
         traces = _trace_candidates(spec, needs_accum, req, batch=batch, grad_accum_steps=2)
-        accum_fitted = {c: Fitted(t, spec.depth, TRACE_DEPTHS, world, req.device)
-                        for c, t in traces.items()}
+        accum_fitted = {c: _fit(t, c, spec, req) for c, t in traces.items()}
     for p in plans:
         c = p.candidate
-        flops = flop_src[c.activation_checkpointing]
+        flops = flop_src[_recompute(c)]
         if p.max_batch >= per_device:
             micro, steps = per_device, 1
             plan = p if p.batch == micro else _evaluate(fitted[c], c, flops, budget, micro)

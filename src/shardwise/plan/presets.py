@@ -23,16 +23,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from .candidate import PlanError as PlanError  # re-exported: defined beside `Candidate`, which uses it
 from .fakes import current_fake_mode, fake_copy, tree_leaves, tree_map
 from .trace import default_loss
 
 TRACE_DEPTHS = (3, 4)
 MIN_EXTRAPOLATED_DEPTH = 5
-
-
-class PlanError(ConfigError):
-    """A value `shardwise plan` refuses; the message names it (the CLI exits with code 2)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,12 @@ from .planner import Plan, StrategyPlan
 
 PARTS = ("params", "grads", "optimizer", "activations", "comm", "temporaries", "overhead")
 _HEAD = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "comm": "comm",
-         "temporaries": "temp", "overhead": "overhd"}
+         "temporaries": "temp", "overhead": "overhd", "staging": "stage"}
+
+
+def _parts(plan: Plan) -> tuple[str, ...]:
+    """The peak's parts shown: `staging` (checkpoint_async on a CPU target) only when planned."""
+    return (*PARTS, "staging") if any(p.breakdown.get("staging") for p in plan.plans) else PARTS
 
 
 _UNIT = {"GiB": GiB, "MiB": 2**20}
@@ -48,7 +53,8 @@ def describe(plan: Plan) -> str:
     lines.append("")
     nodes = plan.nodes > 1
     w = max([30] + [len(p.name) for p in plan.plans])
-    head = (f"{'plan':{w + 1}s} {'fits':>4s} {'peak':>6s} " + " ".join(f"{_HEAD[p]:>6s}" for p in PARTS)
+    parts = _parts(plan)
+    head = (f"{'plan':{w + 1}s} {'fits':>4s} {'peak':>6s} " + " ".join(f"{_HEAD[p]:>6s}" for p in parts)
             + f" {'host':>6s} {'max batch':>9s} {'step':>6s}"
             + (f" {'intra':>6s} {'inter':>6s}" if nodes else ""))
     lines += [head, "-" * len(head)]
@@ -57,7 +63,7 @@ def describe(plan: Plan) -> str:
         sent = f" {_g(p.comm.intra_bytes, u):>6s} {_g(p.comm.inter_bytes, u):>6s}" if nodes and p.comm else ""
         lines.append(
             f"{mark}{p.name:{w}s} {'yes' if p.fits else 'no':>4s} {_g(p.peak, u):>6s} "
-            + " ".join(f"{_g(p.breakdown.get(k, 0.0), u):>6s}" for k in PARTS)
+            + " ".join(f"{_g(p.breakdown.get(k, 0.0), u):>6s}" for k in parts)
             + f" {_g(p.host, u):>6s} {p.max_batch:>9d} "
             + (f"{p.relative_time:>5.2f}x" if p.fits else f"{'-':>6s}")  # a time only where it runs
             + sent
@@ -75,7 +81,7 @@ def describe(plan: Plan) -> str:
     lines.append(("best: " if plan.best is not None else "") + plan.why)
     if plan.load is not None:
         ld = plan.load
-        plain = [p for p in plan.plans if p.candidate in ld.init and not p.candidate.activation_checkpointing]
+        plain = [p for p in plan.plans if p.candidate in ld.init and not p.candidate.checkpointed]
         each = ", ".join(f"{p.name} {_g(ld.init[p.candidate], u)} / {_g(ld.load[p.candidate], u)}"
                          for p in plain)
         lines.append(f"host memory per process to build the model: {_g(ld.whole, u)} {u} built whole on "
@@ -99,7 +105,7 @@ def _hybrid_lines(plan: Plan, u: str) -> list[str]:
              f"{hw.inter_node / 1e9:g} GB/s per process)"]
     for p in plan.plans:
         c = p.candidate
-        if c.shard_group_size is None or c.offload_spec.any or c.activation_checkpointing:
+        if c.shard_group_size is None or c.offload_spec.any or c.checkpointed:
             continue
         full = plan.find(c.strategy)
         if full.comm is None or p.comm is None:
@@ -129,7 +135,7 @@ def plot(plan: Plan, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(plan.plans)), 5))
     names = [p.name.replace(" + ", "\n+ ") for p in plan.plans]
     bottom = [0.0] * len(plan.plans)
-    for part in PARTS:
+    for part in _parts(plan):
         values = [p.breakdown.get(part, 0.0) / _UNIT[_unit(plan)] for p in plan.plans]
         ax.bar(names, values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -149,8 +155,7 @@ def plot(plan: Plan, path: str | Path) -> None:
 
 def write_config(plan: Plan, path: str | Path, chosen: StrategyPlan | None = None) -> None:
     """The chosen plan as a shardwise YAML `shardwise launch` reads (refuses if nothing fits)."""
-    from ..config import make_config
-    from ..config_io import write_yaml
+    from ..config_io import make_config, write_yaml
 
     if chosen is None:  # the global-batch suggestion when asked for one, else the best plan
         chosen = plan.global_batch.plan if plan.global_batch is not None else plan.best

@@ -11,14 +11,14 @@ from typing import Any, Literal
 import torch
 
 from ..config import PRECISIONS, plan_choices, strategy_spec
+from .candidate import Candidate, check_checkpointing
 from .fit import Hardware, Overheads
 from .presets import PlanError
-from .trace import Candidate
 
 
 def _candidates() -> tuple[Candidate, ...]:
     """Every (strategy, offload) pair the strategy table allows on the torch backend, without and
-    then with activation checkpointing, the simpler first (a tie in step time goes to the first):
+    then with (full) activation checkpointing, the simpler first (a tie in step time goes to the first):
     nothing offloaded, then the optimizer, then the parameters on the host, each by ZeRO stage;
     with the optimizer on the host, the plans that keep whole gradients on the device (zero1)
     come after those that shard them: the same host traffic for more device memory."""
@@ -30,7 +30,7 @@ def _candidates() -> tuple[Candidate, ...]:
         return off.optimizer_on_host, off.params_on_host, whole_grads, spec.stage
 
     choices = sorted(plan_choices("torch"), key=simpler)
-    return tuple(Candidate(s, o, ac) for ac in (False, True) for s, o in choices)
+    return tuple(Candidate(s, o, ac) for ac in ("none", "full") for s, o in choices)
 
 
 CANDIDATES: tuple[Candidate, ...] = _candidates()
@@ -76,8 +76,15 @@ class PlanRequest:
     """host memory of the machine; plans whose host memory (all processes) exceeds it do not fit"""
     candidates: Sequence[Candidate] | None = None
     """the configurations to compare (None: `CANDIDATES`, every one the strategy table allows)"""
-    activation_checkpointing: bool | None = None
-    """None: plans with and without it; True/False: only that way"""
+    activation_checkpointing: str | bool | None = None
+    """None: plans without and with (full) checkpointing; a mode (none, full, selective, offload):
+    only that way, every strategy of `CANDIDATES` planned with it (or, when `candidates` are
+    named, those with that mode); True/False: full/none"""
+    activation_checkpointing_every: int | None = None
+    """with activation_checkpointing="selective": every k-th block checkpointed in full instead"""
+    checkpoint_async: bool = False
+    """count the host copy of the state that a checkpoint written in the background holds
+    (`checkpoint_async`): host memory on cuda, part of the peak on cpu"""
     global_batch: int | None = None
     """suggest per-device batch x accumulation steps that reach this global batch"""
     overheads: Overheads | None = None
@@ -109,9 +116,14 @@ class PlanRequest:
         """The candidates to trace: those asked for, with activation checkpointing as asked; on
         more than one node (and when none were named) each sharding one also hybrid, its group
         one node, listed right after its full-sharding twin."""
-        base = [c for c in (self.candidates or CANDIDATES)
-                if self.activation_checkpointing is None
-                or c.activation_checkpointing == self.activation_checkpointing]
+        mode, every = self.checkpointing
+        if mode is None:
+            base = list(self.candidates or CANDIDATES)
+        elif self.candidates is not None:
+            base = [c for c in self.candidates if c.activation_checkpointing == mode]
+        else:  # every plan without checkpointing, planned with this mode
+            base = [replace(c, activation_checkpointing=mode, activation_checkpointing_every=every)
+                    for c in CANDIDATES if not c.checkpointed]
         if self.candidates is not None or self.nodes <= 1:
             return base
         out: list[Candidate] = []
@@ -121,8 +133,19 @@ class PlanRequest:
                 out.append(replace(c, shard_group_size=self.gpus_per_node))
         return out
 
+    @property
+    def checkpointing(self) -> tuple[str | None, int | None]:
+        """The activation-checkpointing mode asked for (None: both none and full) and its `every`."""
+        ac = self.activation_checkpointing
+        if isinstance(ac, bool):
+            ac = "full" if ac else "none"
+        return ac, self.activation_checkpointing_every
+
     def check(self) -> None:
         """Refuse a bad value in one line, before anything is traced."""
+        mode, every = self.checkpointing
+        if mode is not None or every is not None:
+            check_checkpointing("none" if mode is None else mode, every)
         world, batch, gb = self.world_size, self.per_device_batch, self.global_batch
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise PlanError(f"--gpus {world!r}: plan for at least 1 device")

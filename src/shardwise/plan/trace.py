@@ -42,6 +42,11 @@ host (`offload="params"`, FSDP2's CPUOffloadPolicy) also keep the parameter shar
 shards there, while gathered parameters, activations and buffers are on the device. Not seen by
 the trace on CPU: the device copies of parameter shards that FSDP2 makes before each all-gather
 under parameter offload (one unit's shard at a time), and the workspaces of CUDA libraries.
+Activation checkpointing runs as it runs for real (full and selective recompute in backward,
+so the trace sees what they keep and what they recompute, FLOPs included); for a CUDA target,
+`activation_checkpointing: offload` is traced with the host copies a GPU makes of every saved
+activation (`_copy_offloaded`): host memory, not device memory. On a CPU target the saved
+activations already are host memory and nothing is copied.
 """
 
 from __future__ import annotations
@@ -54,8 +59,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..config import OffloadSpec, StrategySpec, offload_spec, strategy_spec
+from ..config import OffloadSpec
 from ..internals import is_sharded, local_tensor
+from .candidate import Candidate
 from .counter import (
     ROLES,
     SegmentPeak,
@@ -73,46 +79,15 @@ from .fakes import (
     no_ddp_shape_check,
     patched,
     real_mesh_slices,
+    storage_key,
     tree_leaves,
+    unpacked_sequences,
 )
 
 __all__ = ["ROLES", "Candidate", "SegmentPeak", "TraceJob", "TraceResult", "default_loss", "run_trace"]
 # fp16 is traced as bf16: the same bytes, without a loss scaler (its few scalars are not worth a
 # path of their own). A lookup, not a rule: config has no precision table to ask yet.
 _TRACED_AS = {"fp16": "bf16"}
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One configuration the planner compares."""
-
-    strategy: str
-    offload: str = "none"
-    activation_checkpointing: bool = False
-    shard_group_size: int | None = None
-    """hybrid sharding: processes per sharding group (None: all processes, full sharding)"""
-
-    @property
-    def strategy_spec(self) -> StrategySpec:
-        """What the strategy shards (`config.STRATEGY_TABLE`)."""
-        return strategy_spec(self.strategy)
-
-    @property
-    def offload_spec(self) -> OffloadSpec:
-        """What the offload setting keeps on the host (`config.OFFLOAD_TABLE`)."""
-        return offload_spec(self.offload)
-
-    @property
-    def name(self) -> str:
-        """How the plan table names it, e.g. "zero3 + offload params + AC", "zero2 hybrid 8"."""
-        off = f" + offload {self.offload}" if self.offload_spec.any else ""
-        hybrid = f" hybrid {self.shard_group_size}" if self.shard_group_size is not None else ""
-        return f"{self.strategy}{hybrid}{off}{' + AC' if self.activation_checkpointing else ''}"
-
-    def sharding_group(self, world_size: int) -> int:
-        """Processes that share the sharded state among themselves: its group under hybrid
-        sharding (every rank holds 1/G of it), else all `world_size`."""
-        return world_size if self.shard_group_size is None else self.shard_group_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +102,7 @@ class TraceResult:
     offload_bytes: float  # host<->device copies one step needs under offload (per rank)
     host_optimizer_numel: float  # elements the host optimizer steps (offload), per rank
     parameters: float  # parameters of the traced (possibly cut) model
+    staging: float = 0.0  # bytes a checkpoint copies to host memory (checkpoint_async), per rank
 
 
 
@@ -208,6 +184,9 @@ class TraceJob:
     wrap: tuple[Any, ...] = ()
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     count_flops: bool = False
+    target: str = "cpu"
+    """the device planned for: on "cuda", activations offloaded by `activation_checkpointing:
+    offload` are copied to the host as a CUDA run copies them (on CPU they stay where they are)"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,13 +221,31 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
         stepped = _train(job, session, prepared, counter)
         for h in handles:
             h.remove()
-    return _results(job, counter, prepared, stepped)
+        staging = _checkpoint_bytes(session, prepared)  # (after the log's last mark: not in the peaks)
+    return _results(job, counter, prepared, stepped, staging)
+
+
+def _checkpoint_bytes(session: Any, prep: _Prepared) -> float:
+    """Bytes of the state a checkpoint of this rank holds: the local tensors of the state dict
+    `checkpoint.save` builds (the strategy's model state and the runner's checkpoint state, which
+    for zero1 is gathered whole), each storage once; what `checkpoint_async` copies to the host."""
+    state = [session.strategy.model_state(prep.model), prep.optimizer.runner.checkpoint_state(prep.model)]
+    seen: set[int] = set()
+    total = 0
+    for t in tree_leaves(state):
+        if isinstance(t, torch.Tensor):
+            local = local_tensor(t)
+            key = storage_key(local.untyped_storage())
+            if key not in seen:
+                seen.add(key)
+                total += local.untyped_storage().nbytes()
+    return float(total)
 
 
 def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.ExitStack) -> Any:
     """Step 1: the `Session` that `Engine.prepare` builds, on a fake world of `job.world_size`
     ranks (made outside the fake mode), then the fake mode and the patches the trace runs under."""
-    from ..config import make_config
+    from ..config_io import make_config
     from ..dist import init_distributed
     from ..session import Session
     from ..strategies import make_strategy
@@ -256,7 +253,9 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
     cand = job.candidate
     cfg = make_config(strategy=cand.strategy, offload=cand.offload, cpu=True,
                       precision=_TRACED_AS.get(job.precision, job.precision),
-                      activation_checkpointing=cand.activation_checkpointing, wrap=tuple(job.wrap),
+                      activation_checkpointing=cand.activation_checkpointing,
+                      activation_checkpointing_every=cand.activation_checkpointing_every,
+                      wrap=tuple(job.wrap),
                       grad_accum_steps=job.grad_accum_steps, shard_group_size=cand.shard_group_size)
     stack.enter_context(kept_rng())
     stack.enter_context(fake_world(job.world_size))
@@ -265,7 +264,31 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
     stack.enter_context(patched(torch.UntypedStorage, "resize_", resize_seen(counter)))
     stack.enter_context(no_ddp_shape_check())
     stack.enter_context(real_mesh_slices())
+    stack.enter_context(unpacked_sequences())
+    if job.target == "cuda" and cand.activation_checkpointing == "offload":
+        _copy_offloaded(counter, stack)
     return session
+
+
+def _copy_offloaded(counter: StorageCounter, stack: contextlib.ExitStack) -> None:
+    """Offloaded activations as a CUDA run keeps them: each saved tensor (the block's parameters
+    aside) gets a host copy, counted as host memory until backward releases it, and comes back
+    as a new device tensor when backward unpacks it; the device original dies with its last
+    other reference, as it does on a GPU."""
+    from ..strategies import blocks
+
+    def to_device(packed: Any, pin: bool) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed  # what `to_host` kept where it was (host tensors)
+        return cast(torch.Tensor, packed[1].clone())
+
+    def to_host(t: torch.Tensor, pin: bool) -> Any:
+        host = t.clone()
+        counter.host_copies.add(counter.see(host))
+        return (t.device, host)
+
+    stack.enter_context(patched(blocks, "to_host", to_host))
+    stack.enter_context(patched(blocks, "to_device", to_device))
 
 
 def _prepare(job: TraceJob, session: Any, counter: StorageCounter, stack: contextlib.ExitStack) -> _Prepared:
@@ -380,9 +403,11 @@ class _Placement:
 
     def host_of(self, serial: int) -> bool:
         """A CUDA run keeps this storage in host memory."""
+        s = self.source(serial)
+        if s in self.counter.host_copies:
+            return True  # an activation offloaded by activation checkpointing
         if not self.off.any:
             return False
-        s = self.source(serial)
         role = self.counter.role.get(s)
         if role is None and self.counter.born.get(s) == "opt":
             return True  # the host optimizer step's temporaries
@@ -411,7 +436,8 @@ def _offload_traffic(cand: Candidate, prep: _Prepared, world_size: int) -> tuple
     return copies * sum(n * size for n, size in shares), sum(n for n, _ in shares)
 
 
-def _results(job: TraceJob, counter: StorageCounter, prep: _Prepared, st: _Stepped) -> dict[int, TraceResult]:
+def _results(job: TraceJob, counter: StorageCounter, prep: _Prepared, st: _Stepped,
+             staging: float) -> dict[int, TraceResult]:
     """Step 6: replay each step's view of the log into peaks per segment, one result per batch."""
     cand = job.candidate
     place = _Placement(counter, cand.offload_spec, prep.sharded_ids)
@@ -425,6 +451,7 @@ def _results(job: TraceJob, counter: StorageCounter, prep: _Prepared, st: _Stepp
         results[job.batches[i]] = TraceResult(
             total=total, device=device, host=host, comm_bytes=st.comm[i], flops=st.flops[i],
             offload_bytes=offload_bytes, host_optimizer_numel=host_numel, parameters=float(prep.parameters),
+            staging=staging,
         )
     return results
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..config import ConfigError
+from ..internals import view_base
 
 
 def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Module]:
@@ -59,28 +60,135 @@ def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Mo
     return stacked
 
 
-_CHECKPOINTED = "_shardwise_checkpointed"  # set on a block whose forward is already wrapped
+_CHECKPOINTED = "_shardwise_checkpointed"  # the mode of a block whose forward is already wrapped
+MODES = ("full", "selective", "offload")
 
 
-def apply_activation_checkpointing(blocks: Sequence[nn.Module]) -> None:
-    """Recompute each block's forward during backward instead of keeping its activations.
+def _saved_ops() -> list[Any]:
+    """The operators whose outputs selective checkpointing keeps: matrix products and attention
+    (expensive to recompute, and their outputs are small next to what surrounds them). These
+    are the ops blocks dispatch after autograd's decompositions (`nn.Linear` and `transformers`'
+    Conv1D: addmm/mm; attention: bmm/baddbmm or one fused scaled-dot-product op per device)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention")
+    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+def _selective_context() -> Any:
+    """torch's selective checkpointing: the `_saved_ops` outputs MUST_SAVE, the rest recomputed."""
+    return create_selective_checkpoint_contexts(_saved_ops())
+
+
+def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str = "full", *,
+                                   every: int | None = None) -> None:
+    """Trade compute (or host memory) for the activations each block keeps for backward.
+
+    - `full`: the block keeps its inputs only and recomputes its forward during backward
+      (non-reentrant `torch.utils.checkpoint`).
+    - `selective`: torch's selective checkpointing keeps the outputs of matrix products and
+      attention (`_saved_ops`) and recomputes the rest; with `every=k`, instead, blocks
+      0, k, 2k, ... are checkpointed in full and the others keep everything.
+    - `offload`: nothing is recomputed; every tensor the block saves for backward, except its
+      own parameters and buffers, goes to host memory (pinned where CUDA is available) and is
+      copied back when backward needs it (`OffloadActivations`).
 
     The block's own `forward` is wrapped (its module tree and parameter names are unchanged),
     so under FSDP the recompute runs while the unit's parameters are gathered for backward.
+    Applying the same mode again changes nothing; another mode on a wrapped block is refused.
     """
+    if mode not in MODES:
+        raise ConfigError(f"activation_checkpointing={mode!r} is not a mode; choose one of: "
+                          + ", ".join(MODES))
+    if every is not None and (mode != "selective" or isinstance(every, bool) or every < 1):
+        raise ConfigError(f"activation_checkpointing_every={every!r} needs activation_checkpointing="
+                          "'selective' and an integer >= 1")
     if not blocks:
         raise ConfigError(
-            "activation_checkpointing=True found no blocks to checkpoint; name them with wrap=(...)"
+            f"activation_checkpointing={mode!r} found no blocks to checkpoint; name them with wrap=(...)"
         )
-    for block in blocks:
-        if getattr(block, _CHECKPOINTED, False):
+    for j, block in enumerate(blocks):
+        done = getattr(block, _CHECKPOINTED, None)
+        if done:
+            if done != mode:
+                raise ConfigError(f"{type(block).__name__} is already checkpointed as {done!r}; "
+                                  f"activation_checkpointing={mode!r} cannot wrap it again")
             continue
-        forward = block.forward
+        if every is not None and j % every:
+            continue  # selective by layer: this block keeps all its activations
+        wrap = _offloaded if mode == "offload" else _checkpointed
+        context = _selective_context if mode == "selective" and every is None else None
+        block.forward = wrap(block, block.forward, context)
+        setattr(block, _CHECKPOINTED, mode)
 
-        def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return _forward(*args, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
-        block.forward = checkpointed
-        setattr(block, _CHECKPOINTED, True)
+def _checkpointed(block: nn.Module, forward: Callable[..., Any], context: Callable[[], Any] | None) -> Any:
+    """`forward` under one non-reentrant `torch.utils.checkpoint` (selective with `context`);
+    kept this simple so that `torch.compile` traces it whole."""
+    kw: dict[str, Any] = {} if context is None else {"context_fn": context}
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kw, **kwargs)
+
+    return checkpointed
+
+
+def _offloaded(block: nn.Module, forward: Callable[..., Any], _context: Any) -> Any:
+    """`forward` with the tensors it saves for backward kept in host memory."""
+
+    def offloaded(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with OffloadActivations(block):
+            return forward(*args, **kwargs)
+
+    return offloaded
+
+
+def to_host(t: torch.Tensor, pin: bool) -> Any:
+    """A saved device tensor's host copy (pinned: the copy is asynchronous on the stream, which
+    orders it before any reuse of the device memory); a host tensor stays as it is."""
+    if t.device.type == "cpu":
+        return t
+    if not pin or t.layout != torch.strided:
+        return (t.device, t.to("cpu"))
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return (t.device, host)
+
+
+def to_device(packed: Any, pin: bool) -> torch.Tensor:
+    """The tensor `to_host` packed, back on its device for backward."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, host = packed
+    return cast(torch.Tensor, host.to(device, non_blocking=pin))
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """`torch.autograd.graph.save_on_cpu` for one block, except for the block's own parameters
+    and buffers: those stay where they are. Copying a gathered FSDP parameter to the host would
+    hold a host copy of every block's full weights (the sharding undone) and a second device
+    copy in backward, while FSDP gathers it again for backward anyway.
+
+    `pin_memory` defaults to whether CUDA is available (pinned copies are asynchronous). The
+    copies go through the module-level `to_host`/`to_device`, which the planner's trace replaces
+    to count them as host memory."""
+
+    def __init__(self, block: nn.Module, pin_memory: bool | None = None) -> None:
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # the block's tensors as its forward sees them (FSDP2 swaps in the gathered parameters)
+        own = {id(t) for t in (*block.parameters(), *block.buffers())}
+
+        def pack(t: torch.Tensor) -> Any:
+            if id(t) in own or id(view_base(t)) in own:
+                return t
+            return to_host(t, pin)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return to_device(packed, pin)
+
+        super().__init__(pack, unpack)
