@@ -8,8 +8,9 @@ async        the training stall of one `save_state` (model + AdamW state, zero3)
              whole save) against `checkpoint_async: true` (staging to host memory; the write goes on
              in the background), and how much slower the steps taken during the background write are.
              Goal: the asynchronous stall at most 15% of the synchronous save.
-ac           activation_checkpointing none / full / selective / offload (zero3): peak live tensor
-             bytes per process over a step (a dispatch-mode counter) and the median step time.
+ac           activation_checkpointing none / full / selective / offload (zero3): the bytes a forward
+             leaves alive for backward, the peak per process over forward and backward (the state
+             held plus a dispatch-mode count of what the step allocates) and the median step time.
              On a CPU machine offload copies host memory to host memory: it saves nothing here; the
              device memory it frees shows on a GPU (benchmarks/gpu_session.sh).
 
@@ -20,6 +21,7 @@ Writes benchmarks/results/speed_features-<hardware>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import shutil
 import statistics
@@ -186,32 +188,44 @@ def part_async(size: dict[str, int], args: argparse.Namespace, say: Say) -> dict
     return out
 
 
+def _measured_step(run: Run) -> tuple[float, float]:
+    """One step with its memory measured: the bytes the forward leaves alive for backward (the
+    saved activations, the loss, the logits) and the peak from the forward's start to the end of
+    backward, both above what the process held before it (the optimizer step's own transient
+    peak, the same for every mode, is left out). A dispatch-mode counter on CPU; the CUDA
+    allocator's statistics on a GPU."""
+    ids = run.batches[run.done % len(run.batches)]
+    cuda = torch.cuda.is_available()
+    live = LiveBytes()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with contextlib.nullcontext() if cuda else live:
+        loss = lm_loss(run.model, ids)
+        kept = (torch.cuda.memory_allocated() - base) if cuda else live.now
+        run.engine.backward(loss)
+        peak = (torch.cuda.max_memory_allocated() - base) if cuda else live.peak
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    run.done += 1
+    return kept, peak
+
+
 def part_ac(size: dict[str, int], args: argparse.Namespace, say: Say) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for mode in ("none", "full", "selective", "offload"):
         run = Run(size, args.seq, args.batch, strategy="zero3", activation_checkpointing=mode)
         run.step()  # AdamW's state exists from here on
         times = run.steps(args.steps)
-        # the state held between steps, then the most the step allocates on top of it (on a GPU:
-        # the allocator's peak, which counts both)
-        before = run.engine.memory_report().total
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            run.step()
-            above = torch.cuda.max_memory_allocated() - base
-        else:
-            live = LiveBytes()
-            with live:
-                run.step()
-            above = live.peak
+        state = run.engine.memory_report().total  # what the process holds between steps
+        kept, peak = _measured_step(run)
         rows[mode] = {"median_step_s": round(_median(times), 3),
-                      "peak_mib": round((before + above) / 2**20, 1),
-                      "step_peak_above_state_mib": round(above / 2**20, 1)}
-        say(f"ac     {mode:9s} {rows[mode]['median_step_s']:.3f} s/step, peak "
-            f"{rows[mode]['peak_mib']:.1f} MiB per process "
-            f"({rows[mode]['step_peak_above_state_mib']:.1f} MiB above the state)")
+                      "kept_for_backward_mib": round(kept / 2**20, 1),
+                      "peak_mib": round((state + peak) / 2**20, 1)}
+        say(f"ac     {mode:9s} {rows[mode]['median_step_s']:.3f} s/step, forward leaves "
+            f"{rows[mode]['kept_for_backward_mib']:.1f} MiB for backward, peak (forward + backward) "
+            f"{rows[mode]['peak_mib']:.1f} MiB per process")
         del run
     return rows
 
