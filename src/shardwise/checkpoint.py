@@ -302,8 +302,10 @@ def _snapshot(parts: Parts, *, copy: bool) -> _Snapshot:
     """The state to write, now. `copy`: into fresh host memory (`checkpoint_async.stage`), the
     loop state and the models' entries too, so training may go on while it is written."""
     state = _dcp_state(parts)  # (zero1: gathers its optimizer state, a collective)
-    configs = [hf_config_json(module) for module in parts.unwrapped]
-    models = [_model_meta(m, state[f"model{i}"]) for i, m in enumerate(parts.unwrapped)]
+    # meta.json's model entries and config.json texts: process 0 alone writes them (`_finish`)
+    mine = parts.unwrapped if parts.rank == 0 else []
+    configs = [hf_config_json(module) for module in mine]
+    models = [_model_meta(m, state[f"model{i}"]) for i, m in enumerate(mine)]
     if not copy:
         return _Snapshot(state, _rng_state(), parts.loop_state, models, configs)
     staged, nbytes = checkpoint_async.stage(state, checkpoint_async.WRITER.pool)
