@@ -26,7 +26,6 @@ import workloads as W
 from safetensors import safe_open
 from spawn import spawn
 from torch import nn
-from torch.utils.data import DataLoader
 
 import shardwise
 from shardwise.config import ConfigError, EngineConfig
@@ -54,22 +53,11 @@ def _train(engine_kw: dict[str, Any], folder: Path | None) -> dict[str, Any]:
     checkpoint and save_model of the result."""
     torch.compiler.reset()  # each case compiles afresh (dynamo's cache is per code object)
     engine = shardwise.Engine(cpu=True, seed=W.SEED, grad_accum_steps=RUN["accum"], **engine_kw)
-    model = W.build("tiny")
-    opt = W.make_optimizer(model)
-    data = W.Tokens(engine.num_processes * RUN["batch"] * RUN["accum"] * RUN["steps"])
-    model, opt, loader = engine.prepare(model, opt, DataLoader(data, batch_size=RUN["batch"], shuffle=True))
-    losses, graphs, start = [], [], dynamo_graphs()
-    for ids in loader:
-        with engine.accumulate(model):
-            loss = W.lm_loss(model, ids)
-            engine.backward(loss)
-            losses.append(engine.reduce(loss.detach(), "mean").item())
-            if engine.sync_gradients:
-                engine.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            if engine.sync_gradients:
-                graphs.append(dynamo_graphs() - start)  # dynamo's own count, not compile_stats
+    model, opt, loader = W.prepared(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])
+    graphs: list[int] = []
+    start = dynamo_graphs()  # dynamo's own count, not compile_stats
+    trained = W.train(engine, model, opt, loader, at_step=lambda: graphs.append(dynamo_graphs() - start))
+    losses = trained["losses"]
     out = {"losses": losses, "graphs": graphs, "state": engine.get_state_dict(model),
            "keys": sorted(engine.unwrap_model(model).state_dict()),
            "names": sorted(n for n, _ in model.named_parameters())}

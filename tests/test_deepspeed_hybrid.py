@@ -88,30 +88,18 @@ def _hpz_run(ds_json: str) -> dict:
     """W.run_loop's loop under backend='deepspeed' with the JSON's hpZ; plus each parameter's
     primary and secondary partition sizes on this rank (after prepare)."""
     import workloads as W
-    from torch.utils.data import DataLoader
 
     import shardwise
     from shardwise.strategies.deepspeed_internals import partition_numels
 
     engine = shardwise.Engine(backend="deepspeed", strategy="zero3", cpu=True, seed=W.SEED,
                               grad_accum_steps=RUN["accum"], deepspeed_config=ds_json)
-    model = W.build("tiny")
-    full = {n: p.numel() for n, p in model.named_parameters()}
-    opt = W.make_optimizer(model)
-    data = W.Tokens(engine.num_processes * RUN["batch"] * RUN["accum"] * RUN["steps"])
-    model, opt, loader = engine.prepare(model, opt, DataLoader(data, batch_size=RUN["batch"], shuffle=True))
+    full = {n: p.numel() for n, p in W.build("tiny").named_parameters()}
+    model, opt, loader = W.prepared(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])
     # DeepSpeed drops the secondary copy after each step and rebuilds it at the next gather: read at rest
     parts = {n: (full[n], *partition_numels(p)) for n, p in engine.unwrap_model(model).named_parameters()}
-    losses, norms = [], []
-    for ids in loader:
-        with engine.accumulate(model):
-            loss = W.lm_loss(model, ids)
-            engine.backward(loss)
-            losses.append(engine.reduce(loss.detach(), "mean").item())
-            if engine.sync_gradients:
-                norms.append(float(engine.clip_grad_norm_(model.parameters(), RUN["clip"])))
-            opt.step()
-            opt.zero_grad()
+    trained = W.train(engine, model, opt, loader, clip=RUN["clip"])
+    losses, norms = trained["losses"], trained["norms"]
     return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "parts": parts}
 
 

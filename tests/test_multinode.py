@@ -64,22 +64,8 @@ def _train(out: Path) -> None:
     import shardwise
 
     engine = shardwise.Engine()
-    accum = engine.config.grad_accum_steps
-    model = W.build("tiny")
-    opt = W.make_optimizer(model)
-    data = W.Tokens(engine.num_processes * RUN["batch"] * accum * RUN["steps"])
-    loader = torch.utils.data.DataLoader(data, batch_size=RUN["batch"], shuffle=True)
-    model, opt, loader = engine.prepare(model, opt, loader)
-    losses = []
-    for ids in loader:
-        with engine.accumulate(model):
-            loss = W.lm_loss(model, ids)
-            engine.backward(loss)
-            losses.append(engine.reduce(loss.detach(), "mean").item())
-            if engine.sync_gradients:
-                engine.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+    model, opt, loader = W.prepared(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])
+    losses = W.train(engine, model, opt, loader)["losses"]
     result = {
         "rank": dist.get_rank(), "world": engine.num_processes, "node": int(os.environ[NODE_TAG]),
         "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "groups": _groups(model),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,12 +153,24 @@ def train_engine(
 
 def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: Clip = 1.0) -> dict[str, Any]:
     """The training loop of `train_engine`, on an engine configured elsewhere (a config file)."""
+    model, opt, loader = prepared(engine, name, batch=batch, steps=steps)
+    return {**train(engine, model, opt, loader, clip=clip), "state": engine.get_state_dict(model)}
+
+
+def prepared(engine: Any, name: str, *, batch: int, steps: int) -> tuple[Any, Any, Any]:
+    """`name`, its AdamW and a shuffled loader of `steps` optimizer steps, prepared on `engine`."""
     accum = engine.config.grad_accum_steps
     model = build(name)
     opt = make_optimizer(model)
     data = Tokens(engine.num_processes * batch * accum * steps)
-    loader = DataLoader(data, batch_size=batch, shuffle=True)
-    model, opt, loader = engine.prepare(model, opt, loader)
+    return engine.prepare(model, opt, DataLoader(data, batch_size=batch, shuffle=True))
+
+
+def train(engine: Any, model: Any, opt: Any, loader: Any, *, clip: Clip = 1.0,
+          at_step: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One pass over `loader` with the Engine's verbs: losses (averaged over processes), the
+    clipped norms, the memory report after the last step; `at_step()` after each optimizer step."""
+    accum = engine.config.grad_accum_steps
     losses, norms, memory = [], [], None
     for i, ids in enumerate(loader):
         with engine.accumulate(model):
@@ -171,7 +184,9 @@ def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: Clip = 1.0
             if i == len(loader) - 1:
                 memory = engine.memory_report()  # after the last step, gradients still held
             opt.zero_grad()
-    return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "memory": memory}
+            if at_step is not None and engine.sync_gradients:
+                at_step()
+    return {"losses": losses, "norms": norms, "memory": memory}
 
 
 def one_step(engine: Any, name: str) -> tuple[Any, Any]:
