@@ -20,7 +20,6 @@ import pytest
 import torch
 import workloads as W
 from spawn import spawn
-from torch.utils.data import DataLoader
 
 N = 24  # samples: 6 global batches of 4 per epoch, so step 4 is mid-epoch and step 8 in epoch 1
 G = 4
@@ -28,34 +27,20 @@ G = 4
 
 def _train(engine: Any, steps: int, *, load: str | None = None, save: str | None = None,
            noise: bool = False, name: str = "tiny", save_every: int = 0) -> dict[str, Any]:
-    model = W.build(name)
-    opt = W.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    loader = DataLoader(W.Tokens(N), batch_size=G // engine.num_processes, shuffle=True)
-    model, opt, sched, loader = engine.prepare(model, opt, sched, loader)
-    if load:
-        engine.load_state(load)
-    losses: list[float] = []
-    while len(losses) < steps:
-        for ids in loader:
-            if noise:  # uses every RNG the checkpoint restores
-                import random
+    def with_noise(ids: torch.Tensor) -> torch.Tensor:  # uses every RNG the checkpoint restores
+        import random
 
-                import numpy as np
+        import numpy as np
 
-                keep = torch.rand(ids.shape) > 0.1 * random.random() * float(np.random.rand())
-                ids = torch.where(keep, ids, 0)
-            loss = W.lm_loss(model, ids)
-            engine.backward(loss)
-            engine.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
-            if save_every and len(losses) % save_every == 0:
-                engine.save_state()
-            if len(losses) == steps:
-                break
+        keep = torch.rand(ids.shape) > 0.1 * random.random() * float(np.random.rand())
+        return torch.where(keep, ids, 0)
+
+    def at_step(done: int, model: Any, opt: Any) -> None:
+        if save_every and done % save_every == 0:
+            engine.save_state()
+
+    losses, model, _opt, sched = W.checkpoint_loop(engine, steps, n=N, global_batch=G, name=name, load=load,
+                                                   transform=with_noise if noise else None, at_step=at_step)
     if save:
         engine.save_state(save) if save != "auto" else engine.save_state(keep_last=1)
     return {"losses": losses, "state": engine.get_state_dict(model), "step": engine.step,

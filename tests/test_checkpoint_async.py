@@ -31,7 +31,6 @@ import pytest
 import spawn as S
 import torch
 import workloads as W
-from torch.utils.data import DataLoader
 
 N = 24  # samples: 6 global batches of 4
 
@@ -67,30 +66,18 @@ def _slow_writes(seconds: float, marker: Path | None = None, first_only: bool = 
 
 def _loop(engine: Any, steps: int, *, load: str | None = None, at_step: Any = None,
           pause: float = 0.0) -> dict[str, Any]:
-    """The checkpoint tests' loop (tiny model, AdamW, StepLR, seeded loader); `at_step(step)`
-    after each optimizer step."""
-    model = W.build("tiny")
-    opt = W.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    loader = DataLoader(W.Tokens(N), batch_size=4 // engine.num_processes, shuffle=True)
-    model, opt, sched, loader = engine.prepare(model, opt, sched, loader)
-    if load:
-        engine.load_state(load)
-    losses: list[float] = []
-    while engine.step < steps:
-        for ids in loader:
-            time.sleep(pause)
-            loss = W.lm_loss(model, ids)
-            engine.backward(loss)
-            engine.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
-            if at_step is not None:
-                at_step(engine.step, model, opt)
-            if engine.step == steps:
-                break
+    """`workloads.checkpoint_loop` until optimizer step `steps`: `at_step(engine.step, model, opt)`
+    after each step, `pause` seconds before each batch."""
+    def each(_done: int, model: Any, opt: Any) -> None:
+        if at_step is not None:
+            at_step(engine.step, model, opt)
+
+    def paused(ids: torch.Tensor) -> torch.Tensor:
+        time.sleep(pause)
+        return ids
+
+    losses, model, opt, _sched = W.checkpoint_loop(engine, steps, n=N, global_batch=4, load=load,
+                                                   transform=paused, at_step=each, until_step=True)
     return {"losses": losses, "state": engine.get_state_dict(model), "optim": _local_optim(opt),
             "step": engine.step}
 

@@ -29,7 +29,6 @@ import pytest
 import torch
 import workloads as W
 from spawn import spawn
-from torch.utils.data import DataLoader
 
 N, G = 24, 4  # samples, global batch: 6 steps per epoch; step 4 is mid-epoch
 HYBRID = {"zero3": {"strategy": "zero3", "shard_group_size": 2},
@@ -53,27 +52,9 @@ def _train(settings: dict[str, Any], steps: int, *, load: str | None = None, res
     """`steps` optimizer steps of the tiny model (AdamW, a scheduler, a shuffled loader); after
     `load` the state goes straight back to disk at `resave`; at the end it is saved at `save`."""
     engine = _engine(settings)
-    model = W.build("tiny")
-    opt = W.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    loader = DataLoader(W.Tokens(N), batch_size=G // engine.num_processes, shuffle=True)
-    model, opt, sched, loader = engine.prepare(model, opt, sched, loader)
-    if load:
-        engine.load_state(load)
-        if resave:
-            engine.save_state(resave)
-    losses: list[float] = []
-    while len(losses) < steps:
-        for ids in loader:
-            loss = W.lm_loss(model, ids)
-            engine.backward(loss)
-            engine.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
-            if len(losses) == steps:
-                break
+    losses, model, _opt, _sched = W.checkpoint_loop(
+        engine, steps, n=N, global_batch=G, load=load,
+        after_load=(lambda: engine.save_state(resave)) if resave else None)
     if save:
         engine.save_state(save)
     return {"losses": losses, "state": engine.get_state_dict(model), "step": engine.step}

@@ -189,6 +189,48 @@ def train(engine: Any, model: Any, opt: Any, loader: Any, *, clip: Clip = 1.0,
     return {"losses": losses, "norms": norms, "memory": memory}
 
 
+def checkpoint_loop(engine: Any, steps: int, *, n: int, global_batch: int, name: str = "tiny",
+                    load: str | None = None, after_load: Callable[[], None] | None = None,
+                    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    at_step: Callable[[int, Any, Any], None] | None = None,
+                    until_step: bool = False) -> tuple[list[float], Any, Any, Any]:
+    """The checkpoint tests' loop: `name`, AdamW, a StepLR (gamma 0.9) and a shuffled loader of
+    `n` samples in global batches of `global_batch`, prepared on `engine`; resumed from `load`
+    (then `after_load()`); `steps` optimizer steps (`until_step`: until engine.step is `steps`),
+    clipped at 1.0; `transform(ids)` on each batch; `at_step(steps taken here, model, opt)` after
+    each step. Returns the losses (averaged over processes), the model, optimizer and scheduler."""
+    model = build(name)
+    opt = make_optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    loader = DataLoader(Tokens(n), batch_size=global_batch // engine.num_processes, shuffle=True)
+    model, opt, sched, loader = engine.prepare(model, opt, sched, loader)
+    if load:
+        engine.load_state(load)
+        if after_load is not None:
+            after_load()
+    losses: list[float] = []
+
+    def done() -> bool:
+        return (engine.step if until_step else len(losses)) >= steps
+
+    while not done():
+        for ids in loader:
+            if transform is not None:
+                ids = transform(ids)
+            loss = lm_loss(model, ids)
+            engine.backward(loss)
+            engine.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+            if at_step is not None:
+                at_step(len(losses), model, opt)
+            if done():
+                break
+    return losses, model, opt, sched
+
+
 def one_step(engine: Any, name: str) -> tuple[Any, Any]:
     """Prepare `name` with AdamW and take one optimizer step on 2 samples per process."""
     model = build(name)
