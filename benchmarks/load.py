@@ -11,9 +11,12 @@ Each way runs in its own fresh processes (`torchrun --nproc-per-node 2`), in alt
              sharded (FSDP2) and allocated empty, and every parameter is broadcast from process 0
              whole and cut to each shard (`fsdp2_load_full_state_dict`);
   shardwise  `engine.from_pretrained(GPT2LMHeadModel, path)` + `prepare`: built empty, each
-             process reads its own rows of each tensor.
+             process reads its own rows of each tensor;
+  init       `with engine.init_empty(): model = GPT2LMHeadModel(config)`, `prepare` (the
+             constructor's initialization replayed into the shards), then `engine.load_model`.
 Per process: the high-water mark of resident memory (`VmHWM` in /proc/self/status) minus its
-value just before the model is built, and the seconds until the sharded model is ready. The
+value just before the model is built (and, for the two shardwise ways, just after it is built
+empty), and the seconds until the sharded model is ready. The
 checkpoint is a `save_pretrained` of the model with seeded random weights, made once and cached.
 Also prints the planner's prediction (`shardwise plan`'s "host memory to build and load").
 Writes benchmarks/results/load-<hardware>-<date>.json.
@@ -37,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 SIZES = {"gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20},
          "gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12}}
-WAYS = ["whole", "broadcast", "shardwise"]
+WAYS = ["whole", "broadcast", "shardwise", "init"]
 
 
 def _config(name: str) -> Any:
@@ -75,17 +78,26 @@ def worker(way: str, path: str, report: Path) -> None:
     dist.barrier()
     before = _hwm()
     t0 = time.perf_counter()
+    built = None
     if way == "whole":
         model = engine.prepare(GPT2LMHeadModel.from_pretrained(path))
     elif way == "shardwise":
-        model = engine.prepare(engine.from_pretrained(GPT2LMHeadModel, path))
+        empty = engine.from_pretrained(GPT2LMHeadModel, path)
+        built = _hwm() - before
+        model = engine.prepare(empty)
+    elif way == "init":
+        with engine.init_empty():
+            empty = GPT2LMHeadModel(_config_from(path))
+        built = _hwm() - before
+        model = engine.prepare(empty)
+        engine.load_model(model, path)
     else:
         model = _broadcast_load(engine, path)
     dist.barrier()
     seconds = time.perf_counter() - t0
     params = sum(p.numel() * p.element_size() for p in engine.unwrap_model(model).parameters())
     row = {"way": way, "rank": engine.process_index, "peak_bytes": _hwm() - before, "seconds": seconds,
-           "full_param_bytes": params}
+           "full_param_bytes": params, "built_bytes": built}
     (report / f"rank{engine.process_index}.json").write_text(json.dumps(row))
     engine.end_training()
 
@@ -167,7 +179,9 @@ def main() -> None:
         per_rank = [max(x["peak_bytes"] for x in rows[way] if x["rank"] == k) for k in (0, 1)]
         seconds = sorted(x["seconds"] for x in rows[way])[len(rows[way]) // 2]
         summary[way] = {"peak_gib_per_rank": [round(p / 2**30, 2) for p in per_rank],
-                        "peak_over_full_model": round(peak / full, 2), "median_seconds": round(seconds, 1)}
+                        "peak_over_full_model": round(peak / full, 3), "median_seconds": round(seconds, 1)}
+        if rows[way][0]["built_bytes"] is not None:
+            summary[way]["built_over_full_model"] = round(max(x["built_bytes"] for x in rows[way]) / full, 3)
     summary["ratios"] = {
         "shardwise_peak_over_whole": round(max(summary["shardwise"]["peak_gib_per_rank"])
                                            / max(summary["whole"]["peak_gib_per_rank"]), 2),
@@ -177,8 +191,9 @@ def main() -> None:
     summary["planner"] = _predicted(args.model)
     for way in WAYS:
         s = summary[way]
+        built = f"; built empty: {s['built_over_full_model']}x" if "built_over_full_model" in s else ""
         print(f"{way:10s} peak per rank {s['peak_gib_per_rank']} GiB "
-              f"({s['peak_over_full_model']}x the fp32 model), {s['median_seconds']} s")
+              f"({s['peak_over_full_model']}x the fp32 model{built}), {s['median_seconds']} s")
     print(json.dumps(summary["ratios"]), json.dumps(summary["planner"]))
     from common import write_report
 
@@ -198,7 +213,8 @@ def _predicted(name: str) -> dict[str, float]:
     zero3 = Candidate("zero3")  # what the shardwise way runs
     mem = load_memory(spec, [zero3], world_size=2, device="cpu")
     return {"whole_gib": round(mem.whole / 2**30, 2),
-            "shardwise_zero3_gib": round(mem.load[zero3] / 2**30, 2)}
+            "shardwise_zero3_gib": round(mem.load[zero3] / 2**30, 2),
+            "init_zero3_gib": round(mem.init[zero3] / 2**30, 2)}
 
 
 if __name__ == "__main__":

@@ -4,18 +4,25 @@ Under `init_empty()` a parameter lives on the meta device, so an initializer the
 calls on it (`reset_parameters`, `nn.init.zeros_`, a `transformers` `post_init`) computes
 nothing. A `TorchFunctionMode` watches those calls instead and keeps, per parameter, a recipe:
 
-- its start value: the real tensor the constructor registered (`nn.Parameter(torch.ones(4))`),
-  or none when it came from `torch.empty` (nn.Linear's weight before its reset);
+- its start value: how the tensor the constructor registered was made (`torch.ones(n)`,
+  `torch.randn(n) * 0.02`: the calls, not the values), or none when it came from `torch.empty`
+  (nn.Linear's weight before its reset);
 - the in-place writes to it or to a view of it (`normal_`, `zero_`, `fill_`, `copy_` from a real
   tensor, `mul_`, `p[idx].fill_(0)`, ...), each with the CPU generator state it started from.
 
-The generator is kept in step with a normal build: a random write to a meta tensor is also run
-once on a scratch CPU tensor of the same shape (freed at once), so the draws the constructor
-makes next (a real buffer's, the next layer's) are the ones a normal build makes. At `prepare`
-each parameter is replayed on its own, from its last whole overwrite, with the recorded states:
-bit for bit the value a normal build gives it with the same seed, whatever the process count,
-and no process holds more than one full parameter for it. A write the recipe cannot carry (one
-that reads another meta tensor, as `nn.init.orthogonal_` does) makes the parameter unreplayable;
+Memory: building the model holds no parameter's values. A registered tensor is moved to meta at
+once (the constructor's `torch.empty` was never written, so its pages were never touched); a
+real tensor the recipe needs (a start value, a `copy_` source) is kept as it is up to
+`KEEP_BYTES`, else as the calls that made it inside the block (`Made`, recomputed at
+`prepare`), else, made elsewhere, in a temporary file (`Spilled`). The generator is kept in step
+with a normal build by counting the draws each random write would make and moving the generator
+on by that many in bounded chunks (`shardwise.draws`), so the draws the constructor makes next
+(a real buffer's, the next layer's) are the ones a normal build makes.
+
+At `prepare` each parameter is replayed on its own, from its last whole overwrite, with the
+recorded states: bit for bit the value a normal build gives it with the same seed, whatever the
+process count, and no process holds more than one full parameter for it. A write the recipe
+cannot carry (one that reads another meta tensor) makes the parameter unreplayable;
 `materialize` then refuses it by name, or runs the model's `init_weights()`.
 """
 
@@ -26,17 +33,18 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .internals import no_grad_trunc_normal, tree_map, view_base
+from .draws import Stepper
+from .init_held import SELF, Call, Held, Made, Spilled
+from .internals import no_grad_trunc_normal, storage_ref, tree_map, version_of, view_base
 
 ATTR = "_shardwise_init"  # on a meta parameter made by init_empty(): its InitRecipe
 
-_SELF = object()  # stands for the written tensor in a recorded call's arguments
 _EMPTY_FACTORIES = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 # write every element whatever was there (torch.nn.init's functions, and tensor methods)
 _WHOLE = {
@@ -61,32 +69,17 @@ _METADATA = {"requires_grad_", "share_memory_", "retain_grad_"}  # change no val
 _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
 
 
-@dataclass(slots=True)
-class _Call:
-    func: Callable[..., Any]
-    args: tuple[Any, ...]  # _SELF where the target goes; real tensors cloned
-    kwargs: dict[str, Any]
-    gen_states: dict[int, torch.Tensor] = field(default_factory=dict)  # position of a Generator arg -> state
-
-    def run(self, target: torch.Tensor) -> Any:
-        def sub(a: Any) -> Any:
-            return target if a is _SELF else a
-
-        args = [sub(a) for a in self.args]
-        kwargs = {k: sub(v) for k, v in self.kwargs.items()}
-        for pos, state in self.gen_states.items():  # a generator the call was given: as it was then
-            g = torch.Generator().set_state(state)
-            if pos >= 0:
-                args[pos] = g
-            else:
-                kwargs["generator"] = g
-        return self.func(*args, **kwargs)
+# arguments a recipe of a real tensor keeps as they are (anything else, a numpy array say, may
+# hold the tensor's values: such a tensor is held by value or spilled instead)
+_PLAIN = (int, float, bool, complex, str, type(None), type(...), slice, torch.dtype, torch.device,
+          torch.layout, torch.memory_format, torch.Generator, torch.Size, list, tuple)
+KEEP_BYTES = 1 << 20  # a real tensor a recipe needs is kept by value up to this size
 
 
 @dataclass(slots=True)
 class _Write:
-    view: tuple[_Call, ...]  # how to reach the written part from the parameter; () is all of it
-    call: _Call
+    view: tuple[Call, ...]  # how to reach the written part from the parameter; () is all of it
+    call: Call
     rng: torch.Tensor | None  # the CPU generator state before a call that draws
     whole: bool  # overwrites every element of the parameter
     problem: str | None = None  # why it cannot be replayed
@@ -98,13 +91,13 @@ class InitRecipe:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    start: torch.Tensor | None  # the registered real value; None: uninitialized (torch.empty)
+    start: Held | None  # the registered value, held; None: uninitialized (torch.empty)
     writes: list[_Write] = field(default_factory=list)
 
     def add(self, write: _Write) -> None:
         if write.whole and write.problem is None:
             self.writes.clear()  # earlier writes no longer matter (their draws are recorded in the states)
-            self.start = None  # nor does the start value: let its memory go
+            self.start = None  # nor does the start value: let it go
         self.writes.append(write)
 
     def problem(self) -> str | None:
@@ -116,9 +109,12 @@ class InitRecipe:
             return "nothing in its constructor initializes it (it comes from torch.empty)"
         return None
 
-    def replay(self) -> torch.Tensor:
-        """The parameter's value as a normal build computes it (check `problem()` first)."""
-        value = self.start.clone() if self.start is not None else torch.empty(self.shape, dtype=self.dtype)
+    def replay(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameter's value as a normal build computes it (check `problem()` first), in
+        `into` if given (a contiguous tensor of its shape and dtype: a reused scratch)."""
+        value = into if into is not None else torch.empty(self.shape, dtype=self.dtype)
+        if self.start is not None:
+            value.copy_(self.start if isinstance(self.start, torch.Tensor) else self.start.value())
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             for w in self.writes:
                 if w.rng is not None:
@@ -138,24 +134,108 @@ def _name(func: Callable[..., Any]) -> str:
     return getattr(func, "__name__", "")
 
 
+class _Origin(NamedTuple):
+    """What made the tensor of this layout on a storage, at this count of in-place writes."""
+
+    layout: tuple[Any, ...]  # shape, stride, storage offset, dtype
+    version: int
+    made: Made
+
+
+class _Before(NamedTuple):
+    """Generator states just before a call (to replay it, and to tell whether it drew)."""
+
+    rng: torch.Tensor
+    generators: dict[int, torch.Tensor]
+
+    def drawn(self) -> torch.Tensor | None:
+        """The CPU generator state before the call if the call moved it, else None."""
+        return None if torch.equal(torch.get_rng_state(), self.rng) else self.rng
+
+
+def _before(args: Any, kwargs: Any) -> _Before:
+    return _Before(torch.get_rng_state(), {pos: g.get_state() for pos, g in _generators(args, kwargs)})
+
+
 class Recorder(TorchFunctionMode):
-    """Records, while `init_empty()` is open, what the constructor does to meta parameters."""
+    """Records, while `init_empty()` is open, what the constructor does to meta parameters, and
+    how it makes the real tensors they may start from (see the module doc)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.aliases: dict[int, tuple[torch.Tensor, InitRecipe, tuple[_Call, ...], bool]] = {}
-        self.blank: set[int] = set()  # storages (data pointers) from torch.empty not yet written
+        self.aliases: dict[int, tuple[torch.Tensor, InitRecipe, tuple[Call, ...], bool]] = {}
+        # storage (weakly) -> how the tensors on it were made; entries die with their storage
+        self.origins: dict[Any, list[_Origin]] = {}
+        self.sweep_at = 1024  # prune dead storages when the table grows past this
+        self.stepper = Stepper()
         self.depth = 0  # inside a call being handled: its inner calls are part of it
         self.last_frame: Any = None  # the last torch.nn.init call recorded from its frame
 
     def track(self, param: torch.Tensor, real: torch.Tensor) -> None:
         """A parameter just moved to meta; `real`: the tensor the constructor registered."""
-        start = None if real.numel() and _storage(real) in self.blank else real.detach()
+        made = self.made_of(real)
+        start = None if made is not None and made.call is None else self.hold(real, spill=True)
         recipe = InitRecipe(tuple(param.shape), param.dtype, start)
         setattr(param, ATTR, recipe)
         self.aliases[id(param)] = (param, recipe, (), True)
 
-    def _lookup(self, t: Any) -> tuple[torch.Tensor, InitRecipe, tuple[_Call, ...], bool] | None:
+    # -- real tensors: how they were made ---------------------------------------------------------
+    def made_of(self, t: torch.Tensor) -> Made | None:
+        """How `t`'s current value was made inside the block, if the recorder saw all of it."""
+        ref = _ref(t)
+        if ref is None:
+            return None
+        layout, version = _layout(t), version_of(t)
+        for origin in self.origins.get(ref, ()):
+            if origin.layout == layout and origin.version == version:
+                return origin.made
+        return None
+
+    def hold(self, t: torch.Tensor, *, spill: bool) -> Held | None:
+        """What a recipe keeps of real tensor `t`: a copy if small, else how it was made, else
+        (with `spill`) a temporary file; None: none of these."""
+        if t.numel() * t.element_size() <= KEEP_BYTES:
+            return t.detach().clone()
+        made = self.made_of(t)
+        if made is not None:
+            return made
+        return Spilled(t) if spill else None
+
+    def _remember(self, t: torch.Tensor, made: Made) -> None:
+        ref = _ref(t)
+        if ref is None:
+            return
+        layout, version = _layout(t), version_of(t)
+        kept = [o for o in self.origins.get(ref, ()) if o.version == version and o.layout != layout]
+        self.origins[ref] = [*kept, _Origin(layout, version, made)]
+        if len(self.origins) > self.sweep_at:
+            self.origins = {r: o for r, o in self.origins.items() if not r.expired()}
+            self.sweep_at = max(1024, 2 * len(self.origins))
+
+    def _note(self, func: Callable[..., Any], name: str, args: Any, kwargs: Any, target: Any,
+              prior: Made | None, before: _Before, result: Any) -> None:
+        """After a call on real tensors: remember how its result was made where it may matter
+        (any tensor from torch.empty; in-place writes to one already known; large new ones)."""
+        if not isinstance(result, torch.Tensor) or _ref(result) is None:
+            return
+        shape, dtype = tuple(result.shape), result.dtype
+        if name in _EMPTY_FACTORIES:
+            self._remember(result, Made(None, None, shape, dtype))
+        elif prior is not None:  # an in-place write to a tensor whose making is known
+            if result is not target or (prior.call is None and name not in _WHOLE):
+                return  # (a partial write to torch.empty's memory reads what was there)
+            call = self._capture(func, args, kwargs, target, spill=False)
+            if call is not None:
+                call.gen_states = before.generators
+                self._remember(target, Made(call, before.drawn(), shape, dtype, into=prior))
+        elif result.numel() * result.element_size() > KEEP_BYTES and not any(result is a for a in args):
+            call = self._capture(func, args, kwargs, None, spill=False)
+            if call is not None:
+                call.gen_states = before.generators
+                self._remember(result, Made(call, before.drawn(), shape, dtype))
+
+    # -- the mode ----------------------------------------------------------------------------------
+    def _lookup(self, t: Any) -> tuple[torch.Tensor, InitRecipe, tuple[Call, ...], bool] | None:
         if not isinstance(t, torch.Tensor) or not t.is_meta:
             return None
         hit = self.aliases.get(id(t))
@@ -189,18 +269,24 @@ class Recorder(TorchFunctionMode):
         ) and name not in _METADATA
         if written is None and inplace:
             written = self._lookup(target)
-        if written is None and name == "__get__" and func == _IS_META:
-            self._meta_shortcut(target)
         if written is not None:
             self._record(func, name, args, kwargs, written, out is not None)
-        elif inplace and isinstance(target, torch.Tensor) and target.is_meta and name not in _NO_DRAWS:
-            self._advance(func, args, kwargs, target)  # a draw into some other meta tensor (orthogonal_'s)
-        elif inplace and isinstance(target, torch.Tensor) and not target.is_meta:
-            self.blank.discard(_storage(target))
-        result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and not result.is_meta:
-            (self.blank.add if name in _EMPTY_FACTORIES else self.blank.discard)(_storage(result))
-        source = self._lookup(target) if written is None else None
+            return func(*args, **kwargs)
+        on_meta = isinstance(target, torch.Tensor) and target.is_meta
+        if inplace and on_meta and isinstance(target, torch.Tensor) and name not in _NO_DRAWS:
+            self._advance(func, name, args, kwargs, target)  # a draw into some other meta tensor
+            return func(*args, **kwargs)
+        if name == "__get__":
+            if func == _IS_META:
+                self._meta_shortcut(target)
+            result = func(*args, **kwargs)
+        else:
+            prior = self.made_of(target) if inplace and isinstance(target, torch.Tensor) else None
+            before = _before(args, kwargs)
+            result = func(*args, **kwargs)
+            if out is None and not on_meta:
+                self._note(func, name, args, kwargs, target, prior, before, result)
+        source = self._lookup(target)
         if (
             source is not None
             and isinstance(result, torch.Tensor)
@@ -237,7 +323,7 @@ class Recorder(TorchFunctionMode):
         if not (made_from is root or (made_from is None and result.shape == target.shape
                                       and _name(func) in ("detach", "__get__"))):
             return
-        call = _capture(func, args, kwargs, target)
+        call = self._capture(func, args, kwargs, target, spill=True)
         if call is None:
             return
         covers = (
@@ -250,43 +336,88 @@ class Recorder(TorchFunctionMode):
 
     def _record(self, func: Callable[..., Any], name: str, args: Any, kwargs: Any,
                 written: tuple[Any, ...], via_out: bool) -> None:
+        """A write to a tracked meta parameter (or a view of it): add it to the recipe, and move
+        the generator on as the write would have."""
         tensor, recipe, view, covers = written
         problem = None
-        call = _capture(func, args, kwargs, tensor)
+        call = self._capture(func, args, kwargs, tensor, spill=True)
         if call is None:
             problem = f"{name}() reads another meta tensor"
-            call = _Call(func, (), {})
+            call = Call(func, (), {})
         rng = None
-        if name not in _NO_DRAWS:  # run it once for real so the generator moves as in a normal build
-            before = torch.get_rng_state()
-            for pos, g in _generators(args, kwargs):
-                call.gen_states[pos] = g.get_state()
+        if name not in _NO_DRAWS:
+            before = _before(args, kwargs)
+            call.gen_states = before.generators
+            part = _written_part(recipe, view)
             if problem is None:
-                scratch = torch.empty(recipe.shape, dtype=recipe.dtype)
-                with torch.no_grad():  # (the mode is off inside its own handler)
-                    part = scratch
-                    for v in view:
-                        part = v.run(part)
-                    call.run(part)
-                del scratch
-                if not torch.equal(torch.get_rng_state(), before):
-                    rng = before
+                self._step(func, name, args, kwargs, tensor, part)
+            else:  # it cannot run here; its draws may still be counted
+                draws = self.stepper.draws(name, kwargs, part)
+                if draws is not None:
+                    self.stepper.skip(_generator(args, kwargs), draws)
+            rng = before.drawn()
         whole = covers and (via_out or name in _WHOLE)
         recipe.add(_Write(view, call, rng, whole, problem))
 
-    def _advance(self, func: Callable[..., Any], args: Any, kwargs: Any, target: torch.Tensor) -> None:
-        call = _capture(func, args, kwargs, target)
-        if call is not None:
-            with torch.no_grad():
-                call.run(torch.empty(target.shape, dtype=target.dtype))
+    def _advance(self, func: Callable[..., Any], name: str, args: Any, kwargs: Any,
+                 target: torch.Tensor) -> None:
+        """A random write into a meta tensor nobody tracks (orthogonal_'s scratch matrix): the
+        generator moves as in a normal build."""
+        self._step(func, name, args, kwargs, target, target)
+
+    def _step(self, func: Callable[..., Any], name: str, args: Any, kwargs: Any,
+              tensor: torch.Tensor, part: torch.Tensor) -> None:
+        def scratch(real: torch.Tensor) -> None:  # the call itself, on a real tensor of part's shape
+            def swap(a: Any) -> Any:
+                return real if a is tensor else a
+
+            func(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+
+        self.stepper.step(name, kwargs, part, _generator(args, kwargs), scratch)
+
+    def _capture(self, func: Callable[..., Any], args: Any, kwargs: Any, tensor: torch.Tensor | None,
+                 *, spill: bool) -> Call | None:
+        """The call with `tensor` replaced by SELF and other real tensors held (`hold`); None if
+        it reads a meta tensor (its value is unknown here) or a tensor it cannot hold."""
+        bad = False
+
+        def keep(a: Any) -> Any:
+            nonlocal bad
+            if tensor is not None and a is tensor:
+                return SELF
+            if isinstance(a, torch.Tensor):
+                held = None if a.is_meta else self.hold(a, spill=spill)
+                bad = bad or held is None
+                return a if held is None else held
+            # a recipe of a tensor made here keeps its arguments: values, never someone's array
+            bad = bad or (not spill and not isinstance(a, _PLAIN))
+            return a
+
+        args = tuple(keep(a) if not isinstance(a, (list, tuple)) else tree_map(keep, a) for a in args)
+        kwargs = {k: keep(v) for k, v in kwargs.items()}
+        return None if bad else Call(func, args, kwargs)
 
 
-def _storage(t: torch.Tensor) -> int:
-    """The data pointer of a tensor's storage (0: none, or empty)."""
+def _written_part(recipe: InitRecipe, view: tuple[Call, ...]) -> torch.Tensor:
+    """A meta tensor with the shape and layout of the part of the parameter a write reaches."""
+    part = torch.empty(recipe.shape, dtype=recipe.dtype, device="meta")
+    for v in view:
+        part = v.run(part)
+    return part
+
+
+def _ref(t: Any) -> Any:
+    """A weak reference to a real tensor's storage (None: meta, or a tensor without one)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta or type(t) not in (torch.Tensor, nn.Parameter):
+        return None
     try:
-        return int(t.untyped_storage().data_ptr()) if t.numel() else 0
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, subclass tensors
-        return 0
+        return storage_ref(t)
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested tensors
+        return None
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 
 
 def _generators(args: Any, kwargs: Any) -> Iterator[tuple[int, torch.Generator]]:
@@ -297,22 +428,6 @@ def _generators(args: Any, kwargs: Any) -> Iterator[tuple[int, torch.Generator]]
         yield -1, kwargs["generator"]
 
 
-def _capture(func: Callable[..., Any], args: Any, kwargs: Any, tensor: torch.Tensor) -> _Call | None:
-    """The call with `tensor` replaced by _SELF and real tensors cloned; None if it reads
-    another meta tensor (its value is unknown here)."""
-    bad = False
-
-    def keep(a: Any) -> Any:
-        nonlocal bad
-        if a is tensor:
-            return _SELF
-        if isinstance(a, torch.Tensor):
-            if a.is_meta:
-                bad = True
-                return a
-            return a.detach().clone()
-        return a
-
-    args = tuple(keep(a) if not isinstance(a, (list, tuple)) else tree_map(keep, a) for a in args)
-    kwargs = {k: keep(v) for k, v in kwargs.items()}
-    return None if bad else _Call(func, args, kwargs)
+def _generator(args: Any, kwargs: Any) -> torch.Generator:
+    """The generator a call draws from: the one it was given, else the default CPU one."""
+    return next((g for _, g in _generators(args, kwargs)), torch.default_generator)

@@ -14,6 +14,10 @@ Tensors
 - `Tensor._base`: the tensor a view was made from.
 - `torch.utils._pytree.tree_map`: torch's own nested-container walk.
 - `torch.nn.init._no_grad_trunc_normal_`: the body of `trunc_normal_`, which skips a meta tensor.
+- `Tensor._version`: the count of in-place writes to a tensor's memory (shared by its views).
+- `torch.multiprocessing.reductions.StorageWeakRef`: a weak reference to a tensor's storage,
+  equal for every tensor on that storage (its `_weak_ref()` pointer); torch's own meta
+  conversion keys storages by it.
 
 Optimizers (`torch.optim.optimizer`)
 - `_global_optimizer_pre_hooks` / `_global_optimizer_post_hooks`, and an optimizer's
@@ -59,7 +63,8 @@ Hook = Callable[..., Any]
 __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
     "is_fake", "is_sharded", "local_tensor", "mark_stepped", "no_grad_trunc_normal", "shard_box",
-    "step_post_hooks", "step_pre_hooks", "terminate_handler", "tree_map", "view_base",
+    "step_post_hooks", "step_pre_hooks", "storage_ref", "terminate_handler", "tree_map", "version_of",
+    "view_base",
 ]
 
 
@@ -93,6 +98,20 @@ def is_fake(t: torch.Tensor) -> bool:
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor `t` is a view of (`Tensor._base`), or None when `t` owns its memory."""
     return t._base
+
+
+def version_of(t: torch.Tensor) -> int:
+    """How many in-place writes `t`'s memory has had (`Tensor._version`; a view shares its base's)."""
+    return int(t._version)
+
+
+def storage_ref(t: torch.Tensor) -> Any:
+    """A weak, hashable reference to `t`'s storage (`StorageWeakRef`): equal for every tensor on
+    the same memory, `expired()` once the memory is freed, and while it lives no other storage
+    takes its address."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
 
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:

@@ -44,7 +44,16 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 
-Reader = Callable[[str, "slice | None"], torch.Tensor]  # (model key, rows or None: all) -> tensor
+class Reader:
+    """Reads a model key's tensor from the files: `read(key, rows)` (rows None: all of it), or
+    `read(key, rows, out)` into a tensor of the file's dtype (`read.dtype(key)`)."""
+
+    def __init__(self, read: Callable[[str, slice | None, torch.Tensor | None], torch.Tensor],
+                 dtype: Callable[[str], torch.dtype]) -> None:
+        self._read, self.dtype = read, dtype
+
+    def __call__(self, key: str, rows: slice | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._read(key, rows, out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,9 +275,10 @@ def verify_shared(path: Path, rank: int, world: int) -> None:
 
 
 def make_reader(found: dict[str, _Entry]) -> Reader:
-    """Reads `key` (the rows asked for, or all) from its file."""
+    """Reads `key` (the rows asked for, or all) from its file; into `out` when given (a
+    contiguous tensor of the file's dtype and the rows' shape), else into a new tensor."""
 
-    def read(key: str, rows: slice | None) -> torch.Tensor:
+    def read(key: str, rows: slice | None, out: torch.Tensor | None = None) -> torch.Tensor:
         entry = found[key]
         dtype = _DTYPES[entry.dtype]
         shape = list(entry.shape)
@@ -279,7 +289,8 @@ def make_reader(found: dict[str, _Entry]) -> Reader:
         if rows is not None and shape:
             first, stop, _ = rows.indices(shape[0])
             shape[0] = max(0, stop - first)
-        out = torch.empty(shape, dtype=dtype)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
         if out.numel():
             buf = memoryview(out.view(-1).view(torch.uint8).numpy().data)
             with open(entry.file, "rb", buffering=0) as f:
@@ -292,12 +303,16 @@ def make_reader(found: dict[str, _Entry]) -> Reader:
                     got += n
         return out
 
-    return read
+    def file_dtype(key: str) -> torch.dtype:
+        return _DTYPES[found[key].dtype]
+
+    return Reader(read, file_dtype)
 
 
 @torch.no_grad()
 def copy_into(target: torch.Tensor, key: str, read: Reader) -> None:
-    """Fill a prepared tensor from the files: a DTensor's local rows only, else all of it."""
+    """Fill a prepared tensor from the files: a DTensor's local rows only, else all of it. Rows
+    in the tensor's own dtype land straight in its memory (no copy held beside the shard)."""
     if isinstance(target, DTensor):
         shape, offset = shard_box(target)
         local = local_tensor(target)
@@ -305,11 +320,18 @@ def copy_into(target: torch.Tensor, key: str, read: Reader) -> None:
             return
         if any(o for o in offset[1:]) or tuple(shape[1:]) != tuple(target.shape[1:]):
             value = read(key, None)[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+            local.copy_(value.reshape(local.shape))
         else:
-            value = read(key, slice(offset[0], offset[0] + shape[0]))
-        local.copy_(value.reshape(local.shape))
+            _read_into(local, key, read, slice(offset[0], offset[0] + shape[0]))
     else:
-        target.copy_(read(key, None).reshape(target.shape))
+        _read_into(target, key, read, None)
+
+
+def _read_into(target: torch.Tensor, key: str, read: Reader, rows: slice | None) -> None:
+    if target.is_contiguous() and target.device.type == "cpu" and read.dtype(key) == target.dtype:
+        read(key, rows, target)
+    else:
+        target.copy_(read(key, rows).reshape(target.shape))
 
 
 def check_source(path: str | os.PathLike[str], module: nn.Module, *, strict: bool,

@@ -1,0 +1,339 @@
+"""Issue 32: no process ever holds the whole model while it is built empty, initialized and loaded.
+
+Measured, not predicted (VmHWM of each process, /proc/self/status):
+- `init_empty()` alone (a GPT-2 of 91M parameters, 368 MB in fp32, and 20 `nn.Linear(2048,
+  2048)`, 336 MB): the high-water mark grows by at most 0.05x the model. Nothing is allocated
+  for a parameter: the constructor's `torch.empty` is never written (its pages never become
+  resident), each parameter is moved to meta as it is registered, and a random initializer's
+  draws are counted and skipped in 1 MiB steps instead of being drawn into a full-size scratch.
+- `init_empty` + `prepare` + `load_model` under zero3 on 2 processes: at most 0.65x the model per
+  process. The rest above the half a process keeps: one scratch the size of the largest
+  parameter that every replayed initializer fills in turn (the 8192 x 768 embedding, 0.07x),
+  plus the recipes and the allocator (about 0.03x). The gathered weights equal the file's bit
+  for bit. `from_pretrained` + `prepare` stays under the same bound (loaded tensors, the tied
+  head included, are never initialized first; rows are read straight into each shard).
+
+In process (no process group), the recorder's pieces, each against a normal build with the
+same seed:
+- counted draws move the CPU generator exactly as the kernels do (uniform_, normal_ and the
+  nn.init functions over them, float32/float64/bfloat16, ragged and aligned sizes);
+- writes whose draws cannot be counted (a rejecting trunc_normal_, normal_ into a strided view)
+  still run, on a scratch of their own shape;
+- a large start value the constructor registers (`nn.Parameter(torch.ones(n))`,
+  `torch.randn(n) * 0.02`, a transposed view, a tensor from numpy, a `copy_` source made
+  outside the block) is kept as the calls that made it or in a temporary file, never in
+  memory, and replays bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from spawn import spawn
+from torch import nn
+
+from shardwise.draws import Stepper
+from shardwise.init_record import KEEP_BYTES, InitRecipe, recipe_of
+from shardwise.materialize import init_empty
+
+GPT2_SIZE = {"vocab_size": 8192, "n_embd": 768, "n_layer": 12, "n_head": 12}  # 91.4M parameters
+EMPTY_BOUND = 0.05  # init_empty alone, x the model's fp32 bytes
+LOAD_BOUND = 0.65  # init_empty + prepare + load_model (and from_pretrained + prepare) under zero3 at 2
+
+
+def _hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# -- two processes, measured ------------------------------------------------------------------------
+def _measure(path: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=1)
+    # warm up once at a tiny size: imports and FSDP's first-use setup are not the model's memory
+    with engine.init_empty():
+        tiny = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2))
+    engine.load_model(engine.prepare(tiny), _tiny_file(tiny, path))
+    out: dict[str, Any] = {}
+    gc.collect()
+    start = _hwm()
+    with engine.init_empty():
+        linears = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(20)))
+    out["linears"] = (_hwm() - start) / _bytes(linears)
+    del linears
+    gc.collect()
+    start = _hwm()
+    with engine.init_empty():
+        model = GPT2LMHeadModel(GPT2Config(**GPT2_SIZE))
+    size = _bytes(model)
+    out["gpt2_empty"] = (_hwm() - start) / size
+    model = engine.prepare(model)
+    engine.load_model(model, path)
+    out["gpt2_loaded"] = (_hwm() - start) / size
+    out["held"] = sum(t.numel() * t.element_size() for t in _locals(model)) / size
+    out["shards_mismatched"] = _shards_mismatched(model, path)
+    (model,) = engine.free_memory(model)  # the engine lets go of it too
+    gc.collect()  # (FSDP's hooks make cycles: freed by a collection after the last reference goes)
+    model = engine.prepare(engine.from_pretrained(GPT2LMHeadModel, path))
+    out["pretrained"] = (_hwm() - start) / size  # the peak of both loads, from the same start
+    out["pretrained_shards_mismatched"] = _shards_mismatched(model, path)
+    # measured: now the whole model may be gathered (on process 0) and compared
+    out["gathered_mismatched"] = _mismatched(engine, model, load_file(Path(path) / "model.safetensors"))
+    return out
+
+
+def _shards_mismatched(model: nn.Module, path: str) -> list[str]:
+    """Keys whose local shard differs from the file's rows: every element is checked on the
+    process that holds it. Rows are read with plain positioned reads (a memory map's touched
+    pages would count in the high-water mark measured next)."""
+    import json
+
+    from shardwise.internals import local_tensor, shard_box
+
+    file = Path(path) / "model.safetensors"
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        bad = []
+        for name, p in model.state_dict().items():
+            if name not in header:
+                continue
+            entry, local = header[name], local_tensor(p)
+            assert entry["dtype"] == "F32", entry
+            shape, offset = shard_box(p)
+            row = 4 * int(np.prod(entry["shape"][1:]))
+            f.seek(8 + size + entry["data_offsets"][0] + offset[0] * row)
+            rows = torch.frombuffer(bytearray(f.read(shape[0] * row)), dtype=torch.float32)
+            if not torch.equal(local.reshape(-1), rows):
+                bad.append(name)
+    return bad
+
+
+def _tiny_file(model: nn.Module, path: str) -> str:
+    from safetensors.torch import save_file
+
+    folder = Path(path).parent / f"tiny-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    shapes = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file({k: torch.zeros(s) for k, s in shapes.items()}, folder / "model.safetensors")
+    return str(folder)
+
+
+def _locals(model: nn.Module) -> list[torch.Tensor]:
+    from shardwise.internals import local_tensor
+
+    return [local_tensor(p) for p in model.parameters()]
+
+
+def _mismatched(engine: Any, model: nn.Module, saved: dict[str, torch.Tensor]) -> list[str] | None:
+    state = engine.get_state_dict(model)  # gathered on process 0
+    if not engine.is_main_process:
+        return None
+    keys = [k for k in saved if k in state]
+    assert len(keys) >= 10, sorted(state)[:5]
+    return [k for k in keys if not torch.equal(state[k], saved[k])]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("gpt2") / "pretrained"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**GPT2_SIZE)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def measured(folder: Path) -> list[dict[str, Any]]:
+    return spawn(_measure, 2, str(folder))
+
+
+def test_init_empty_allocates_no_parameter(measured: list[dict[str, Any]]) -> None:
+    for rank in measured:
+        assert rank["linears"] <= EMPTY_BOUND, rank
+        assert rank["gpt2_empty"] <= EMPTY_BOUND, rank
+
+
+def test_init_empty_prepare_and_load_hold_about_half_the_model(measured: list[dict[str, Any]]) -> None:
+    for rank in measured:
+        assert 0.49 <= rank["held"] <= 0.51, rank  # zero3 at 2: each keeps its half
+        assert rank["gpt2_loaded"] <= LOAD_BOUND, rank
+        assert rank["pretrained"] <= LOAD_BOUND, rank
+        assert rank["shards_mismatched"] == [] and rank["pretrained_shards_mismatched"] == [], rank
+    assert measured[0]["gathered_mismatched"] == [], measured[0]
+
+
+def test_the_planners_build_and_load_figure_is_the_measured_one(measured: list[dict[str, Any]],
+                                                                 folder: Path) -> None:
+    """`shardwise plan`'s host memory to build and initialize (init_empty + prepare) against the
+    high-water mark measured above: within 0.05x the model (what the plan leaves out: the
+    recipes, the generator's step buffer, the allocator)."""
+    from shardwise.plan import Candidate
+    from shardwise.plan.load import load_memory
+    from shardwise.plan.presets import resolve_model
+
+    zero3 = Candidate("zero3")
+    plan = load_memory(resolve_model(str(folder), seq_len=128), [zero3], world_size=2, device="cpu")
+    predicted = plan.init[zero3] / plan.parameters
+    for rank in measured:
+        assert abs(rank["gpt2_loaded"] - predicted) <= 0.05, (rank["gpt2_loaded"], predicted)
+
+
+# -- one process: the recorder's pieces ---------------------------------------------------------------
+def _state_after(build: Any, seed: int = 3) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    module = build()
+    return module, torch.get_rng_state()
+
+
+def _replayed(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in module.named_parameters():
+        recipe = recipe_of(p)
+        assert recipe is not None and recipe.problem() is None, (name, recipe and recipe.problem())
+        out[name] = recipe.replay()
+    return out
+
+
+def _check_equal_to_normal_build(build: Any) -> nn.Module:
+    normal, after_normal = _state_after(build)
+    with init_empty():
+        empty, after_empty = _state_after(build)
+    assert torch.equal(after_empty, after_normal), "the generator left init_empty elsewhere"
+    replayed = _replayed(empty)
+    for name, p in normal.named_parameters():
+        assert torch.equal(replayed[name], p.detach()), name
+    for name, b in normal.named_buffers():
+        assert torch.equal(dict(empty.named_buffers())[name], b), name
+    return empty
+
+
+class _Writes(nn.Module):
+    """One parameter written by `init`, then a real buffer drawn after it (the generator must be
+    where a normal build leaves it)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, init: Any) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(shape, dtype=dtype))
+        init(self.w)
+        self.register_buffer("after", torch.randn(5))
+
+
+INITS = {
+    "uniform_": lambda p: nn.init.uniform_(p, -0.1, 0.1),
+    "normal_": lambda p: nn.init.normal_(p, std=0.02),
+    "tensor.normal_": lambda p: p.data.normal_(0.0, 0.5),
+    "kaiming_uniform_": lambda p: nn.init.kaiming_uniform_(p, a=5**0.5),
+    "xavier_normal_": nn.init.xavier_normal_,
+    "trunc_normal_": lambda p: nn.init.trunc_normal_(p, std=0.02),
+    "orthogonal_": nn.init.orthogonal_,
+}
+
+
+# every initializer, dtype and shape (ragged, aligned, narrow); torch.linalg.qr has no bfloat16
+# kernel, so orthogonal_ is left out there (a normal build fails as well)
+CASES = [(init, shape, dtype) for init in sorted(INITS) for shape in [(37, 29), (64, 32), (3, 17)]
+         for dtype in (torch.float32, torch.float64, torch.bfloat16)
+         if not (init == "orthogonal_" and dtype == torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("init", "shape", "dtype"), CASES)
+def test_counted_draws_keep_the_generator_in_step(init: str, shape: tuple[int, ...],
+                                                  dtype: torch.dtype) -> None:
+    _check_equal_to_normal_build(lambda: _Writes(shape, dtype, INITS[init]))
+    kernel_name = {"tensor.normal_": "normal_"}.get(init, init)
+    part = torch.empty(shape, dtype=dtype, device="meta")
+    counted = Stepper().draws(kernel_name, {"std": 0.02}, part)
+    if dtype != torch.bfloat16 or init != "trunc_normal_":  # (no draw bound known in bfloat16)
+        assert counted is not None, "an initializer models use was not counted: it would need a scratch"
+
+
+class _Uncounted(nn.Module):
+    """Writes whose draws cannot be counted: a trunc_normal_ that may reject (bounds at 2 std),
+    normal_ into a strided view (serial Box-Muller keeps a spare sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(300, 7))
+        nn.init.trunc_normal_(self.a, std=1.0)
+        self.b = nn.Parameter(torch.zeros(40, 9))
+        with torch.no_grad():
+            self.b[:, 1].normal_()
+        self.register_buffer("after", torch.randn(5))
+
+
+def test_uncounted_writes_run_on_a_scratch_and_stay_exact() -> None:
+    part = torch.empty(300, 7, device="meta")
+    assert Stepper().draws("_no_grad_trunc_normal_", {"std": 1.0, "a": -2.0, "b": 2.0}, part) is None
+    assert Stepper().draws("normal_", {}, torch.empty(40, 9, device="meta")[:, 1]) is None
+    _check_equal_to_normal_build(_Uncounted)
+
+
+N = 1 << 20  # 4 MiB of float32: above KEEP_BYTES
+OUTSIDE = torch.arange(N, dtype=torch.float32).sin()  # made before any init_empty block
+
+
+class _BigStarts(nn.Module):
+    """Real tensors registered or copied in, each larger than what a recipe keeps by value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ones = nn.Parameter(torch.ones(N))
+        self.scaled = nn.Parameter(torch.randn(N) * 0.02)
+        self.flipped = nn.Parameter(torch.rand(256, N // 256).t())
+        self.numpy = nn.Parameter(torch.from_numpy(np.linspace(0, 1, N, dtype=np.float32)))
+        self.copied = nn.Parameter(torch.empty(N))
+        self.later = nn.Parameter(torch.empty(N))
+        with torch.no_grad():
+            self.copied.copy_(OUTSIDE)
+            self.later.copy_(torch.full((N,), 0.5) + torch.rand(N))
+        self.register_buffer("after", torch.randn(5))
+
+
+def _tensors_in(obj: Any, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor a recipe reaches through its fields."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors_in(x, seen)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors_in(x, seen)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name), seen)]
+    return []
+
+
+def test_large_start_values_are_recipes_or_files_never_memory() -> None:
+    empty = _check_equal_to_normal_build(_BigStarts)
+    recipes: list[InitRecipe] = [r for p in empty.parameters() if (r := recipe_of(p)) is not None]
+    assert len(recipes) == 6
+    held = [t for r in recipes for t in _tensors_in(r)]
+    biggest = max(t.numel() * t.element_size() for t in held)
+    assert biggest <= KEEP_BYTES, biggest  # generator states and small arguments only
+    kinds = {n: type(recipe_of(p).start).__name__ for n, p in empty.named_parameters()}  # type: ignore[union-attr]
+    assert kinds == {"ones": "Made", "scaled": "Made", "flipped": "Made", "numpy": "Spilled",
+                     "copied": "NoneType", "later": "NoneType"}, kinds
+    copies = [w.call.args for n in ("copied", "later") for w in recipe_of(getattr(empty, n)).writes]  # type: ignore[union-attr]
+    assert [type(a[1]).__name__ for a in copies] == ["Spilled", "Made"]
