@@ -2,10 +2,13 @@
 
 diffusers' train_unconditional.py (tests/accelerate_scripts/train_unconditional.py follows it)
 saves its UNet and EMA through `register_save_state_pre_hook` / `register_load_state_pre_hook`
-and checkpoints and samples inside `if accelerator.is_main_process:`. Under ddp that runs as in
-Accelerate, with its numbers; under zero3 the main process's save or sampling is refused in one
-line within seconds, where it used to wait in a collective forever. The unit tests below prove
-the same on a small model, against a plain single-process reference.
+(the hook calls `save_pretrained` on the models it is given) and checkpoints and samples inside
+`if accelerator.is_main_process:`. Under ddp that runs as in Accelerate, with its numbers. Under
+zero3 with checkpoints and samples made on every process, the hook's main-process-alone saves
+of the sharded UNet and of the EMA (passed to `prepare`, so sharded too) write Accelerate's
+numbers, and a resume loads them back through the load hook; a main-process-alone save or
+sampling is refused in one line within seconds, where it used to wait in a collective forever.
+The unit tests below prove the same on a small model, against a plain single-process reference.
 """
 
 from __future__ import annotations
@@ -86,6 +89,34 @@ def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lo
     assert resumed["loaded"]["optimization_step"] == 4
     assert resumed["loaded"]["model"] == pytest.approx(ddp["saved"][0]["model"], rel=1e-12)
     assert [s for s, _ in resumed["losses"]] == [5, 6, 7, 8]
+
+    # zero3 with the EMA, checkpoints and samples made on every process (--everywhere): the hook
+    # saves the sharded UNet it is given and the (prepared, sharded) EMA on the main process
+    # alone, with Accelerate's numbers; a resume through the load hook brings both back
+    ref_all = _run(HERE / SCRIPT, tmp_path, "acc_all", None, "--output_dir", str(tmp_path / "acc_all_ckpt"),
+                   "--everywhere")
+    z3_all = _run(ours, tmp_path, "zero3_all", "strategy: zero3\n", "--output_dir",
+                  str(tmp_path / "z3_ckpt"), "--everywhere")
+    assert [s for s, _ in z3_all["losses"]] == [s for s, _ in ref_all["losses"]] == list(range(1, 9))
+    for (_, a), (_, b) in zip(z3_all["losses"], ref_all["losses"]):
+        assert _close(a, b, 1e-4), (a, b)
+    assert [s["dir"] for s in z3_all["saved"]] == ["checkpoint-4", "checkpoint-8"]
+    for a, b in zip(z3_all["saved"], ref_all["saved"], strict=True):
+        assert _close(a["ema"], b["ema"], 1e-5) and _close(a["model"], b["model"], 1e-5), (a, b)
+    for a, b in zip(z3_all["samples"], ref_all["samples"], strict=True):
+        assert _close(a, b, 1e-4), (a, b)
+    z3_ckpt = tmp_path / "z3_ckpt" / "checkpoint-4"
+    from diffusers import UNet2DModel
+
+    saved_unet = UNet2DModel.from_pretrained(str(z3_ckpt), subfolder="unet")  # a plain process reads it
+    on_disk = sum(float(p.detach().double().sum()) for p in saved_unet.parameters())
+    assert _close(on_disk, z3_all["saved"][0]["model"], 1e-9)
+    z3_resumed = _run(ours, tmp_path, "zero3_resumed", "strategy: zero3\n", "--output_dir",
+                      str(tmp_path / "z3_res"), "--everywhere", "--resume_from_checkpoint", str(z3_ckpt),
+                      "--no_sample", "--checkpointing_steps", "0")
+    assert z3_resumed["loaded"]["ema"] == pytest.approx(z3_all["saved"][0]["ema"], rel=1e-12)
+    assert z3_resumed["loaded"]["model"] == pytest.approx(z3_all["saved"][0]["model"], rel=1e-12)
+    assert [s for s, _ in z3_resumed["losses"]] == [5, 6, 7, 8]
 
     # zero3: epoch 0 is Accelerate's, then the main process's sampling with the sharded UNet is
     # refused in one line, within seconds (it used to wait in the all-gather forever)

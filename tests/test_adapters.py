@@ -116,10 +116,11 @@ def _train(backend: str, strategy: str, folder: str) -> dict[str, Any]:
     if engine.is_main_process:
         engine.unwrap_model(model).save_pretrained(f"{folder}/idiom", state_dict=full)
         try:
-            engine.unwrap_model(model).save_pretrained(f"{folder}/direct")
+            engine.unwrap_model(model).save_pretrained(f"{folder}/direct")  # alone: refused
             refusal = "written"
         except RuntimeError as err:
             refusal = str(err)
+    engine.wait_for_everyone()  # (the others moved on: the main process knows it is alone at once)
     engine.free_memory()
     return {"losses": losses, "state": state, "logits": logits, "tokens": tokens, "refusal": refusal,
             "trainable": trainable, "grad_bytes": grads, "state_bytes": _state_bytes(inner)}

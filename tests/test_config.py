@@ -174,6 +174,26 @@ def test_code_overrides_file_with_one_warning(tmp_path: Path, monkeypatch: pytes
     assert msgs == [f"code overrides the config file: strategy='zero2' in code, 'zero3' in {cfg}"]
 
 
+def test_the_launchers_own_file_warns_only_where_someone_set_a_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`shardwise launch` writes every field of the resolved config; code that changes one still
+    at its default (the Accelerator passes grad_accum_steps, a seed) is no conflict, a value the
+    user set for the launch is (issue 33)."""
+    from shardwise.config_io import write_yaml
+
+    cfg = tmp_path / "resolved.yaml"
+    resolved = shardwise.EngineConfig(strategy="zero3", cpu=True)
+    write_yaml(resolved, cfg, header="# resolved by shardwise launch\n")
+    monkeypatch.setenv("SHARDWISE_CONFIG", str(cfg))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = shardwise.Engine(grad_accum_steps=2, seed=3, strategy="zero2")
+    assert (engine.config.grad_accum_steps, engine.config.seed, engine.config.strategy) == (2, 3, "zero2")
+    msgs = [str(w.message) for w in caught if "code overrides" in str(w.message)]
+    assert msgs == [f"code overrides the config file: strategy='zero2' in code, 'zero3' in {cfg}"]
+
+
 def test_plain_script_reads_config_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "s.yaml"
     cfg.write_text("strategy: zero1\ncpu: true\n")

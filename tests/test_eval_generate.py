@@ -107,6 +107,7 @@ def _run(backend: str, strategy: str, kind: str, folder: str) -> dict[str, Any]:
                 saved[name] = "written"
             except RuntimeError as err:
                 saved[name] = str(err)
+    engine.wait_for_everyone()  # (the others moved on: the main process knows it is alone at once)
     engine.free_memory()
     return {"full": full, "block": block, "rest": rest, "during": during, "after_eval": after_eval,
             "report": report, "after_generate": after_generate, "tokens": tokens, "state": state,

@@ -2,22 +2,8 @@
 save/load pre-hooks.
 
 Scripts written for Accelerate (diffusers' `train_unconditional.py`) call `save_state()` and
-sample with the model inside `if accelerator.is_main_process:`. The other processes are then
-already in the next step's all-reduce, so any collective in the call waits for them forever.
-Telling "only the main process called" needs no collective: every process that enters the
-call adds 1 to a key of the process group's store (a TCP round trip, no tensor traffic) and
-polls until the count reaches the world size. The main process decides it is alone when every
-other process has gone past this point: their heartbeats in the store (`resilience.Guard`: one
-per boundary, forward, backward and `wait_for_everyone`, the same sequence on every process)
-outnumber its own; or, without that sign, after `ARRIVAL_TIMEOUT_S`. It then closes the key by
-adding `_CLOSED` and goes on alone (ddp) or refuses (sharded). A process that is merely late
-(busy before a call everyone makes) has fewer heartbeats, so the main process waits for it. The
-keys are numbered by the optimizer step and a per-step call count, so processes
-that make the same calls at the same steps use the same key without agreeing on anything; a
-process that finds its key closed knows the main process made a call alone there, and takes
-the next key. (Limit: when the main process reaches a call everyone makes more than
-`ARRIVAL_TIMEOUT_S` before the others, it counts as alone; the others then wait at the next key
-until the collective timeout and raise.)
+sample with the model inside `if accelerator.is_main_process:`. Whether every process made the
+call is told without a collective (`shardwise.arrival`).
 
 A lone save under ddp (every process holds the whole state) is written as a checkpoint of a
 world of one: the weights, optimizer, schedulers, loop state and registered objects as this
@@ -29,7 +15,6 @@ their own, as Accelerate's resume does when `random_states_<i>.pkl` is missing.
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -40,51 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .internals import default_store
-
-ARRIVAL_TIMEOUT_S = 60.0  # with no sign that the others moved on: how long until the main process is alone
-_LOOK_EVERY_S = 0.1  # how often the waiting main process reads the others' heartbeats
-_CLOSED = 1 << 30  # added to a key by the process that stopped waiting
-
-
-def arrived_together(calls: dict[int, int], kind: str, step: int, world: int, is_main: bool,
-                     wait_s: float, moved_on: Callable[[], bool]) -> bool:
-    """True when every process makes this call; False on the main process when the others
-    moved on (`moved_on()`) or it waited `ARRIVAL_TIMEOUT_S` alone. The other processes never
-    give up early (the main process may just be busy alone, logging or sampling, before a call
-    everyone makes): they wait up to
-    `wait_s` (the collective timeout) and then raise. `calls`: this kind's calls at `step`,
-    which number the keys (updated)."""
-    if world == 1 or not dist.is_initialized():
-        return True
-    store = default_store()
-    n = calls.get(step, 0)
-    start = time.monotonic()
-    looked = start
-    while True:
-        key = f"shardwise/together/{kind}/{step}/{n}"
-        count = store.add(key, 1)
-        while count < world:
-            now = time.monotonic()
-            waited, look = now - start, is_main and now - looked > _LOOK_EVERY_S
-            looked = now if look else looked
-            if is_main and (waited > ARRIVAL_TIMEOUT_S or (look and moved_on())):
-                # closing the key and reading the count is one atomic add: a process that
-                # arrived meanwhile is counted here and saw `world` itself: both say "together"
-                count = store.add(key, _CLOSED) - _CLOSED
-                break
-            if not is_main and waited > wait_s:
-                raise RuntimeError(f"{kind}: waited {wait_s:.0f} s for the main process to make the same "
-                                   "call (collective_timeout_s)")
-            time.sleep(0.002)
-            count = store.add(key, 0)
-        calls.clear()
-        calls[step] = n + 1
-        if count < _CLOSED:
-            return count >= world
-        # (not the main process) the main process made a call alone under this key: this
-        # process's call is the next one
-        n += 1
+from .arrival import arrived_together
 
 
 def save_together(calls: dict[int, int], step: int, world: int, rank: int, wait_s: float,
@@ -120,8 +61,11 @@ def world_of_one(engine: Any) -> Iterator[None]:
 class StateHooks:
     """Accelerate's `register_save_state_pre_hook` / `register_load_state_pre_hook` registries.
 
-    A save hook is called as `hook(models, weights, output_dir)` with the prepared models and
-    each one's state dict, once the checkpoint is in place (Accelerate: before it writes; but a
+    A save hook is called as `hook(models, weights, output_dir)` with the models as Accelerate
+    keeps them (unwrapped from DDP; a sharded model as it is, whose own `save_pretrained` then
+    writes the whole weights on the main process alone too) and each one's state dict (a
+    sharded model's gathered: whole on the main process, {} on the others), once the checkpoint
+    is in place (Accelerate: before it writes; but a
     shardwise checkpoint is staged and renamed into a folder that must hold nothing else, so the
     hook's files join it after); a load hook as `hook(models, input_dir)`, before anything is
     read. (In Accelerate, popping from `weights` / `models` means "the hook saved / loaded this
@@ -141,12 +85,9 @@ class StateHooks:
         table[handle.id] = hook
         return handle
 
-    def after_save(self, models: list[nn.Module], unwrap: Callable[[nn.Module], nn.Module],
-                   output_dir: str) -> None:
-        if self.save:
-            weights: list[dict[str, Any]] = [unwrap(m).state_dict() for m in models]
-            for hook in list(self.save.values()):
-                hook(list(models), weights, output_dir)
+    def after_save(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
+        for hook in list(self.save.values()):
+            hook(list(models), list(weights), output_dir)
 
     def before_load(self, models: list[nn.Module], input_dir: str) -> None:
         for hook in list(self.load.values()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -192,6 +193,28 @@ def trigger_sync_in_backward(model: Any) -> Iterator[None]:
         yield
     finally:
         model.require_backward_grad_sync = old
+
+
+@contextlib.contextmanager
+def join_uneven_inputs(acc: Any, joinables: list[Any], even_batches: bool | None) -> Iterator[None]:
+    """`Accelerator.join_uneven_inputs`: torch's Join for DDP models; elsewhere a warning (as in
+    Accelerate). `even_batches` holds inside, if given."""
+    before = acc.even_batches
+    if even_batches is not None:
+        acc.even_batches = even_batches
+    try:
+        if acc.num_processes > 1 and all(isinstance(j, DistributedDataParallel) for j in joinables):
+            from torch.distributed.algorithms.join import Join
+
+            with Join(joinables):
+                yield
+        else:
+            if acc.num_processes > 1:
+                warnings.warn("join_uneven_inputs() joins DDP models only; nothing is joined here",
+                              stacklevel=3)
+            yield
+    finally:
+        acc.even_batches = before
 
 
 def all_tensors(data: Any) -> bool:

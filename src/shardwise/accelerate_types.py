@@ -134,6 +134,14 @@ class AcceleratorState:
             return dist.get_backend() if dist.is_initialized() else None
         raise AttributeError(f"AcceleratorState.{name} is not offered by shardwise")
 
+    def __repr__(self) -> str:
+        """Accelerate's text (`logger.info(accelerator.state)` in its scripts)."""
+        backend = f"  Backend: {self.backend}" if self.backend else ""
+        return (f"Distributed environment: {self.distributed_type}{backend}\n"
+                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
+                f"\nMixed precision type: {self.mixed_precision}\n")
+
 
 def checkpoint_index(path: Path) -> int:
     return int(path.name.split("_")[1])

@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from . import accelerate_extras as extras
 from .accelerate_hooks import SoloForwardCheck, StateHooks, save_together, world_of_one
-from .accelerate_process import ProcessHelpers, all_tensors, trigger_sync_in_backward
+from .accelerate_process import ProcessHelpers, all_tensors, join_uneven_inputs, trigger_sync_in_backward
 from .accelerate_rules import (
     accelerate_rules,
     accumulation_steps,
@@ -56,6 +55,7 @@ from .accelerate_types import (
     numbered_checkpoints,
     prune_checkpoints,
 )
+from .adapters import full_weights_held
 from .checkpoint_async import WRITER
 from .config import ConfigError, EngineConfig
 from .data import PreparedDataLoader
@@ -124,6 +124,7 @@ class Accelerator(ProcessHelpers):
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
         self.engine = Engine(rules=self._rules(), **kwargs)
+        self.engine.noun = "accelerator"  # messages name the verbs of the object the script holds
         self.gradient_state = GradientState(self)
         self.state = AcceleratorState(self)
         self.flag_tensor: torch.Tensor | None = None
@@ -333,25 +334,10 @@ class Accelerator(ProcessHelpers):
         as in Accelerate)."""
         return trigger_sync_in_backward(model)
 
-    @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+    def join_uneven_inputs(self, joinables: list[Any],
+                           even_batches: bool | None = None) -> contextlib.AbstractContextManager[None]:
         """Let processes with fewer batches finish (DDP: torch's Join; elsewhere a warning)."""
-        before = self.even_batches
-        if even_batches is not None:
-            self.even_batches = even_batches
-        try:
-            if self.num_processes > 1 and all(isinstance(j, DistributedDataParallel) for j in joinables):
-                from torch.distributed.algorithms.join import Join
-
-                with Join(joinables):
-                    yield
-            else:
-                if self.num_processes > 1:
-                    warnings.warn("join_uneven_inputs() joins DDP models only; nothing is joined here",
-                                  stacklevel=3)
-                yield
-        finally:
-            self.even_batches = before
+        return join_uneven_inputs(self, joinables, even_batches)
 
     @contextlib.contextmanager
     def profile(self, profile_handler: Any = None) -> Iterator[torch.profiler.profile]:
@@ -466,10 +452,18 @@ class Accelerator(ProcessHelpers):
 
     def _after_save(self, path: Path) -> None:
         """The save hooks, which write into the checkpoint folder: it must be in place first (with
-        checkpoint_async, the save is waited for when there are hooks)."""
-        if self._state_hooks.save:
-            WRITER.wait()
-        self._state_hooks.after_save(self.session.models, self.unwrap_model, str(path))
+        checkpoint_async, the save is waited for when there are hooks). Sharded models' weights
+        are gathered for them first, on every process (`adapters.full_weights_held`)."""
+        if not self._state_hooks.save:
+            return
+        WRITER.wait()
+        models = self._hook_models()
+        with full_weights_held(models) as weights, self.engine.whole_emas():
+            self._state_hooks.after_save(models, weights, str(path))
+
+    def _hook_models(self) -> list[nn.Module]:
+        """The models as Accelerate hands them to its hooks: unwrapped from DDP, sharded as they are."""
+        return [self.unwrap_model(m) for m in self.session.models]
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None,
                    **load_model_func_kwargs: Any) -> int | None:
@@ -489,7 +483,8 @@ class Accelerator(ProcessHelpers):
             input_dir = found[-1]
             pc.iteration = checkpoint_index(found[-1]) + 1  # the next save does not overwrite it
         if input_dir is not None:
-            self._state_hooks.before_load(self.session.models, str(input_dir))
+            self._state_hooks.before_load(self._hook_models(), str(input_dir))
+            self.engine.reshard_emas()  # (a load hook may have given a prepared EMA whole shadows)
         self.engine.set_rules(self._rules())
         return self.engine.load_state(input_dir)
 

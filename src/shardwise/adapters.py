@@ -1,6 +1,7 @@
 """Models out, adapter-aware: `Engine.save_model` of a peft model writes its adapter (or, asked,
-the merged full model); the main-process `save_pretrained` of a sharded model is refused, and a
-peft model's `generate` works under FSDP2 (`unwrapped`).
+the merged full model); a sharded model's own `save_pretrained`, called on every process as
+transformers' scripts do, gathers the weights and the main process writes them (`_save_whole`;
+on one process alone it is refused in one line).
 
 Both writers take the full state dict that every process joined to gather (`get_state_dict`);
 only the main process writes. Nothing here imports peft: a module is a peft model only when peft
@@ -21,23 +22,27 @@ the weights on the main process), then written as a plain model folder (`consoli
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import os
 import shutil
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .consolidate import save_model_files
 from .internals import is_sharded
 from .storage import CheckpointError, fsync_path, new_staging, os_error_line
 
 _REFUSED = "_shardwise_refuses_save"  # marks a save_pretrained this module put on an instance
-_ROUTED = "_shardwise_routes_generate"  # marks a peft model whose generate runs FSDP2's root hooks
 
 
 def is_peft_model(module: nn.Module) -> bool:
@@ -118,58 +123,141 @@ def _merged(module: Any, state: dict[str, torch.Tensor]) -> tuple[nn.Module, dic
     return merged, {k: v for k, v in merged.state_dict().items() if not v.is_meta}
 
 
-# -- the main-process save_pretrained ----------------------------------------------------------
+# -- save_pretrained of a sharded model ---------------------------------------------------------
+_SOURCE = "_shardwise_full_weights"  # on a prepared model (and a peft model's base): its FullWeights
+
+
+@dataclass(slots=True)
+class FullWeights:
+    """Where a sharded model's own `save_pretrained` gets the whole weights: the engine that
+    prepared it sets one on the model (`attach_full_weights`)."""
+
+    gather: Callable[[], dict[str, torch.Tensor]]
+    """every process: the full weights on the main process, {} on the others (a collective)"""
+    together: Callable[[], bool]
+    """every process makes this call (an arrival check through the store, no collective)"""
+    noun: str
+    """what the user calls the object that prepared the model ("engine" or "accelerator")"""
+    rank: int
+    held: dict[str, torch.Tensor] | None = None
+    """gathered already, on every process at once (the save hooks'): used without a collective"""
+
+
+def attach_full_weights(module: nn.Module, source: FullWeights) -> None:
+    """`module.save_pretrained(...)` (and a peft model's base's) gets its weights from `source`."""
+    module.__dict__[_SOURCE] = source
+    get_base = getattr(module, "get_base_model", None)
+    if is_peft_model(module) and callable(get_base):
+        base = get_base()
+        prefix = "base_model.model."  # peft's names for the base model's tensors
+        base.__dict__[_SOURCE] = FullWeights(
+            lambda: {k.removeprefix(prefix): v for k, v in source.gather().items()},
+            source.together, source.noun, source.rank)
+
+
+@contextlib.contextmanager
+def full_weights_held(modules: list[nn.Module]) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Each module's weights (a list, in order): a sharded one's gathered here, on every process
+    (a collective: the main process gets the whole, the others {}), and inside, that module's own
+    `save_pretrained` writes them without gathering again, on the main process alone too, as
+    save hooks do (`if accelerator.is_main_process: model.save_pretrained(...)`)."""
+    weights: list[dict[str, torch.Tensor]] = []
+    held: list[FullWeights] = []
+    for m in modules:
+        source: FullWeights | None = getattr(m, _SOURCE, None)
+        if source is not None and _holds_a_shard(m):
+            source.held = source.gather()
+            held.append(source)
+            weights.append(source.held)
+        else:
+            weights.append(m.state_dict())
+    try:
+        yield weights
+    finally:
+        for source in held:
+            source.held = None
+
+
 def _holds_a_shard(module: nn.Module) -> bool:
     """Whether some parameter of `module` is held in part by this process (an FSDP2 DTensor, or
     a DeepSpeed ZeRO-3 partition): a save from this process alone would miss the rest."""
     return any(is_sharded(p) or hasattr(p, "ds_shape") for p in module.parameters())
 
 
-def _refuse_save(module: nn.Module, save: Any, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get("state_dict") is None and _holds_a_shard(module):
-        raise RuntimeError(
-            f"{type(module).__name__}.save_pretrained: the model is sharded across processes and this "
-            "process holds only its shard; call engine.save_model(model, dir) on every process instead (it "
-            "gathers the weights; a peft model is saved as its adapter), or pass "
-            "state_dict=engine.get_state_dict(model)"
-        )
-    return save(*args, **kwargs)
+def _refusal(module: nn.Module, noun: str, rank: int | None) -> str:
+    where = "" if rank is None else f"on process {rank} alone (e.g. under `if {noun}.is_main_process:`), but "
+    return (
+        f"{type(module).__name__}.save_pretrained was called {where}the model is sharded across processes "
+        f"and this process holds only its shard: call it on every process (the weights are gathered and the "
+        f"main process writes them), or call {noun}.save_model(model, dir) on every process (a peft model "
+        f"is saved as its adapter), or pass state_dict={noun}.get_state_dict(model) gathered on every process"
+    )
+
+
+def _save_whole(module: nn.Module, save: Any, *args: Any, **kwargs: Any) -> Any:
+    """A sharded model's `save_pretrained`, called on every process: the weights are gathered
+    once and the main process writes them with the library's own `save_pretrained` (tied
+    weights share one tensor, so transformers writes them once). Called on one process alone
+    it is refused in one line; with a `state_dict` given, or unsharded, it is the library's."""
+    if kwargs.get("state_dict") is not None or not _holds_a_shard(module):
+        return save(*args, **kwargs)
+    source: FullWeights | None = getattr(module, _SOURCE, None)
+    if source is None:
+        raise RuntimeError(_refusal(module, "engine", None))
+    state = source.held
+    if state is None:
+        if not source.together():
+            raise RuntimeError(_refusal(module, source.noun, source.rank))
+        state = source.gather()
+    if source.rank != 0:
+        return None  # it gathered with the main process, which writes
+    if "state_dict" in inspect.signature(save).parameters:  # transformers
+        return save(*args, **{**kwargs, "state_dict": state})
+    # a save_pretrained that reads `self.state_dict()` itself (diffusers' ModelMixin, peft's)
+    module.__dict__["state_dict"] = lambda *_, **__: state
+    try:
+        return save(*args, **kwargs)
+    finally:
+        del module.__dict__["state_dict"]
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
     """`module` made safe to use alone (`Engine.unwrap_model`, and already at `prepare` by the
-    FSDP2 and DeepSpeed strategies, so the prepared model is safe too): `_guard_save`, and a
-    peft model's `generate` run as an FSDP2 forward (`_route_generate`). Returns `module`."""
+    FSDP2 and DeepSpeed strategies, so the prepared model is safe too): `_guard_save`. Returns
+    `module`. (A sharded model's `generate`, a peft model's too, runs as a forward of the root:
+    `strategies.direct_calls`.)"""
     _guard_save(module)
-    if is_peft_model(module) and not getattr(module, _ROUTED, False):
-        _route_generate(module)
     return module
 
 
-def _route_generate(module: nn.Module) -> None:
-    """peft's `generate` calls the wrapped transformers model's forward, not its own: FSDP2's
-    root hooks (on the PeftModel) would not run, and the parameters they gather (embeddings,
-    final norm) would stay sharded DTensors mid-forward. Registered as a forward method, the
-    root gathers them for the whole generation; the blocks gather per forward as in training.
-    A no-op unless `module` is an FSDP2 module (DeepSpeed hooks every submodule itself)."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    register_fsdp_forward_method(module, "generate")
-    module.__dict__[_ROUTED] = True
-
-
 def _guard_save(module: nn.Module) -> None:
-    """Give `module` (and a peft model's base model) a `save_pretrained` that refuses, in one
-    line pointing to `save_model`, while the parameters are sharded and no full `state_dict` is
-    passed: transformers would crash on a DTensor's storage, and DeepSpeed's ZeRO-3 partitions
-    would be written as empty (0,)-shaped tensors."""
+    """Give `module` (and a peft model's base model) the `save_pretrained` of `_save_whole`
+    (transformers would crash on a DTensor's storage, and DeepSpeed's ZeRO-3 partitions would be
+    written as empty (0,)-shaped tensors) and the `load_state_dict` of `_load_whole`."""
     targets = [module]
     get_base = getattr(module, "get_base_model", None)
     if is_peft_model(module) and callable(get_base):
         targets.append(get_base())
     for target in targets:
-        save = getattr(target, "save_pretrained", None)
-        if callable(save) and not getattr(save, _REFUSED, False):
-            guarded = functools.partial(_refuse_save, target, save)
-            setattr(guarded, _REFUSED, True)
-            target.__dict__["save_pretrained"] = guarded  # the instance only; the class stays as it is
+        for name, replacement in (("save_pretrained", _save_whole), ("load_state_dict", _load_whole)):
+            original = getattr(target, name, None)
+            if callable(original) and not getattr(original, _REFUSED, False):
+                guarded = functools.partial(replacement, target, original)
+                setattr(guarded, _REFUSED, True)
+                target.__dict__[name] = guarded  # the instance only; the class stays as it is
+
+
+def _load_whole(module: nn.Module, load: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+    """A sharded (FSDP2) model's `load_state_dict`, given whole tensors (a load hook that read a
+    saved folder, as diffusers' does): each is cut to its tensor's layout first, on each process
+    from its own copy (every process passes the same whole values), then loaded as torch does."""
+    current = module.state_dict(keep_vars=True)
+    cut = {}
+    for key, value in state_dict.items():
+        mine = current.get(key)
+        if (isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+                and tuple(value.shape) == tuple(mine.shape)):
+            value = distribute_tensor(value.detach().to(mine.device, mine.dtype), mine.device_mesh,
+                                      mine.placements, src_data_rank=None)
+        cut[key] = value
+    return load(cut, *args, **kwargs)

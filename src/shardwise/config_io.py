@@ -223,11 +223,14 @@ def write_yaml(cfg: EngineConfig, path: str | Path, *, header: str = "") -> None
 
 def config_with_code(kwargs: dict[str, Any], path: str | Path | None) -> tuple[EngineConfig, list[str]]:
     """The launcher's resolved config at `path` (if any) with the keywords given in code on
-    top, and the keys where the two disagree."""
+    top, and the keys where the two disagree. A resolved file holds every field; one still at
+    its default was not set by anyone, so code changing it is no conflict (the launcher's own
+    file would otherwise warn on every run)."""
     data, _ = load_layers(path) if path else ({}, [])
+    defaults = to_dict(EngineConfig())
     conflicts = [
         f"{k}={v!r} in code, {data[k]!r} in {path}"
         for k, v in kwargs.items()
-        if k in data and data[k] != v and not isinstance(v, dict)
+        if k in data and data[k] != v and not isinstance(v, dict) and data[k] != defaults.get(k)
     ]
     return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts

@@ -29,11 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .adapters import attach_full_weights
 from .checkpoint_async import staging_bytes, wait_for_save
 from .collectives import check_reduction, gather_one, map_tensors, reduce_one
 from .config import EngineConfig, is_auto, resolve_grad_accum
 from .data import PreparedDataLoader
 from .dist import init_distributed
+from .ema import PreparedEMA, bind, shard
 from .engine_models import ModelVerbs
 from .engine_process import ProcessVerbs
 from .engine_state import LoaderTracker, checkpoint_parts, config_from_code, kind_of, restore_loop_state
@@ -90,6 +92,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._registered: list[Any] = []
         self._save_by_policy: Callable[[], Path] = self.save_state  # `save_policy_checkpoints_with`
         self._init_rng: torch.Tensor | None = None  # init_empty(): the generator state it began with
+        self._pretrained_saves: dict[int, int] = {}  # save_pretrained calls this step (arrival keys)
+        self.noun = "engine"  # what messages call this object (the Accelerator: "accelerator")
+        self._emas: list[PreparedEMA] = []  # EMAs passed to prepare (`shardwise.ema`)
         self._last_save: Any = None  # the newest save's SaveReport
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
@@ -170,7 +175,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         """
         kinds = [kind_of(obj, self._session) for obj in objects]
         of = {kind: [o for o, k in zip(objects, kinds) if k == kind]
-              for kind in ("model", "optimizer", "scheduler", "dataloader")}
+              for kind in ("model", "optimizer", "scheduler", "dataloader", "ema")}
         for loader in of["dataloader"]:
             self._check_batch_sizes(loader)
         known = self._session.param_ids if self._session is not None else set()
@@ -189,7 +194,14 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             self._observer.watch(model)
         prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
         for model in of["model"]:  # the heartbeat that says who did not arrive if a collective hangs
-            prepared[id(model)].register_forward_pre_hook(self._forward_started, prepend=True)
+            ready = prepared[id(model)]
+            ready.register_forward_pre_hook(self._forward_started, prepend=True)
+            # its own save_pretrained, called on every process, gathers through this engine
+            attach_full_weights(self.unwrap_model(ready), self._full_weights(ready))
+        for ema in of["ema"]:  # an EMA of a prepared model: its shadows take the model's layout
+            self._emas.append(bind(ema, [self.unwrap_model(m) for m in session.models]))
+            shard(self._emas[-1])
+            prepared[id(ema)] = ema
         for loader in of["dataloader"]:
             prepared[id(loader)] = self._prepare_loader(loader)
             self._loaders.loaders.append(prepared[id(loader)])
@@ -472,6 +484,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             self._session.release()
             self._session = Session(self.config, make_strategy(self.config, self._info))
         self._loaders.reset()
+        self._emas.clear()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -12,7 +12,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .adapters import save_problem, save_weights, unwrapped
+from .adapters import FullWeights, save_problem, save_weights, unwrapped
+from .arrival import arrived_together
+from .consolidate import find_aliases
+from .ema import PreparedEMA, shard, whole_on_main
 from .materialize import init_empty
 from .session import PRETRAINED, Session
 from .storage import CheckpointError, agree
@@ -23,6 +26,9 @@ class ModelVerbs:
     """Mixed into `Engine`, which provides `session` and `is_main_process`."""
 
     _init_rng: torch.Tensor | None  # init_empty(): the generator state it began with
+    _pretrained_saves: dict[int, int]  # save_pretrained calls at the current step (arrival keys)
+    noun: str  # what the user calls this object in messages: "engine" (or "accelerator")
+    _emas: list[PreparedEMA]  # EMAs passed to prepare
 
     @property
     def session(self) -> Session:
@@ -30,6 +36,25 @@ class ModelVerbs:
 
     @property
     def is_main_process(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def num_processes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def process_index(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def step(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def config(self) -> Any:
+        raise NotImplementedError
+
+    def others_moved_on(self) -> bool:
         raise NotImplementedError
 
     # -- models in ----------------------------------------------------------------------------
@@ -77,6 +102,17 @@ class ModelVerbs:
         object.__setattr__(model, PRETRAINED, Pretrained(Path(path), strict, key_map))
         return cast(nn.Module, model)
 
+    def whole_emas(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, every EMA passed to `prepare` holds whole shadows on the main process (for
+        save hooks that call its `save_pretrained` there alone). A collective: every process."""
+        return whole_on_main(self._emas, self.is_main_process)
+
+    def reshard_emas(self) -> None:
+        """EMAs passed to `prepare` whose shadows a load hook replaced with whole tensors, cut
+        back to their parameters' layout."""
+        for prepared in self._emas:
+            shard(prepared)
+
     # -- models out -------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module, without the DDP wrapper (an FSDP2 module is its own unwrap); its
@@ -85,8 +121,23 @@ class ModelVerbs:
 
     def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights as CPU tensors on the main process; `{}` on the others.
-        A collective: call it on every process."""
-        return self.session.strategy.full_state_dict(model)
+        Tied parameters are one tensor under each of their names, as in the model (so
+        transformers' `save_pretrained` writes them once). A collective: call it on every process."""
+        state = self.session.strategy.full_state_dict(model)
+        for alias, first in find_aliases(self.unwrap_model(model)).items():
+            if first in state:
+                state[alias] = state[first]
+        return state
+
+    def _full_weights(self, model: nn.Module) -> FullWeights:
+        """Where the prepared `model`'s own save_pretrained gets its weights (`adapters`)."""
+
+        def together() -> bool:
+            return arrived_together(self._pretrained_saves, "save_pretrained", self.step, self.num_processes,
+                                    self.is_main_process, self.config.collective_timeout_s,
+                                    self.others_moved_on)
+
+        return FullWeights(lambda: self.get_state_dict(model), together, self.noun, self.process_index)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
                    max_shard_size: int | str = "5GB",

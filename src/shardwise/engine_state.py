@@ -17,6 +17,7 @@ from .config import ConfigError, EngineConfig
 from .config_io import config_with_code, make_config
 from .data import PreparedDataLoader, is_dataloader
 from .dist import config_source
+from .ema import is_ema
 from .optim import PreparedOptimizer
 from .session import Session
 from .storage import CheckpointError
@@ -55,8 +56,9 @@ def _is_scheduler(obj: object) -> bool:
 
 
 def kind_of(obj: Any, session: Session | None) -> str:
-    """What `prepare` makes of `obj`: "model", "optimizer", "dataloader" or "scheduler"; an
-    object prepared already, or one of no such kind, is refused."""
+    """What `prepare` makes of `obj`: "model", "optimizer", "dataloader", "scheduler" or "ema"
+    (diffusers' EMAModel, `shardwise.ema`); an object prepared already, or one of no such kind,
+    is refused."""
     if isinstance(obj, nn.Module):
         if session is not None and session.is_prepared_model(obj):
             raise ValueError(f"{type(obj).__name__} was already prepared; prepare each model once")
@@ -69,9 +71,12 @@ def kind_of(obj: Any, session: Session | None) -> str:
         return "dataloader"
     if _is_scheduler(obj):
         return "scheduler"
+    if is_ema(obj):
+        return "ema"
     raise TypeError(
         f"prepare() cannot handle {type(obj).__module__}.{type(obj).__qualname__}; it takes "
-        "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers"
+        "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, LR schedulers and "
+        "diffusers' EMAModel"
     )
 
 

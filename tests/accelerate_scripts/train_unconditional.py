@@ -1,9 +1,12 @@
 """A script written for Hugging Face Accelerate in the pattern of diffusers'
 examples/unconditional_image_generation/train_unconditional.py: a tiny UNet2DModel trained as a
 DDPM, an EMA of its weights (diffusers' EMAModel), save/load pre-hooks that write the UNet and
-the EMA in diffusers' format, checkpointing and sampling on the main process only
-(`if accelerator.is_main_process:`), and a resume through the load hook. (The data loader does
-not shuffle, so a resumed run's order does not depend on how the sampler is restored.)
+the EMA in diffusers' format (the hook saves the models it is given, as diffusers' does),
+checkpointing and sampling on the main process only (`if accelerator.is_main_process:`; with
+`--everywhere` on every process, as a sharded model needs), the EMA passed to `prepare` (a no-op
+under Accelerate; shardwise shards it like the model), and a resume through the load hook. (The
+data loader does not shuffle, so a resumed run's order does not depend on how the sampler is
+restored.)
 
     python -m torch.distributed.run --nproc-per-node 2 train_unconditional.py --out run.json --cpu \\
         --output_dir ckpts --checkpointing_steps 4 [--resume_from_checkpoint ckpts/checkpoint-4]
@@ -38,6 +41,8 @@ def main():
     ap.add_argument("--no_ema", action="store_true")
     ap.add_argument("--no_sample", action="store_true")
     ap.add_argument("--epochs", type=int, default=2)
+    # save_state and sampling on every process (under a sharded strategy they need every process)
+    ap.add_argument("--everywhere", action="store_true")
     args = ap.parse_args()
     use_ema = not args.no_ema
 
@@ -58,9 +63,9 @@ def main():
                 ema_model.save_pretrained(os.path.join(output_dir, "unet_ema"))
                 record["saved"].append({"ema": total(ema_model.shadow_params),
                                         "dir": os.path.basename(output_dir),
-                                        "model": total(accelerator.unwrap_model(models[0]).parameters())})
-            for model in models:
-                accelerator.unwrap_model(model).save_pretrained(os.path.join(output_dir, "unet"))
+                                        "model": total(weights[0].values())})
+            for model in models:  # as diffusers' script: the models the hook is given, saved as they are
+                model.save_pretrained(os.path.join(output_dir, "unet"))
                 weights.pop()  # the hook saved this model
 
     def load_model_hook(models, input_dir):
@@ -90,6 +95,7 @@ def main():
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader,
                                                                            lr_scheduler)
     if use_ema:
+        ema_model = accelerator.prepare(ema_model)  # Accelerate: unchanged; shardwise: sharded like the model
         ema_model.to(accelerator.device)
 
     global_step, first_epoch = 0, 0
@@ -98,7 +104,7 @@ def main():
         accelerator.load_state(args.resume_from_checkpoint)
         global_step = int(os.path.basename(args.resume_from_checkpoint).split("-")[1])
         first_epoch = global_step // steps_per_epoch
-        record["loaded"]["model"] = total(accelerator.unwrap_model(model).parameters())
+        record["loaded"]["model"] = total(accelerator.get_state_dict(model).values())  # every process
 
     def dump():  # the main process's record, after every step (a refused run leaves what it did)
         if accelerator.is_main_process:
@@ -128,11 +134,11 @@ def main():
                 global_step += 1
                 record["losses"].append([global_step, loss.item()])
                 dump()
-                if (accelerator.is_main_process and args.checkpointing_steps
+                if ((accelerator.is_main_process or args.everywhere) and args.checkpointing_steps
                         and global_step % args.checkpointing_steps == 0):
                     accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process and not args.no_sample:
+        if (accelerator.is_main_process or args.everywhere) and not args.no_sample:
             unet = accelerator.unwrap_model(model)
             if use_ema:
                 ema_model.store(unet.parameters())

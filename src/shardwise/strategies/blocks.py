@@ -60,6 +60,25 @@ def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Mo
     return stacked
 
 
+def keep_ties_whole(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """`blocks` without those holding a parameter that is also used outside them (tied weights:
+    BERT's word embeddings and its masked-LM decoder, T5's shared embedding and its encoder's and
+    decoder's `embed_tokens`, any model's `_tied_weights_keys`, all found by identity). Such a
+    block is left to the unit above it, so each tied parameter lies in one sharding unit
+    whatever the block list says (FSDP2 refuses a parameter managed by two)."""
+    holders: dict[int, set[int]] = {}  # parameter -> the modules that hold it directly
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(id(m))
+    kept = []
+    for block in blocks:
+        inside = {id(m) for m in block.modules()}
+        if all(holders[id(p)] <= inside for p in block.parameters()):
+            kept.append(block)
+    return kept
+
+
 _CHECKPOINTED = "_shardwise_checkpointed"  # the mode of a block whose forward is already wrapped
 MODES = ("full", "selective", "offload")
 

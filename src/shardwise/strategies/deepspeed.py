@@ -44,6 +44,7 @@ The Engine's verbs keep their meaning; what DeepSpeed owns, and how it is kept i
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -60,6 +61,7 @@ from . import deepspeed_internals as ds
 from .base import EmptyModel, OptimizerRunner, StepResult, Strategy
 from .deepspeed_runner import DeepSpeedRunner
 from .deepspeed_setup import check_shard_group, deepspeed_config, import_deepspeed
+from .direct_calls import route_direct_calls
 from .frozen import for_inference
 from .fsdp import sync_generate
 from .host_step import step_on_host
@@ -117,6 +119,25 @@ class DeepSpeedPrecision(Precision):
         return
 
 
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _nothing() -> None:
+    return None
+
+
+def _engine_forward(model: DeepSpeedModel, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A submodule's forward, called outside the model's: as part of a forward of the DeepSpeed
+    engine when it can train (`deepspeed_internals.as_engine_forward`), else as it is. DeepSpeed
+    gathers each module's ZeRO-3 partitions in that module's own hooks, so the call itself needs
+    nothing more."""
+    engine = model.ds_engine
+    if engine is None or engine.optimizer is None or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return ds.as_engine_forward(engine, fn, *args, **kwargs)
+
+
 class DeepSpeedStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 with DeepSpeed's offload, one DeepSpeed engine per model."""
 
@@ -153,9 +174,13 @@ class DeepSpeedStrategy(Strategy):
             self.fill(model, empty, "cpu")
         model.to(self.info.device)
         wrapped = DeepSpeedModel(model, self)
-        unwrapped(model)  # a main-process save_pretrained (reached through `wrapped` too) is refused
+        unwrapped(model)  # a save_pretrained (reached through `wrapped` too) gathers on every process
         if self.stage == 3:  # a collective forward: generate runs synced, and ends on the partitions
             sync_generate(model, wrapped.release_gathered)
+        # a submodule called on its own (get_encoder()(...)) runs as the engine's forward would
+        route_direct_calls(model, [m for m in model.modules() if m is not model and _has_parameters(m)],
+                           functools.partial(_engine_forward, wrapped),
+                           wrapped.release_gathered if self.stage == 3 else _nothing)
         self._owner.update((id(p), wrapped) for p in model.parameters())
         return wrapped
 

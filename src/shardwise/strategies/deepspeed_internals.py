@@ -14,6 +14,10 @@ The ZeRO optimizer is `engine.optimizer`: `DeepSpeedZeroOptimizer` (stages 1 and
 Every stage
 - `DeepSpeedEngine._support_torch_style_backward`: `loss.backward()` runs the engine's prologue and
   epilogue from hooks (deepspeed>=0.18 with a recent torch).
+- `DeepSpeedEngine._backward_prologue` / `_backward_prologue_per_tensor`, the ZeRO optimizer's
+  `clear_backward_seen_flag()` and `deepspeed.runtime.utils.register_output_backward_hooks`:
+  what `DeepSpeedEngine.forward` adds around the module's forward so the backward that follows
+  runs the engine's prologue (`as_engine_forward`: a submodule called on its own).
 - the ZeRO optimizer's `optimizer` attribute: the user's torch optimizer it steps, replaced by
   `_KernelStep` for host_kernel="deepspeed" (a proxy that forwards every read and write).
 - the ZeRO optimizer's `loss_scale` (read and set: num_items' rescale) and `clip_grad` (read and
@@ -47,6 +51,20 @@ from .host_step import DeepSpeedAdam
 def supports_torch_style_backward(engine: Any) -> bool:
     """`loss.backward()` drives this DeepSpeed engine (no `engine.backward(loss)` needed)."""
     return bool(engine._support_torch_style_backward)
+
+
+def as_engine_forward(engine: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a submodule's forward, called outside the engine's forward) with
+    what `DeepSpeedEngine.forward` does around the module for the backward that follows: the
+    ZeRO optimizer's backward flag cleared, the engine's prologue hooked on the outputs (without
+    it ZeRO-3's step finds no reduced gradients: `KeyError` in `_get_norm_groups`)."""
+    from deepspeed.runtime.utils import register_output_backward_hooks
+
+    engine.optimizer.clear_backward_seen_flag()
+    out = fn(*args, **kwargs)
+    register_output_backward_hooks(out, preprocess_once_fn=engine._backward_prologue,
+                                   preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)
+    return out
 
 
 def flat_partitions(zero_opt: Any, stage: int) -> list[tuple[torch.Tensor, int]]:

@@ -52,7 +52,8 @@ from ..config import EngineConfig, offload_spec
 from ..dist import DistInfo, device_mesh, mesh_groups
 from ..internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
 from .base import EmptyModel, OptimizerRunner, Strategy
-from .blocks import find_blocks
+from .blocks import find_blocks, keep_ties_whole
+from .direct_calls import generate_as_forward, route_fsdp_calls
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner
 
@@ -169,7 +170,7 @@ class FSDPStrategy(Strategy):
         # every process holds process 0's weights already (Session._agree_weights)
         if empty is None and not offload_params:
             model.to(self.info.device)
-        blocks = find_blocks(model, self.cfg.wrap)
+        blocks = keep_ties_whole(model, find_blocks(model, self.cfg.wrap))
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         if self.param_dtype is torch.float32:
             mp = MixedPrecisionPolicy()
@@ -191,9 +192,12 @@ class FSDPStrategy(Strategy):
         if not hasattr(model, "no_sync"):  # DDP's `model.no_sync()`, which scripts call on any prepared model
             model.__dict__["no_sync"] = types.MethodType(_model_no_sync, model)
         model.register_forward_hook(reshard_after_no_grad)  # after FSDP2's own post-forward hook
-        # `unwrapped` now, not at the first unwrap_model: a peft model's generate runs the root's
-        # hooks, and a main-process save_pretrained of the prepared model is refused
-        sync_generate(unwrapped(model), functools.partial(reshard_all, model))
+        reshard = functools.partial(reshard_all, model)
+        # submodules called on their own (an encoder from generate) gather the root's parameters
+        route_fsdp_calls(model, reshard)
+        # `unwrapped` now, not at the first unwrap_model: a save_pretrained of the prepared model
+        # is guarded; generate runs as a forward of the root (its parameters gathered throughout)
+        sync_generate(unwrapped(model), reshard, generate_as_forward(model))
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -247,7 +251,8 @@ def reshard_after_no_grad(model: nn.Module, args: Any, output: Any) -> None:
 _SYNCED = "_shardwise_synced_generate"  # marks a generate `sync_generate` put on an instance
 
 
-def sync_generate(module: nn.Module, reshard: Callable[[], None]) -> None:
+def sync_generate(module: nn.Module, reshard: Callable[[], None],
+                  inner: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda g: g) -> None:
     """Give `module` (a sharded model, whose forward is collective) a `generate` that cannot
     desynchronise the processes, and that ends holding only the shard (`reshard`).
 
@@ -255,10 +260,12 @@ def sync_generate(module: nn.Module, reshard: Callable[[], None]) -> None:
     in the all-gather of their next forward until the collective timeout. transformers' own
     remedy, `synced_gpus=True` (every process keeps running forward until all are done), is
     forced here for a transformers model (or a peft model of one), whatever the caller passed.
+    `inner` wraps the model's own generate first.
     """
     generate = getattr(module, "generate", None)
     if not callable(generate) or getattr(generate, _SYNCED, False):
         return
+    generate = inner(generate)  # (FSDP2: counted as a forward of the root, `direct_calls`)
     sync = _is_transformers_generator(module)
 
     @functools.wraps(generate)
