@@ -36,7 +36,7 @@ bench: $(STAMP)
 
 # docs/config.md is generated from the config fields' docstrings (tests/test_docs.py checks it is current)
 docs: $(STAMP)
-	$(PY) -m shardwise.config_docs > docs/config.md
+	$(PY) -m shardwise.config.docs > docs/config.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

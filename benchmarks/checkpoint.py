@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GPT, finish_distributed, lm_loss
 
 import shardwise
-from shardwise import checkpoint, cli
-from shardwise.storage import checksum_file
+from shardwise import cli
+from shardwise.checkpoint import sharded as checkpoint
+from shardwise.checkpoint.storage import checksum_file
 
 
 def folder_bytes(path: Path) -> int:

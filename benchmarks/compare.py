@@ -45,7 +45,7 @@ from common import GPT, RESULTS, hardware, lm_loss, write_report
 
 import shardwise
 from shardwise.config import offload_spec, strategy_spec  # what each name means, for the peers
-from shardwise.internals import local_tensor  # a DTensor's shard, without an autograd node
+from shardwise.distributed.internals import local_tensor  # a DTensor's shard, without an autograd node
 
 MODEL = {"vocab": 4096, "d": 256, "layers": 4, "heads": 4, "block": 128}
 

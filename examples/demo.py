@@ -130,7 +130,7 @@ def main() -> None:
     engine.print(f"done: {step} steps in {time.perf_counter() - t0:.1f} s")
     engine.end_training()  # writes the last metrics record
     if engine.is_main_process:  # loss, tokens/s and memory per process over the run, as a PNG
-        from shardwise.report import report as make_report
+        from shardwise.runtime.report import report as make_report
 
         png, text = make_report(Path(args.run_dir) / "logs" / "demo")
         print(text)

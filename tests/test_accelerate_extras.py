@@ -190,7 +190,7 @@ def test_parallelism_config_becomes_the_shard_group() -> None:
     is refused in one line; it is never dropped."""
     from accelerate import ParallelismConfig
 
-    from shardwise.accelerate_rules import read_parallelism
+    from shardwise.accelerate.rules import read_parallelism
     from shardwise.config import ConfigError
 
     hybrid = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)

@@ -223,7 +223,7 @@ def test_main_process_save_pretrained_is_refused(runs: dict[str, Any], case: tup
 def test_shardwise_works_without_peft() -> None:
     """No peft installed (simulated by blocking its import): shardwise imports, saves plain models."""
     code = ("import sys; sys.modules['peft'] = None\n"
-            "import torch, shardwise\nfrom shardwise.adapters import is_peft_model\n"
+            "import torch, shardwise\nfrom shardwise.weights.adapters import is_peft_model\n"
             "assert not is_peft_model(torch.nn.Linear(2, 2))\nprint('ok')")
     proc = run_command([sys.executable, "-c", code], timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
@@ -231,7 +231,7 @@ def test_shardwise_works_without_peft() -> None:
 
 def test_merge_adapters_refused_for_a_plain_model(tmp_path: Path) -> None:
     import shardwise
-    from shardwise.storage import CheckpointError
+    from shardwise.checkpoint.storage import CheckpointError
 
     engine = shardwise.Engine(cpu=True)
     model = engine.prepare(W.build("tiny"))

@@ -310,7 +310,7 @@ BAD_SOURCES = ["missing file", "truncated file", "missing key", "extra key", "wr
 
 def _bad_loads(cases: list[tuple[str, str]]) -> dict[str, Any]:
     import shardwise
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sharded import CheckpointError
 
     engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
     model = engine.prepare(W.build("gpt2"))

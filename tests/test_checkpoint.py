@@ -162,7 +162,7 @@ def test_resume_at_any_strategy_and_world_size(matrix: dict, world: int) -> None
 
 # -- atomic saves -------------------------------------------------------------------------------
 def _killed_while_saving(folder: str) -> None:
-    import shardwise.checkpoint as ck
+    import shardwise.checkpoint.sharded as ck
 
     os.chdir(folder)
     engine = _engine("zero2")
@@ -184,7 +184,7 @@ def _resume_after_kill(folder: str) -> dict[str, Any]:
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
-    from shardwise.checkpoint import full_model_state, read_meta, resolve, verify
+    from shardwise.checkpoint.sharded import full_model_state, read_meta, resolve, verify
 
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(_killed_while_saving, 2, str(tmp_path), timeout=120)
@@ -267,7 +267,7 @@ def _tamper(folder: Path, case: str) -> Any:
     shard = next(folder.glob("*.distcp"))
 
     def rewrite_meta() -> None:  # a tamperer who also rewrites the recorded sizes and checksums
-        from shardwise.storage import checksum_file
+        from shardwise.checkpoint.storage import checksum_file
 
         files = [p for p in folder.rglob("*") if p.is_file() and p.name != "meta.json"]
         meta["files"] = {str(p.relative_to(folder)): p.stat().st_size for p in files}
@@ -328,7 +328,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_checkpoint_is_refused_with_one_line(case: str, good: Path, tmp_path: Path) -> None:
     import shardwise
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sharded import CheckpointError
 
     folder = tmp_path / "ckpt"
     shutil.copytree(good, folder)

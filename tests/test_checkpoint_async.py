@@ -45,7 +45,7 @@ def _engine(folder: Path, strategy: str = "zero3", **kw: Any) -> Any:
 def _slow_writes(seconds: float, marker: Path | None = None, first_only: bool = False) -> list[tuple]:
     """Slow each DCP data write of this process by `seconds` (touching `marker`.<rank> first);
     the returned list gets (folder, start, end) of each write."""
-    import shardwise.checkpoint as ck
+    import shardwise.checkpoint.sharded as ck
 
     real = ck._RecordingWriter.write_data
     log: list[tuple] = []
@@ -93,7 +93,7 @@ def _local_optim(opt: Any) -> list[dict[str, torch.Tensor]]:
 
 # -- resume, equality with a synchronous save, keep_last, one save in flight, staging bytes -----
 def _saving_run(folder: str) -> dict[str, Any]:
-    from shardwise.checkpoint_async import wait_for_save
+    from shardwise.checkpoint.background import wait_for_save
 
     root = Path(folder)
     engine = _engine(root, keep_last=2)
@@ -130,8 +130,8 @@ def _saving_run(folder: str) -> dict[str, Any]:
 
 
 def _resumed_runs(folder: str, killed: str) -> dict[str, Any]:
-    from shardwise.checkpoint import CheckpointError
-    from shardwise.checkpoint_async import WRITER
+    from shardwise.checkpoint.background import WRITER
+    from shardwise.checkpoint.sharded import CheckpointError
 
     resumed = _loop(_engine(Path(folder)), 6, load=str(Path(folder) / "checkpoints" / "step_3"))
     # after the SIGKILL: resume from the newest (step_2) and save step_4 again over the leftovers;
@@ -161,7 +161,7 @@ def _resumed_runs(folder: str, killed: str) -> dict[str, Any]:
 def _full_disk_on_rank_1() -> None:
     import errno
 
-    import shardwise.checkpoint as ck
+    import shardwise.checkpoint.sharded as ck
 
     real = ck._RecordingWriter.write_data
 
@@ -205,7 +205,7 @@ def _killed_in_write(folder: str) -> None:
 
     def at_step(step: int, model: Any, opt: Any) -> None:
         if step == 2:
-            from shardwise.checkpoint_async import wait_for_save
+            from shardwise.checkpoint.background import wait_for_save
 
             engine.save_state()
             wait_for_save()  # step_2 is complete
@@ -260,7 +260,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     codes = _run_until_marker(_killed_in_write, killed, signal.SIGKILL)
     listing = sorted(p.name for p in (killed / "checkpoints").iterdir())
     latest = (killed / "checkpoints" / "latest").read_text().strip()
-    from shardwise.checkpoint import newest, verify
+    from shardwise.checkpoint.sharded import newest, verify
 
     after_kill = {"codes": codes, "listing": listing, "latest": latest,
                   "newest": newest(killed / "checkpoints").name, "verified": verify(killed / "checkpoints")}
@@ -325,7 +325,7 @@ def test_a_failed_background_write_is_raised_on_every_process(runs: dict) -> Non
 
 
 def test_sigterm_waits_for_the_pending_save(runs: dict) -> None:
-    from shardwise.checkpoint import verify
+    from shardwise.checkpoint.sharded import verify
 
     assert runs["pre_codes"] == [75, 75]
     root = runs["pre"] / "checkpoints"

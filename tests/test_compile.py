@@ -29,7 +29,7 @@ from torch import nn
 
 import shardwise
 from shardwise.config import ConfigError, EngineConfig
-from shardwise.internals import dynamo_graphs
+from shardwise.distributed.internals import dynamo_graphs
 from shardwise.strategies.compile import compile_stats
 
 # Inductor compiles in this process, not in a pool of workers it would start first (seconds per
@@ -98,7 +98,7 @@ def test_compiled_training_equals_one_process(case: str, runs: tuple[dict[str, A
 
 
 def test_compiled_equals_eager_and_keeps_its_names(runs: tuple[dict[str, Any], Path]) -> None:
-    from shardwise.checkpoint import read_meta
+    from shardwise.checkpoint.sharded import read_meta
 
     results, folder = runs
     compiled, eager = results["zero3"], results["eager zero3"]

@@ -11,7 +11,7 @@ import pytest
 
 import shardwise
 from shardwise import cli
-from shardwise.config_io import load_config
+from shardwise.config.files import load_config
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "fixtures"
@@ -96,7 +96,8 @@ BAD = {
 @pytest.fixture()
 def no_torchrun(monkeypatch: pytest.MonkeyPatch) -> list:
     started: list = []
-    monkeypatch.setattr("shardwise.launch.run_torchrun", lambda argv, path, **_: started.append(argv) or 0)
+    monkeypatch.setattr("shardwise.cli.launch.run_torchrun",
+                        lambda argv, path, **_: started.append(argv) or 0)
     return started
 
 
@@ -139,8 +140,8 @@ def test_launch_builds_torchrun_argv_from_file_and_flags(no_torchrun: list, tmp_
 
 
 def test_torchrun_argv_multi_node() -> None:
+    from shardwise.cli.launch import torchrun_argv
     from shardwise.config import LaunchConfig
-    from shardwise.launch import torchrun_argv
 
     launch = LaunchConfig(num_processes=8, num_nodes=2, node_rank=1, main_address="10.0.0.1", main_port=29555)
     assert torchrun_argv(launch, "train.py", ["--x"]) == [
@@ -180,7 +181,7 @@ def test_the_launchers_own_file_warns_only_where_someone_set_a_value(
     """`shardwise launch` writes every field of the resolved config; code that changes one still
     at its default (the Accelerator passes grad_accum_steps, a seed) is no conflict, a value the
     user set for the launch is (issue 33)."""
-    from shardwise.config_io import write_yaml
+    from shardwise.config.files import write_yaml
 
     cfg = tmp_path / "resolved.yaml"
     resolved = shardwise.EngineConfig(strategy="zero3", cpu=True)
@@ -312,7 +313,7 @@ def _fsdp_yaml(strategy: str | None = None, processes: int = 4, **parallelism: i
     ("HYBRID_SHARD", "zero3"), ("4", "zero3"), ("HYBRID_SHARD_ZERO2", "zero2"), ("5", "zero2"),
 ])
 def test_accelerate_hybrid_shard_imports_to_node_groups(spelling: str, strategy: str) -> None:
-    from shardwise.imports import from_accelerate
+    from shardwise.config.translate import from_accelerate
 
     for value in (spelling, int(spelling) if spelling.isdigit() else spelling):
         settings, dropped = from_accelerate(_fsdp_yaml(value))  # type: ignore[arg-type]
@@ -333,7 +334,7 @@ def test_accelerate_hybrid_shard_imports_to_node_groups(spelling: str, strategy:
 def test_accelerate_parallelism_config_sets_the_group(strategy: str | None, sizes: dict, want: tuple | None
                                                       ) -> None:
     from shardwise.config import ConfigError
-    from shardwise.imports import from_accelerate
+    from shardwise.config.translate import from_accelerate
 
     acc = _fsdp_yaml(strategy, **sizes)
     if want is None:
@@ -360,7 +361,7 @@ def test_accelerate_hybrid_file_round_trips_through_the_cli(tmp_path: Path) -> N
 
 
 def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
-    from shardwise.imports import from_parallelism
+    from shardwise.config.translate import from_parallelism
 
     fields = {"dp_replicate_size": 2, "dp_shard_size": 4, "tp_size": 1, "cp_size": None}
     assert from_parallelism(fields, 8) == 4  # a ParallelismConfig's attributes (None: unset)
@@ -383,7 +384,7 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
 ])
 def test_bad_parallelism_config_is_refused_naming_the_key(acc: dict, message: str) -> None:
     from shardwise.config import ConfigError
-    from shardwise.imports import from_accelerate
+    from shardwise.config.translate import from_accelerate
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         from_accelerate(acc)
@@ -394,7 +395,7 @@ def _zero(**keys: object) -> dict:
 
 
 def test_deepspeed_mics_imports_to_a_sharding_group() -> None:
-    from shardwise.imports import from_deepspeed
+    from shardwise.config.translate import from_deepspeed
 
     settings, dropped = from_deepspeed(_zero(mics_shard_size=2))
     assert (settings["strategy"], settings["shard_group_size"]) == ("zero3", 2)
@@ -419,7 +420,7 @@ def test_deepspeed_mics_file_loads_as_hybrid_zero3(tmp_path: Path) -> None:
 
 def test_deepspeed_hpz_is_reported_not_made_a_group() -> None:
     """hpZ shards optimizer states over all processes: not a sharding group; DeepSpeed runs it."""
-    from shardwise.imports import from_deepspeed
+    from shardwise.config.translate import from_deepspeed
 
     settings, dropped = from_deepspeed(_zero(zero_hpz_partition_size=2))
     assert (settings["strategy"], "shard_group_size" in settings) == ("zero3", False)
@@ -436,7 +437,7 @@ def test_deepspeed_hpz_is_reported_not_made_a_group() -> None:
 ])
 def test_bad_deepspeed_hybrid_keys_are_refused_naming_the_key(ds: dict, message: str) -> None:
     from shardwise.config import ConfigError
-    from shardwise.imports import from_deepspeed
+    from shardwise.config.translate import from_deepspeed
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         from_deepspeed(ds)

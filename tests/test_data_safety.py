@@ -37,7 +37,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 def _error(fn: Any) -> str | None:
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sharded import CheckpointError
 
     try:
         fn()
@@ -177,33 +177,46 @@ REFUSALS = {  # case -> what the one line must say
 }
 
 
-def check_careless(runs: list[dict[str, Any]], folder: Path) -> None:
-    """The assertions on `careless_user`'s observations (shared by both engines' tests)."""
-    from safetensors.torch import load_file
-
-    from shardwise.checkpoint import verify
-
+def _save_model_keeps_the_users_files(runs: list[dict[str, Any]], folder: Path) -> None:
     out = runs[0]
     assert out["after_save_model"] == ["config.json", "model.safetensors", "results.txt", "tokenizer.json"]
+    assert out["user_files"] == USER_FILES
+    from safetensors.torch import load_file
+
+    saved = load_file(folder / "run" / "outputs" / "model.safetensors")
+    assert all(torch.equal(saved[k], out["weights"][k]) for k in saved)
+
+
+def _split_then_one_file_again(runs: list[dict[str, Any]], folder: Path) -> None:
+    out = runs[0]
     assert ("model.safetensors" not in out["after_split"]
             and "model.safetensors.index.json" in out["after_split"])
     assert ({n for n in out["after_split"] if n.startswith("model-")}
             and "tokenizer.json" in out["after_split"])
     assert out["after_one_file_again"] == out["after_save_model"]
-    assert out["user_files"] == USER_FILES
-    saved = load_file(folder / "run" / "outputs" / "model.safetensors")
-    assert all(torch.equal(saved[k], out["weights"][k]) for k in saved)
-    for case, needle in REFUSALS.items():
+
+
+def _refused_in_one_line_alike(case: str) -> Any:
+    def check(runs: list[dict[str, Any]], folder: Path) -> None:
         messages = [r["refused"][case] for r in runs]
         assert messages[0] is not None, f"{case}: not refused"
         assert all(m == messages[0] for m in messages), f"{case}: processes disagree: {messages}"
-        assert "\n" not in messages[0] and needle in messages[0], (case, messages[0])
-    assert ("checksum mismatch" in out["refused"]["flipped shard"]
-            and ".distcp" in out["refused"]["flipped shard"])
-    assert "raise it, or save elsewhere" in out["refused"]["disk full"]
-    assert ("; it needs " in out["refused"]["disk full"]
-            and " bytes)" in out["refused"]["disk full"])  # the bytes needed
-    assert "prepare AdamW as when it was saved" in out["refused"]["adamw into sgd"]
+        assert "\n" not in messages[0] and REFUSALS[case] in messages[0], (case, messages[0])
+    return check
+
+
+def _the_refusals_say_the_fix(runs: list[dict[str, Any]], folder: Path) -> None:
+    refused = runs[0]["refused"]
+    assert "checksum mismatch" in refused["flipped shard"] and ".distcp" in refused["flipped shard"]
+    assert "raise it, or save elsewhere" in refused["disk full"]
+    assert "; it needs " in refused["disk full"] and " bytes)" in refused["disk full"]  # the bytes needed
+    assert "prepare AdamW as when it was saved" in refused["adamw into sgd"]
+
+
+def _nothing_lost_or_left_behind(runs: list[dict[str, Any]], folder: Path) -> None:
+    from shardwise.checkpoint.sharded import verify
+
+    out = runs[0]
     assert out["untouched_after_refusals"] and out["untouched_after_notes"]
     assert out["previous_kept_after_disk_full"]
     for listing in (out["listing_after_resaves"], out["listing_after_disk_full"]):
@@ -212,14 +225,25 @@ def check_careless(runs: list[dict[str, Any]], folder: Path) -> None:
     assert len(verify(folder / "run" / "ckpt")) >= 5
 
 
+# one check per careless-user scenario (shared by both engines' tests: test_deepspeed.py)
+CARELESS = {
+    "save_model keeps the user's files": _save_model_keeps_the_users_files,
+    "split into shards, then one file again": _split_then_one_file_again,
+    **{f"refused: {case}": _refused_in_one_line_alike(case) for case in REFUSALS},
+    "refusals say the fix": _the_refusals_say_the_fix,
+    "nothing lost or left behind": _nothing_lost_or_left_behind,
+}
+
+
 @pytest.fixture(scope="module")
 def careless(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
     folder = tmp_path_factory.mktemp("careless")
     return spawn(careless_user, 2, "torch", str(folder)), folder
 
 
-def test_careless_user_loses_nothing(careless: tuple[list[dict[str, Any]], Path]) -> None:
-    check_careless(*careless)
+@pytest.mark.parametrize("scenario", list(CARELESS))
+def test_careless_user_loses_nothing(careless: tuple[list[dict[str, Any]], Path], scenario: str) -> None:
+    CARELESS[scenario](*careless)
 
 
 def test_export_refuses_a_corrupted_checkpoint_and_keeps_user_files(
@@ -246,7 +270,7 @@ def test_export_refuses_a_corrupted_checkpoint_and_keeps_user_files(
 def test_verify_finds_flipped_bytes_in_an_export(careless: tuple[list[dict[str, Any]], Path], tmp_path: Path,
                                                  where: str) -> None:
     from shardwise import cli
-    from shardwise.checkpoint import CheckpointError, verify
+    from shardwise.checkpoint.sharded import CheckpointError, verify
 
     out = tmp_path / "exported"
     split = where == "shard"
@@ -266,7 +290,7 @@ def test_verify_finds_flipped_bytes_in_an_export(careless: tuple[list[dict[str, 
 # -- SIGKILL in the middle of save_model ----------------------------------------------------------
 def _killed_in_save_model(folder: str) -> None:
     import shardwise
-    import shardwise.consolidate as writer
+    import shardwise.weights.export as writer
 
     engine = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED)
     model, _ = W.one_step(engine, "gpt2")
@@ -301,7 +325,7 @@ def _save_again(folder: str) -> None:
 def test_sigkill_during_save_model_leaves_the_folder_whole(tmp_path: Path) -> None:
     from transformers import GPT2LMHeadModel
 
-    from shardwise.checkpoint import verify
+    from shardwise.checkpoint.sharded import verify
 
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(_killed_in_save_model, 2, str(tmp_path), timeout=300)

@@ -17,7 +17,7 @@ import pytest
 from spawn import spawn
 
 from shardwise.config import ConfigError, EngineConfig
-from shardwise.strategies.deepspeed_setup import check_shard_group, deepspeed_config
+from shardwise.strategies.deepspeed.setup import check_shard_group, deepspeed_config
 
 REFUSAL = ("is not supported by backend='deepspeed': DeepSpeed 0.19 removed MiCS (mics_shard_size), its "
            "hybrid sharding; use backend='torch' for shard_group_size")
@@ -90,7 +90,7 @@ def _hpz_run(ds_json: str) -> dict:
     import workloads as W
 
     import shardwise
-    from shardwise.strategies.deepspeed_internals import partition_numels
+    from shardwise.strategies.deepspeed.internals import partition_numels
 
     engine = shardwise.Engine(backend="deepspeed", strategy="zero3", cpu=True, seed=W.SEED,
                               grad_accum_steps=RUN["accum"], deepspeed_config=ds_json)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config_docs import REGENERATE, config_reference
+from shardwise.config.docs import REGENERATE, config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -39,7 +39,7 @@ def test_config_reference_is_current() -> None:
     page = ROOT / "docs" / "config.md"
     assert page.exists(), f"docs/config.md is missing: run `{REGENERATE}` (or `make docs`)"
     assert page.read_text() == config_reference(), (
-        f"docs/config.md is stale against src/shardwise/config.py: run `{REGENERATE}` (or `make docs`)"
+        f"docs/config.md is stale against src/shardwise/config/tree.py: run `{REGENERATE}` (or `make docs`)"
     )
 
 

@@ -134,7 +134,7 @@ def _work() -> dict[str, Any]:
 def _gather_mismatch(engine: Any) -> dict[str, Any]:
     """Shapes and dtypes that differ across processes are refused in one line (both processes),
     lengths that differ are gathered, and max/min reduce."""
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sharded import CheckpointError
 
     out: dict[str, Any] = {}
     rank = engine.process_index

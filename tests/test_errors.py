@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 import shardwise
 from shardwise import ConfigError
-from shardwise.precision import check_device_supports
+from shardwise.strategies.precision import check_device_supports
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ def _run(kw: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import shardwise
-    from shardwise.internals import local_tensor
+    from shardwise.distributed.internals import local_tensor
 
     engine = shardwise.Engine(grad_accum_steps=RUN["accum"], seed=W.SEED, cpu=True, **kw)
     out = W.run_loop(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])

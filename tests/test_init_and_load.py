@@ -127,7 +127,7 @@ def make_folders(root: Path) -> dict[str, Any]:
 
 def _refusal(fn: Any) -> str | None:
     from shardwise import ConfigError
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sharded import CheckpointError
 
     try:
         fn()

@@ -39,9 +39,9 @@ import torch
 from spawn import spawn
 from torch import nn
 
-from shardwise.draws import Stepper
-from shardwise.init_record import KEEP_BYTES, InitRecipe, recipe_of
-from shardwise.materialize import init_empty
+from shardwise.weights.draws import Stepper
+from shardwise.weights.materialize import init_empty
+from shardwise.weights.record import KEEP_BYTES, InitRecipe, recipe_of
 
 GPT2_SIZE = {"vocab_size": 8192, "n_embd": 768, "n_layer": 12, "n_head": 12}  # 91.4M parameters
 EMPTY_BOUND = 0.05  # init_empty alone, x the model's fp32 bytes
@@ -105,7 +105,7 @@ def _shards_mismatched(model: nn.Module, path: str) -> list[str]:
     pages would count in the high-water mark measured next)."""
     import json
 
-    from shardwise.internals import local_tensor, shard_box
+    from shardwise.distributed.internals import local_tensor, shard_box
 
     file = Path(path) / "model.safetensors"
     with open(file, "rb") as f:
@@ -137,7 +137,7 @@ def _tiny_file(model: nn.Module, path: str) -> str:
 
 
 def _locals(model: nn.Module) -> list[torch.Tensor]:
-    from shardwise.internals import local_tensor
+    from shardwise.distributed.internals import local_tensor
 
     return [local_tensor(p) for p in model.parameters()]
 

@@ -175,7 +175,7 @@ def test_gloo_abort_hint_only_on_an_abort_without_a_python_error(tmp_path: Path)
     import json
     from types import SimpleNamespace
 
-    from shardwise.launch import describe_failures
+    from shardwise.cli.launch import describe_failures
 
     raised = tmp_path / "error.json"
     raised.write_text(json.dumps({"message": {"message": "Traceback ...\nValueError: bad batch"}}))
@@ -194,7 +194,7 @@ def test_gloo_abort_hint_only_on_an_abort_without_a_python_error(tmp_path: Path)
 
 
 def test_a_stop_signal_line_says_what_was_saved() -> None:
-    from shardwise.launch import describe_stop
+    from shardwise.cli.launch import describe_stop
 
     saved = [{"attempt": 0, "step": 4, "seconds": 0.1, "path": "ck/step_4", "stop": ""},
              {"attempt": 0, "step": 4, "seconds": 0.25, "path": "ck/step_4", "stop": "SIGTERM"}]

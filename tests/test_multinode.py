@@ -69,7 +69,7 @@ def _train(out: Path) -> None:
     result = {
         "rank": dist.get_rank(), "world": engine.num_processes, "node": int(os.environ[NODE_TAG]),
         "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "groups": _groups(model),
-        "losses": losses, "config": shardwise.config_io.to_dict(engine.config),
+        "losses": losses, "config": shardwise.config.files.to_dict(engine.config),
     }
     state = engine.get_state_dict(model)  # a collective; the full weights land on rank 0
     if engine.is_main_process:

@@ -294,7 +294,7 @@ def test_report_reads_what_a_crash_left_whole(tmp_path: Path) -> None:
     """A metrics.jsonl whose last line was cut by a crash: the whole lines are reported, and one
     line names the file, the line and the bytes left out; a damaged line before the end is refused."""
     from shardwise.config import ConfigError
-    from shardwise.report import report
+    from shardwise.runtime.report import report
 
     run = tmp_path / "run"
     run.mkdir()

@@ -300,7 +300,7 @@ def _tiny_config(tmp_path: Path, layers: int = 5) -> Path:
 def test_cli_plans_a_config_json_writes_a_loadable_config_and_a_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from shardwise.config_io import load_config
+    from shardwise.config.files import load_config
 
     cfg = _tiny_config(tmp_path)
     out, png = tmp_path / "shardwise.yaml", tmp_path / "plan.png"
@@ -370,7 +370,7 @@ def _auto_runs() -> dict[str, Any]:
     import workloads as W
 
     import shardwise
-    from shardwise import auto
+    from shardwise.plan import auto
 
     def run() -> dict[str, Any]:
         engine = shardwise.Engine(strategy="auto", cpu=True, grad_accum_steps=2, seed=W.SEED)

@@ -19,7 +19,7 @@ from spawn import spawn
 from test_plan import MODELS, TOLERANCE, LiveStorage, _optimizer, _spec
 
 from shardwise import cli
-from shardwise.cli_plan import world_layout
+from shardwise.cli.plan import world_layout
 from shardwise.config import ConfigError
 from shardwise.plan import Candidate, PlanRequest, plan_model
 from shardwise.plan.comm import ring_bytes, step_comm

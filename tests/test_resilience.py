@@ -171,7 +171,7 @@ def test_preemption_signals_to_every_process_and_repeated_lose_no_step(tmp_path:
 
 # -- a rank hangs: the collective times out, every process ends, the checkpoint is whole -----------
 def test_a_hung_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> None:
-    from shardwise.checkpoint import newest, verify
+    from shardwise.checkpoint.sharded import newest, verify
 
     config = _config(tmp_path, strategy="zero3", checkpoint_every_steps=1, collective_timeout_s=15,
                      preempt_grace_s=5)
@@ -279,8 +279,8 @@ def _train(engine: Any, model: Any, opt: Any, loader: Any, steps: int) -> None:
 
 def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardwise.resilience import read_run_record
-    from shardwise.storage import CheckpointError
+    from shardwise.checkpoint.storage import CheckpointError
+    from shardwise.runtime.supervision import read_run_record
 
     engine, *_ = _prepared(tmp_path)
     assert engine.load_state() is None  # a typo'd or empty checkpoint_dir: said, not silent
@@ -314,7 +314,7 @@ def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: p
 
 # -- checkpoint_every_steps saves the last step too, at end_training() ------------------------------
 def test_the_checkpoint_policy_saves_the_final_step(tmp_path: Path) -> None:
-    from shardwise.checkpoint import step_dirs
+    from shardwise.checkpoint.sharded import step_dirs
 
     engine, model, opt, loader = _prepared(tmp_path, checkpoint_every_steps=3)
     _train(engine, model, opt, loader, 4)

@@ -88,7 +88,7 @@ def _first_run(folder: str) -> dict[str, Any]:
 
 def _second_run(folder: str) -> dict[str, Any]:
     """Run B, started while A runs, on the same checkpoint_dir: refused, before it loads or saves."""
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sharded import CheckpointError
 
     _wait_for(Path(folder) / "a_ready")
     engine, model, opt = _run(folder, 5)
@@ -122,7 +122,7 @@ class _Big:
 def _after_a_died(folder: str) -> dict[str, Any]:
     """Run C: A's workers ended without their atexit (os._exit), so its lock names a dead pid.
     C takes it over with one line, resumes A's step_2, and a full disk in its save says so."""
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.sharded import CheckpointError
 
     lines: list[str] = []
 
@@ -163,7 +163,7 @@ print(sorted(os.listdir(sys.argv[1])))
 
 
 def _full_state(path: Path) -> dict[str, torch.Tensor]:
-    from shardwise.checkpoint import full_model_state
+    from shardwise.checkpoint.sharded import full_model_state
 
     state: dict[str, torch.Tensor] = full_model_state(path)[0]
     return state
@@ -215,7 +215,7 @@ def test_two_runs_in_one_checkpoint_folder(tmp_path: Path) -> None:
 
 
 def _lock_info(**fields: Any) -> dict[str, Any]:
-    from shardwise import runlock
+    from shardwise.checkpoint import runlock
 
     return {**runlock._me(), **fields}
 
@@ -224,8 +224,8 @@ def test_run_lock_takes_over_only_a_provably_dead_holder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Single process (no process group): who may take a lock over, and the lines."""
-    from shardwise import runlock
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint import runlock
+    from shardwise.checkpoint.sharded import CheckpointError
 
     def attempt(info: dict[str, Any] | None) -> str:
         root = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
@@ -268,7 +268,7 @@ def test_disk_full_says_no_space_left_with_the_bytes_needed(tmp_path: Path) -> N
     errno), both said as the OS would, with the path and the bytes needed."""
     import shutil
 
-    from shardwise.storage import os_error_line, write_torch
+    from shardwise.checkpoint.storage import os_error_line, write_torch
 
     state = {"t": torch.zeros(5000)}
     with pytest.raises(OSError) as err:

@@ -4,7 +4,7 @@ trains what one plain process trains on the mean over every token of the whole g
 Padded variable-length samples (1 to 7 target tokens out of 7), so micro-batches carry very
 different token counts. The plain process takes each optimizer step's 8 samples in one forward,
 `sum(token losses) / N`, clips at 0.5 and steps AdamW. The sharded runs count tokens locally per
-micro-batch and agree on N once per optimizer step (`shardwise.items`). Tolerances as in
+micro-batch and agree on N once per optimizer step (`shardwise.engine.items`). Tolerances as in
 `test_equivalence.py`: losses 1e-5, clip norms 1e-5 relative, weights 2e-5. The usual
 per-micro-batch mean is measured against the same reference (its drift is in docs/finetuning.md).
 """

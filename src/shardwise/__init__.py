@@ -1,18 +1,17 @@
 """shardwise: train PyTorch models that do not fit on one device, from an ordinary loop."""
 
-from .accelerate_extras import ProfileKwargs
-from .accelerate_types import (
+from .accelerate.accelerator import Accelerator
+from .accelerate.extras import ProfileKwargs
+from .accelerate.objects import (
     DataLoaderConfiguration,
     DistributedType,
     GradientAccumulationPlugin,
     ProjectConfiguration,
 )
-from .accelerator import Accelerator
-from .config import ConfigError, EngineConfig, LossScaleConfig
-from .engine import Engine, set_seed
-from .memory import MemoryReport, tensor_memory
-
-__version__ = "0.1.0"
+from .config.tree import ConfigError, EngineConfig, LossScaleConfig
+from .engine.engine import Engine, set_seed
+from .runtime.memory import MemoryReport, tensor_memory
+from .version import __version__
 
 __all__ = [
     "Accelerator",

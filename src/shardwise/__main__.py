@@ -1,5 +1,5 @@
 """`python -m shardwise ...` is the `shardwise` command."""
 
-from .cli import entry
+from .cli.main import entry
 
 entry()

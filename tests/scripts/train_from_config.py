@@ -59,7 +59,7 @@ def main() -> None:
         result = config_optimizer_loop(engine, args.model, args.batch, args.steps)
     else:
         result = W.run_loop(engine, args.model, batch=args.batch, steps=args.steps)
-    result["config"] = shardwise.config_io.to_dict(engine.config)
+    result["config"] = shardwise.config.files.to_dict(engine.config)
     result["world"] = engine.num_processes
     if engine.is_main_process:
         torch.save(result, args.out)

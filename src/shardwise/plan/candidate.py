@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ConfigError, OffloadSpec, StrategySpec, offload_spec, strategy_spec
+from ..config.tree import ConfigError, OffloadSpec, StrategySpec, offload_spec, strategy_spec
 
 AC_MODES = ("none", "full", "selective", "offload")
 

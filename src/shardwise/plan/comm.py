@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import strategy_spec
+from ..config.tree import strategy_spec
 
 __all__ = ["KINDS", "CommVolume", "ring_bytes", "step_comm"]
 

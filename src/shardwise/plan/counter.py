@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from ..internals import local_tensor
+from ..distributed.internals import local_tensor
 from .fakes import DispatchMode, is_fake, overload_packet, storage_key, tree_leaves
 
 ROLES = ("params", "grads", "optimizer", "comm", "activations", "temporaries")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ..precision import DTYPES
+from ..strategies.precision import DTYPES
 from .trace import ROLES, SegmentPeak, TraceResult
 
 GiB = 2**30

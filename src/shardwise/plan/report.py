@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config.tree import ConfigError
 from .fit import GiB
 from .planner import Plan, StrategyPlan
 
@@ -155,7 +155,7 @@ def plot(plan: Plan, path: str | Path) -> None:
 
 def write_config(plan: Plan, path: str | Path, chosen: StrategyPlan | None = None) -> None:
     """The chosen plan as a shardwise YAML `shardwise launch` reads (refuses if nothing fits)."""
-    from ..config_io import make_config, write_yaml
+    from ..config.files import make_config, write_yaml
 
     if chosen is None:  # the global-batch suggestion when asked for one, else the best plan
         chosen = plan.global_batch.plan if plan.global_batch is not None else plan.best

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..config import PRECISIONS, plan_choices, strategy_spec
+from ..config.tree import PRECISIONS, plan_choices, strategy_spec
 from .candidate import Candidate, check_checkpointing
 from .fit import Hardware, Overheads
 from .presets import PlanError
@@ -22,7 +22,7 @@ def _candidates() -> tuple[Candidate, ...]:
     nothing offloaded, then the optimizer, then the parameters on the host, each by ZeRO stage;
     with the optimizer on the host, the plans that keep whole gradients on the device (zero1)
     come after those that shard them: the same host traffic for more device memory."""
-    from ..config import offload_spec
+    from ..config.tree import offload_spec
 
     def simpler(choice: tuple[str, str]) -> tuple[bool, bool, bool, int]:
         off, spec = offload_spec(choice[1]), strategy_spec(choice[0])

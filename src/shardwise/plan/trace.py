@@ -59,18 +59,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..config import OffloadSpec
-from ..internals import is_sharded, local_tensor
+from ..config.tree import OffloadSpec
+from ..distributed.internals import is_sharded, local_tensor
 from .candidate import Candidate
-from .counter import (
-    ROLES,
-    SegmentPeak,
-    StepMarks,
-    StorageCounter,
-    replay,
-    resize_seen,
-    step_views,
-)
+from .counter import ROLES, SegmentPeak, StepMarks, StorageCounter, replay, resize_seen, step_views
 from .fakes import (
     fake_ddp,
     fake_mode,
@@ -245,9 +237,9 @@ def _checkpoint_bytes(session: Any, prep: _Prepared) -> float:
 def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.ExitStack) -> Any:
     """Step 1: the `Session` that `Engine.prepare` builds, on a fake world of `job.world_size`
     ranks (made outside the fake mode), then the fake mode and the patches the trace runs under."""
-    from ..config_io import make_config
-    from ..dist import init_distributed
-    from ..session import Session
+    from ..config.files import make_config
+    from ..distributed.world import init_distributed
+    from ..engine.session import Session
     from ..strategies import make_strategy
 
     cand = job.candidate

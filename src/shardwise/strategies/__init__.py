@@ -6,8 +6,8 @@ its implementation on each backend.
 
 from __future__ import annotations
 
-from ..config import STRATEGY_TABLE, EngineConfig
-from ..dist import DistInfo
+from ..config.tree import STRATEGY_TABLE, EngineConfig
+from ..distributed.world import DistInfo
 from .base import OptimizerRunner, StepResult, Strategy
 from .blocks import apply_activation_checkpointing, find_blocks
 from .ddp import DDPStrategy
@@ -18,7 +18,7 @@ def make_strategy(cfg: EngineConfig, info: DistInfo) -> Strategy:
     """The strategy `cfg.strategy` names on the backend `cfg.backend` names (both validated)."""
     stage = STRATEGY_TABLE[cfg.strategy].stage
     if cfg.backend == "deepspeed":
-        from .deepspeed import DeepSpeedStrategy  # imports deepspeed itself only when built
+        from .deepspeed.strategy import DeepSpeedStrategy  # imports deepspeed itself only when built
 
         return DeepSpeedStrategy(cfg, info, stage=stage)
     if stage <= 1:

@@ -1,7 +1,7 @@
 """The narrow interface the Engine's session talks to. Nothing outside `strategies/` compares names.
 
 A `Strategy` turns models into their distributed form, holds the run's `Precision`, and performs
-the optimizer step (`optimizer_step`: clip, skip on fp16 overflow, update; see `shardwise.step`
+the optimizer step (`optimizer_step`: clip, skip on fp16 overflow, update; see `shardwise.engine.step`
 for the whole protocol). An `OptimizerRunner` is how one optimizer's update happens under it.
 """
 
@@ -24,17 +24,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config import EngineConfig, resolve_shard_group
-from ..dist import DistInfo, mesh_groups
-from ..materialize import Places, allocate, materialize
-from ..precision import Precision
-from ..weights import Reader, copy_into, full_shapes
+from ..config.tree import EngineConfig, resolve_shard_group
+from ..distributed.world import DistInfo, mesh_groups
+from ..weights.loading import Reader, copy_into, full_shapes
+from ..weights.materialize import Places, allocate, materialize
 from .host_step import DeepSpeedAdam, threads
+from .precision import Precision
 
 
 @dataclass(frozen=True)
 class EmptyModel:
-    """How to fill a model built on the meta device (see `shardwise.materialize`)."""
+    """How to fill a model built on the meta device (see `shardwise.weights.materialize`)."""
 
     places: Places
     """Where its meta tensors sit, each with its constructor's recorded initialization."""
@@ -112,7 +112,8 @@ class OptimizerRunner(ABC):
 
     @torch.no_grad()
     def scale_gradients(self, factor: float) -> None:
-        """Multiply this step's gradients by `factor` (`shardwise.items`), before clipping and the step."""
+        """Multiply this step's gradients by `factor` (`shardwise.engine.items`), before clipping
+        and the step."""
         for p in self.params():
             if p.grad is not None:
                 p.grad.mul_(factor)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..config import ConfigError
-from ..internals import view_base
+from ..config.tree import ConfigError
+from ..distributed.internals import view_base
 
 
 def find_blocks(model: nn.Module, wrap: Sequence[str | type] = ()) -> list[nn.Module]:

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, EngineConfig
-from ..internals import dynamo_graphs, graph_break_error
+from ..config.tree import ConfigError, EngineConfig
+from ..distributed.internals import dynamo_graphs, graph_break_error
 
 if TYPE_CHECKING:
-    from ..dist import DistInfo
+    from ..distributed.world import DistInfo
 
 log = logging.getLogger("shardwise")
 _COMPILED = "_shardwise_compiled"  # set on a module whose forward is already compiled
@@ -149,7 +149,7 @@ def compile_stats() -> CompileStats:
 def compile_boundary(step: int, info: DistInfo) -> None:
     """The engine between optimizer steps (`step` taken so far): from the first step on, a new
     graph is a recompilation; after the second, the start-up line on the main process."""
-    from ..resilience import say
+    from ..runtime.supervision import say
 
     _WATCH.boundary(step, info, lambda message: say(info, message))
 

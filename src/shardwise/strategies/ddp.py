@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import EngineConfig, offload_spec
-from ..dist import DistInfo, device_mesh
+from ..config.tree import EngineConfig, offload_spec
+from ..distributed.world import DistInfo, device_mesh
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner

@@ -47,10 +47,10 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..adapters import is_peft_model, unwrapped
-from ..config import EngineConfig, offload_spec
-from ..dist import DistInfo, device_mesh, mesh_groups
-from ..internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
+from ..config.tree import EngineConfig, offload_spec
+from ..distributed.internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
+from ..distributed.world import DistInfo, device_mesh, mesh_groups
+from ..weights.adapters import is_peft_model, unwrapped
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks, keep_ties_whole
 from .direct_calls import generate_as_forward, route_fsdp_calls

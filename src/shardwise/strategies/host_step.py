@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..config import HostKernelName as HostKernel
-from ..internals import (
+from ..config.tree import HostKernelName as HostKernel
+from ..distributed.internals import (
     allow_amp_scaling,
     is_fake,
     local_tensor,

@@ -39,9 +39,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import EngineConfig, HostKernelName
-from ..dist import DistInfo
-from ..internals import local_tensor, mark_stepped
+from ..config.tree import EngineConfig, HostKernelName
+from ..distributed.internals import local_tensor, mark_stepped
+from ..distributed.world import DistInfo
 from .base import InPlaceRunner, OptimizerRunner, zero_step
 from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, step_on_host, threads, use_fused
 

@@ -1,0 +1,173 @@
+"""Accelerate's plain objects, under its names and fields, for `shardwise.Accelerator`: the
+configuration dataclasses a script passes (read by their fields; accelerate is never imported),
+and the folder helpers of its automatic checkpoint naming."""
+
+from __future__ import annotations
+
+import enum
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..engine.data import PreparedDataLoader
+
+
+class _Steps(Protocol):
+    """What `GradientState` reads of the `Accelerator` (whose module imports this one)."""
+
+    @property
+    def sync_gradients(self) -> bool: ...
+    @property
+    def gradient_accumulation_steps(self) -> int: ...
+    @property
+    def active_loader(self) -> PreparedDataLoader | None: ...
+    @property
+    def loader_at_end(self) -> bool: ...
+
+__all__ = ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
+           "ProjectConfiguration"]
+
+
+class DistributedType(str, enum.Enum):
+    """Accelerate's names for how a run is distributed; members compare equal to Accelerate's
+    (both are strings)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+
+
+@dataclass
+class DataLoaderConfiguration:
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclass
+class ProjectConfiguration:
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+
+@dataclass
+class GradientAccumulationPlugin:
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+class GradientState:
+    """Accelerate's `gradient_state`, read from the engine's step state and the loader whose loop
+    is under way (`engine_state.LoaderTracker`: when a loop ends, the one active before it)."""
+
+    def __init__(self, acc: _Steps) -> None:
+        self._acc = acc
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._acc.sync_gradients
+
+    @property
+    def num_steps(self) -> int:
+        return self._acc.gradient_accumulation_steps
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self._acc.loader_at_end
+
+    @property
+    def remainder(self) -> int:
+        loader = self._acc.active_loader
+        return loader.remainder() if loader is not None and self._acc.loader_at_end else -1
+
+    @property
+    def in_dataloader(self) -> bool:  # until the loop over it ends (then the loader before it is active)
+        return self._acc.active_loader is not None
+
+    @property
+    def active_dataloader(self) -> PreparedDataLoader | None:
+        """The prepared loader whose pass is under way (None between passes)."""
+        loader = self._acc.active_loader
+        return loader if loader is not None and loader.served > 0 else None
+
+    # Accelerate's GradientState reads adjust_scheduler from the plugin's non-default fields, so
+    # with its default (True) it reads False and its scheduler never counts micro-steps: neither
+    # does ours, whatever the plugin says
+    adjust_scheduler = False
+    sync_with_dataloader = True
+
+
+class AcceleratorState:
+    """Accelerate's `state`: where this process sits and how the run is set up."""
+
+    _FROM_ACCELERATOR = ("num_processes", "process_index", "local_process_index", "device",
+                         "distributed_type", "mixed_precision", "is_main_process", "is_local_main_process",
+                         "is_last_process", "use_distributed")
+
+    def __init__(self, acc: Any) -> None:
+        self._acc = acc
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._FROM_ACCELERATOR:
+            return getattr(self._acc, name)
+        if name in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "dynamo_plugin"):
+            return None
+        if name == "backend":
+            return dist.get_backend() if dist.is_initialized() else None
+        raise AttributeError(f"AcceleratorState.{name} is not offered by shardwise")
+
+    def __repr__(self) -> str:
+        """Accelerate's text (`logger.info(accelerator.state)` in its scripts)."""
+        backend = f"  Backend: {self.backend}" if self.backend else ""
+        return (f"Distributed environment: {self.distributed_type}{backend}\n"
+                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
+                f"\nMixed precision type: {self.mixed_precision}\n")
+
+
+def checkpoint_index(path: Path) -> int:
+    return int(path.name.split("_")[1])
+
+
+def prune_checkpoints(old: list[Path]) -> None:
+    """total_limit: remove these checkpoints (this run's) unless a user put a file in one."""
+    import json
+
+    from ..checkpoint.sharded import FORMAT, META
+    from ..checkpoint.storage import is_checkpoint
+
+    for folder in old:
+        if is_checkpoint(folder, META, FORMAT):
+            shutil.rmtree(folder, ignore_errors=True)
+        elif folder.is_dir():
+            meta = folder / META
+            ours = set(json.loads(meta.read_text()).get("files", {})) if meta.is_file() else set()
+            extra = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()
+                           and str(p.relative_to(folder)) not in ours | {META})
+            warnings.warn(f"{folder}: kept (total_limit): it holds files that are not part of its checkpoint "
+                          f"({', '.join(extra[:3])}); delete it by hand when done", stacklevel=3)
+
+
+def numbered_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
+    return [p for _, p in sorted(found)]

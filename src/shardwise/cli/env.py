@@ -1,0 +1,59 @@
+"""`shardwise env`: what a bug report needs (versions, devices, backends, CPU and memory)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..version import __version__
+
+
+def environment() -> dict[str, str]:
+    """What a bug report needs: versions, devices, backends, CPU and memory."""
+    import platform
+    from importlib import metadata
+
+    import torch
+    import torch.distributed as dist
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    cuda = "not available"
+    if torch.cuda.is_available():
+        cuda = f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))"
+    info = {
+        "shardwise": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "deepspeed": version("deepspeed"),
+        "transformers": version("transformers"),
+        "accelerate": version("accelerate"),
+        "cuda": cuda,
+    }
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        info[f"gpu {i}"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    available = (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                 ("mpi", dist.is_mpi_available()))
+    info["backends"] = ", ".join(b for b, ok in available if ok) or "none"
+    info["cpus"] = str(os.cpu_count())
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory"] = f"{pages * size / 2**30:.1f} GiB"
+    except (ValueError, OSError, AttributeError):
+        info["memory"] = "unknown"
+    return info
+
+
+def run_env(_ns: argparse.Namespace) -> int:
+    """`shardwise env`: the environment as a fenced block to paste into an issue."""
+    print("```")
+    for key, value in environment().items():
+        print(f"{key + ':':14s} {value}")
+    print("```")
+    return 0

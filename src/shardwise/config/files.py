@@ -1,0 +1,236 @@
+"""Config files in and out: YAML/JSON reading with file:line errors, key and type validation,
+layering (defaults < DeepSpeed JSON < file < flags), and YAML output.
+
+Validation is pydantic's, on the very dataclasses of `config/tree.py`; this module only turns its
+findings into one line that names the file, the key, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from .tree import ConfigError, EngineConfig
+
+
+def field_names(cls: type) -> list[str]:
+    """Names of a config dataclass's fields (used to suggest the closest valid key)."""
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def make_config(**overrides: Any) -> EngineConfig:
+    """Build an `EngineConfig` from keywords, refusing unknown ones with the closest valid name."""
+    valid = field_names(EngineConfig)
+    for key in overrides:
+        if key not in valid:
+            raise ConfigError(
+                f"unknown setting {key!r}{suggest(key, valid)}; valid settings: {', '.join(valid)}"
+            )
+    return EngineConfig(**overrides)
+
+_ADAPTER: TypeAdapter[EngineConfig] | None = None
+
+
+def _adapter() -> TypeAdapter[EngineConfig]:
+    global _ADAPTER
+    if _ADAPTER is None:
+        _ADAPTER = TypeAdapter(EngineConfig)
+    return _ADAPTER
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A YAML or JSON file as a dict; syntax errors name the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x}); "
+                          "save it as UTF-8") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{p}:{err.lineno}: JSON syntax error: {err.msg}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{p}{line}: YAML syntax error: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of settings at the top, found {type(data).__name__}")
+    return data
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass inside an annotation such as `X`, `X | None`."""
+    if dataclasses.is_dataclass(tp):
+        return tp  # type: ignore[return-value]
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg  # type: ignore[return-value]
+    return None
+
+
+def check_keys(data: Mapping[str, Any], cls: type, source: str, prefix: str = "") -> None:
+    """Refuse unknown keys anywhere in the tree, suggesting the closest valid one."""
+    hints = typing.get_type_hints(cls)
+    valid = field_names(cls)
+    for key, value in data.items():
+        if key not in valid:
+            raise ConfigError(
+                f"{source}: unknown key '{prefix}{key}'{suggest(str(key), valid)}; "
+                f"valid keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(valid)}"
+            )
+        sub = _dataclass_of(hints[key])
+        if sub is not None and isinstance(value, Mapping):
+            check_keys(value, sub, source, f"{prefix}{key}.")
+
+
+def _describe(errors: list[dict[str, Any]]) -> str:
+    """One line from pydantic's errors: the key, what was expected, what was found."""
+    first = errors[0]
+    names = {f for cls in _all_config_classes() for f in field_names(cls)}
+    path = [str(p) for p in first["loc"] if isinstance(p, str) and p in names]
+    same = [e for e in errors if [str(p) for p in e["loc"] if isinstance(p, str) and p in names] == path]
+    expected = " or ".join(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in same))
+    if first["type"] == "value_error":
+        return str(first["msg"]).removeprefix("Value error, ")
+    where = ".".join(path) or "config"
+    return f"{where}: expected {expected}, found {first.get('input')!r}"
+
+
+def _all_config_classes() -> list[type]:
+    out: list[type] = []
+    todo: list[type] = [EngineConfig]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        for hint in typing.get_type_hints(cls).values():
+            sub = _dataclass_of(hint)
+            if sub is not None and sub not in out:
+                todo.append(sub)
+    return out
+
+
+def build(data: Mapping[str, Any], source: str = "config") -> EngineConfig:
+    """Validate a settings tree into an `EngineConfig`."""
+    check_keys(data, EngineConfig, source)
+    try:
+        return _adapter().validate_python(dict(data))
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_describe([dict(e) for e in err.errors()])}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
+    """A DeepSpeed JSON has keys of its own that no shardwise file has."""
+    ds_only = {"zero_optimization", "train_micro_batch_size_per_gpu", "gradient_clipping",
+               "gradient_accumulation_steps", "fp16", "bf16", "bfloat16"}
+    return bool(ds_only & set(data))
+
+
+def load_layers(
+    path: str | Path | None, flags: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """The settings a file (and the DeepSpeed JSON it names) and flags give, unvalidated,
+    plus the DeepSpeed keys that have no equivalent here."""
+    from .translate import from_deepspeed
+
+    data: dict[str, Any] = read_file(path) if path is not None else {}
+    layered: dict[str, Any] = {}
+    dropped: list[str] = []
+    ds_path = (flags or {}).get("deepspeed_config") or data.get("deepspeed_config")
+    if path is not None and looks_like_deepspeed(data):  # a DeepSpeed JSON given as the config
+        ds_path, data = str(path), {}
+    elif path is not None:
+        check_keys(data, EngineConfig, str(path))
+    if ds_path:
+        if path is not None and not Path(ds_path).is_absolute():
+            candidate = Path(path).parent / ds_path
+            ds_path = str(candidate) if candidate.is_file() else ds_path
+        layered, dropped = from_deepspeed(read_file(ds_path), source=str(ds_path))
+        layered["deepspeed_config"] = str(ds_path)
+    layered = merge(layered, data)
+    layered = merge(layered, flags or {})
+    return layered, dropped
+
+
+def load_config(path: str | Path | None, flags: Mapping[str, Any] | None = None) -> EngineConfig:
+    """Defaults < DeepSpeed JSON < file < flags, validated."""
+    data, _ = load_layers(path, flags)
+    return build(data, str(path) if path is not None else "flags")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config as plain YAML-able data (classes in `wrap` become their names)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        elif isinstance(value, tuple):
+            value = [v.__name__ if isinstance(v, type) else v for v in value]
+        out[f.name] = value
+    return out
+
+
+def to_yaml(cfg: EngineConfig) -> str:
+    return str(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def write_yaml(cfg: EngineConfig, path: str | Path, *, header: str = "") -> None:
+    """Write a resolved config atomically (a temporary file beside the target, then a rename).
+
+    A DeepSpeed JSON it came from is already translated into every field, so the file names
+    it in a comment only: read back, it means exactly what it says, wherever it is moved.
+    """
+    if cfg.deepspeed_config:
+        header += f"# includes the settings of {cfg.deepspeed_config}\n"
+        cfg = dataclasses.replace(cfg, deepspeed_config=None)
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(header + to_yaml(cfg))
+    tmp.replace(target)
+
+
+def config_with_code(kwargs: dict[str, Any], path: str | Path | None) -> tuple[EngineConfig, list[str]]:
+    """The launcher's resolved config at `path` (if any) with the keywords given in code on
+    top, and the keys where the two disagree. A resolved file holds every field; one still at
+    its default was not set by anyone, so code changing it is no conflict (the launcher's own
+    file would otherwise warn on every run)."""
+    data, _ = load_layers(path) if path else ({}, [])
+    defaults = to_dict(EngineConfig())
+    conflicts = [
+        f"{k}={v!r} in code, {data[k]!r} in {path}"
+        for k, v in kwargs.items()
+        if k in data and data[k] != v and not isinstance(v, dict) and data[k] != defaults.get(k)
+    ]
+    return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts

@@ -1,0 +1,526 @@
+"""The typed configuration tree: the single source of truth for how a run is sharded and launched.
+
+Every field carries a docstring right under it; the CLI turns them into its help. Values are
+validated at construction, so a bad value is refused before any process group, model or
+optimizer is touched. Files (YAML, DeepSpeed JSON, Accelerate YAML) and command-line flags only
+fill this tree (see `config_io`); precedence is defaults < file < flags < `Engine(...)` keywords.
+"""
+
+from __future__ import annotations
+
+import difflib
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+# the strategy table lives in `specs`; re-exported here, where the config checks against it
+from .specs import (
+    AUTO as AUTO,
+    BACKEND_TABLE as BACKEND_TABLE,
+    OFFLOAD_TABLE as OFFLOAD_TABLE,
+    STRATEGIES as STRATEGIES,
+    STRATEGY_TABLE as STRATEGY_TABLE,
+    BackendSpec as BackendSpec,
+    OffloadSpec as OffloadSpec,
+    StrategySpec as StrategySpec,
+    backend_spec as backend_spec,
+    check_log_with,
+    is_auto as is_auto,
+    offload_spec as offload_spec,
+    plan_choices as plan_choices,
+    strategy_spec as strategy_spec,
+)
+
+StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "auto"]
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+OffloadName = Literal["none", "optimizer", "params"]
+BackendName = Literal["torch", "deepspeed"]
+HostKernelName = Literal["torch", "deepspeed"]
+ResumeName = Literal["auto", "required", "never"]
+Rendezvous = Literal["c10d", "static"]
+OptimizerType = Literal["AdamW", "Adam", "SGD"]
+SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+Auto = Literal["auto"]
+Node = Literal["node"]
+CheckpointingName = Literal["none", "full", "selective", "offload"]
+
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+OFFLOADS: tuple[str, ...] = get_args(OffloadName)
+MIN_COLLECTIVE_TIMEOUT_S = 5.0  # below it a healthy run's start-up or checkpoint collectives time out
+
+
+class ConfigError(ValueError):
+    """A configuration value that shardwise refuses; the message names the field and the fix."""
+
+
+def check_strategy(strategy: str, offload: str, backend: str) -> None:
+    """Refuse a strategy, offload and backend that do not go together (the table's rules)."""
+    if strategy == "auto":
+        if backend != "torch":
+            raise ConfigError(
+                f"strategy='auto' plans for the torch backend; with backend={backend!r} name the "
+                "strategy (zero1, zero2 or zero3), e.g. the one `shardwise plan` suggests"
+            )
+        return  # auto plans only among the plans with the offload given
+    spec = STRATEGY_TABLE[strategy]
+    if backend not in spec.backends:
+        names = [n for n, s in STRATEGY_TABLE.items() if backend in s.backends]
+        runs = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+        raise ConfigError(
+            f"strategy={strategy!r} is not run by backend={backend!r}; choose {runs} there, or "
+            f"backend={spec.backends[0]!r} for {strategy}"
+        )
+    if offload not in spec.offloads:
+        if offload == "params":
+            raise ConfigError(
+                f"offload='params' needs strategy='zero3' (got strategy={strategy!r}): only "
+                "stage 3 shards parameters. Use offload='optimizer' with zero1/zero2, or zero3."
+            )
+        raise ConfigError(
+            f"offload={offload!r} needs a sharded strategy (zero1, zero2 or zero3), got strategy={strategy!r}"
+        )
+
+
+def _choice(field_name: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        hint = ""
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"{field_name}={value!r} is not valid{hint}; choose one of: {', '.join(choices)}"
+        )
+    return value
+
+
+def _positive(name: str, value: Any, *, allow_auto: bool = False, minimum: float = 1) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be a number >= {minimum}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (ignored by fp32 and bf16)."""
+
+    dynamic: bool = True
+    """Adapt the scale to overflows; False keeps `init_scale` fixed (overflowing steps are still skipped)."""
+    init_scale: float = 2.0**16
+    """Loss scale of the first step."""
+    growth_factor: float = 2.0
+    """Factor the scale grows by after `growth_interval` steps without inf/nan gradients."""
+    backoff_factor: float = 0.5
+    """Factor the scale shrinks by when a step's gradients hold inf/nan (that step is skipped)."""
+    growth_interval: int = 2000
+    """Number of consecutive finite steps before the scale grows."""
+    hysteresis: int = 1
+    """Overflows tolerated (skipped without backing off) before the scale shrinks."""
+    min_scale: float = 1.0
+    """The scale never backs off below this value."""
+
+    def __post_init__(self) -> None:
+        _positive("loss_scale.init_scale", self.init_scale, minimum=1e-30)
+        _positive("loss_scale.min_scale", self.min_scale, minimum=1e-30)
+        if not (0 < self.backoff_factor < 1):
+            raise ConfigError(
+                f"loss_scale.backoff_factor={self.backoff_factor} must lie strictly between 0 and 1"
+            )
+        if self.growth_factor <= 1:
+            raise ConfigError(f"loss_scale.growth_factor={self.growth_factor} must be > 1")
+        _positive("loss_scale.growth_interval", self.growth_interval)
+        _positive("loss_scale.hysteresis", self.hysteresis)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """An optimizer the Engine builds when the script passes none to `prepare`
+    ("auto": the script's value, else the Hugging Face Trainer default)."""
+
+    type: OptimizerType = "AdamW"
+    """AdamW, Adam (with adam_w_mode it is AdamW) or SGD."""
+    lr: float | Auto = "auto"
+    """Learning rate ("auto": 5e-5)."""
+    weight_decay: float | Auto = "auto"
+    """Weight decay, not applied to biases and norms ("auto": 0.0)."""
+    betas: tuple[float, float] | Auto = "auto"
+    """Adam betas ("auto": (0.9, 0.999))."""
+    eps: float | Auto = "auto"
+    """Adam epsilon ("auto": 1e-8)."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    adam_w_mode: bool = True
+    """For type Adam: decoupled weight decay (AdamW), as DeepSpeed's default."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """A DeepSpeed-style LR schedule the Engine builds when the script passes none."""
+
+    type: SchedulerType = "WarmupDecayLR"
+    """WarmupLR (warm up, then hold), WarmupDecayLR (then linear decay to 0), WarmupCosineLR."""
+    warmup_min_lr: float | Auto = "auto"
+    """LR at step 0 ("auto": 0)."""
+    warmup_max_lr: float | Auto = "auto"
+    """LR reached after warm-up ("auto": the optimizer's lr)."""
+    warmup_num_steps: int | Auto = "auto"
+    """Warm-up length in optimizer steps ("auto": 0)."""
+    total_num_steps: int | Auto = "auto"
+    """Steps until the LR reaches 0 ("auto": one pass over the prepared DataLoader)."""
+    warmup_type: Literal["log", "linear"] = "log"
+    """Shape of the warm-up, as DeepSpeed's."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """How `shardwise launch` starts the workers (through torchrun)."""
+
+    num_processes: int = 1
+    """Worker processes per node (one per GPU; CPU processes on a machine without GPUs)."""
+    num_nodes: int = 1
+    """Machines taking part. More than one uses a c10d rendezvous at main_address:main_port."""
+    node_rank: int = 0
+    """This machine's index among the nodes (0 hosts the rendezvous)."""
+    main_address: str = "127.0.0.1"
+    """Address of node 0, reachable from every node."""
+    main_port: int = 29500
+    """Port of the rendezvous on node 0."""
+    rdzv_backend: Rendezvous = "c10d"
+    """Rendezvous backend for several nodes (one node uses torchrun's standalone rendezvous)."""
+    rdzv_id: str = "shardwise"
+    """Job id shared by every node of one run."""
+    max_restarts: int = 0
+    """How often torchrun restarts the workers after a failure."""
+
+    def __post_init__(self) -> None:
+        _positive("launch.num_processes", self.num_processes)
+        _positive("launch.num_nodes", self.num_nodes)
+        _positive("launch.main_port", self.main_port)
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ConfigError(
+                f"launch.node_rank={self.node_rank} must lie in 0..{self.num_nodes - 1} "
+                f"(launch.num_nodes={self.num_nodes})"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"launch.max_restarts={self.max_restarts} must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How an `Engine` shards, casts, accumulates and launches. The root of the config tree."""
+
+    strategy: StrategyName = "ddp"
+    """ddp: full replicas, gradients all-reduced. zero1: + optimizer states sharded.
+    zero2: + gradients sharded. zero3: + parameters sharded (gathered per block for compute).
+    auto: at prepare, plan for this device's memory, the world size and the DataLoader's batch
+    and take the fastest strategy (and offload) that fits (`shardwise plan` explains the choice)."""
+    backend: BackendName = "torch"
+    """The library under the strategies: torch (FSDP2 / DDP) or deepspeed (DeepSpeed ZeRO stages
+    1-3 and its offload; zero1/zero2/zero3 only; `pip install 'shardwise[deepspeed]'`)."""
+    precision: PrecisionName = "fp32"
+    """fp32; bf16 (bf16 compute, fp32 master weights, reduction and optimizer state);
+    fp16 (as bf16, plus dynamic loss scaling)."""
+    offload: OffloadName = "none"
+    """none; optimizer: optimizer states and the optimizer step live on the host (zero1-3);
+    params: parameter shards also live on the host between uses (zero3 only)."""
+    shard_group_size: int | Node | None = None
+    """Processes per sharding group (hybrid sharding): zero1-3 shard within each group of this
+    many consecutive ranks and replicate across groups, all-reducing gradients across groups once
+    per optimizer step. None: all processes (one group); "node": the processes of one node
+    (LOCAL_WORLD_SIZE). Must divide the world size; ddp has nothing to shard and ignores it."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; gradients are communicated only on the last one."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm to this value at every optimizer step (None: only when
+    the script calls clip_grad_norm_)."""
+    seed: int | None = None
+    """Seeds python, numpy and torch on every process, and the DataLoader shuffling. None: the
+    engine seeds nothing (a script's own `set_seed` stands) and a shuffled DataLoader's order
+    comes from its generator, or from one draw of the global torch generator, as Accelerate's."""
+    cpu: bool = False
+    """Run on CPU processes (gloo) even when GPUs are present."""
+    wrap: tuple[str | type, ...] = ()
+    """Module classes (or class names) sharded as units (zero2/zero3). Empty: detect the
+    repeated blocks (a transformer's layers) automatically."""
+    activation_checkpointing: CheckpointingName | bool = "none"
+    """What each block keeps for backward. none; full (true): nothing inside the block, its forward
+    is recomputed in backward; selective: the outputs of matrix multiplications (torch's selective
+    policy), the rest recomputed, or with activation_checkpointing_every=k every k-th block full;
+    offload: every saved activation, in host memory (pinned on CUDA), copied back for backward."""
+    activation_checkpointing_every: int | None = None
+    """selective only: recompute every this-many-th block in full (1st, k+1-th, ...) and keep the
+    others' activations, instead of the matmul-output policy (None)."""
+    compile: bool = False
+    """Compile each block (the units found for sharding; the whole model when it has none) with
+    torch.compile, fullgraph where it holds; a graph break, and a recompilation after the first step,
+    is reported once per block class. Names, checkpoints and save_model stay eager's (no _orig_mod.)."""
+    compile_backend: str = "inductor"
+    """The torch.compile backend (inductor, aot_eager, eager, ...; torch.compiler.list_backends())."""
+    compile_mode: str | None = None
+    """torch.compile's mode: None (default), reduce-overhead, max-autotune, max-autotune-no-cudagraphs."""
+    compile_fullgraph: bool = False
+    """A graph break is an error naming the block and the reason (default: reported once, and the
+    block runs compiled around the break)."""
+    compile_dynamic: bool | None = None
+    """torch.compile's dynamic: None (a shape seen to change is made dynamic, one recompile), True, False."""
+    micro_batch_size: int | Auto | None = None
+    """Per-process batch the config expects (None/"auto": the prepared DataLoader's)."""
+    train_batch_size: int | Auto | None = None
+    """Global batch (micro x grad_accum_steps x processes) the config expects; checked at prepare."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """fp16 dynamic loss scaling."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer to build when the script passes none to prepare (from a DeepSpeed JSON, say)."""
+    scheduler: SchedulerConfig | None = None
+    """LR schedule to build with that optimizer."""
+    checkpoint_dir: str = "checkpoints"
+    """Where `save_state()` writes step_<N> folders and the `latest` pointer."""
+    checkpoint_every_steps: int | None = None
+    """Save a checkpoint (checkpoint_dir/step_<N>) every this many optimizer steps, at the step
+    boundary, with no line in the script; `load_state()` at the start resumes from the newest."""
+    checkpoint_every_seconds: float | None = None
+    """Also save one when this many seconds have passed since the last (process 0's clock)."""
+    keep_last: int | None = None
+    """Keep only the newest this many step_<N> checkpoints (None: keep all)."""
+    checkpoint_async: bool = False
+    """save_state (and checkpoints by policy) copies the state to host memory, returns, and writes
+    it in the background: atomic, checksummed and kept as a synchronous save; one save in flight
+    (the next waits), and preemption, load_state and end_training wait for it."""
+    collective_timeout_s: float = 600.0
+    """A collective that does not complete within this many seconds ends the run with an error
+    naming the step and the processes that did not arrive (torch's default is 30 minutes). At
+    least 5: below that, ordinary start-up and checkpoint collectives fail inside gloo/NCCL."""
+    resume: ResumeName = "auto"
+    """What `load_state()` (no folder given) does. auto: resume from the newest checkpoint under
+    checkpoint_dir, or say in one line that there is none and start at step 0 (on a restart by
+    `shardwise launch --max-restarts`, after an earlier attempt saved one, none is an error).
+    required: no checkpoint is an error. never: load nothing (start at step 0) and say so."""
+    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """Signals that make the run checkpoint at the next step boundary and exit with code 75."""
+    preempt_grace_s: float = 25.0
+    """A process that reaches no step boundary within this many seconds of such a signal (or of
+    its launcher's death) exits without a checkpoint."""
+    offload_bucket_numel: int = 2**24
+    """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
+    of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
+    host_kernel: HostKernelName = "torch"
+    """The kernel of host optimizer steps (offload, or a CPU device): torch (torch's fused CPU
+    kernel where the optimizer class has one: Adam, AdamW, SGD, Adagrad) or deepspeed
+    (DeepSpeed's CPUAdam, for Adam/AdamW; needs deepspeed and, on first use, a C++ compiler).
+    Either way the script's optimizer object, its state and checkpoints stay torch's. torch is
+    the default: it measured at least as fast (benchmarks/host_optimizer.py)."""
+    log_with: tuple[str, ...] = ()
+    """Trackers for `log()` and the engine's own metrics: jsonl, tensorboard, wandb (main process)."""
+    project_dir: str | None = None
+    """Where trackers write (`<project_dir>/logs/<run>/`) and Accelerator's automatic checkpoints go."""
+    log_every_steps: int = 10
+    """Make a metrics record (loss, tokens/s, MFU, memory per process) every this many optimizer
+    steps: one small all-gather each, no per-step sync (0: no records)."""
+    progress: bool | None = None
+    """A progress bar on the main process (None: when stderr is a terminal and not under CI)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU (None: a table of known GPUs; no MFU on CPU)."""
+    flops_per_token: float | None = None
+    """Model FLOPs per trained token (None: 6 x parameters, plus attention for transformers)."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """How `shardwise launch` starts the workers."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
+
+    def __post_init__(self) -> None:
+        # each part of the tree checks its own fields (one function each, below)
+        for check in (_check_sharding, _check_loop, _check_speed, _check_checkpointing, _check_observation,
+                      _check_supervision, _check_sections):
+            check(self)
+
+
+def _int_at_least_1(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1 (or None)")
+
+
+def _check_sharding(cfg: EngineConfig) -> None:
+    """strategy, backend, precision, offload and how they combine; the hybrid group; the host step."""
+    _choice("strategy", cfg.strategy, (*STRATEGIES, "auto"))
+    _choice("backend", cfg.backend, get_args(BackendName))
+    _choice("precision", cfg.precision, PRECISIONS)
+    _choice("offload", cfg.offload, OFFLOADS)
+    check_strategy(cfg.strategy, cfg.offload, cfg.backend)
+    _positive("offload_bucket_numel", cfg.offload_bucket_numel)
+    group = cfg.shard_group_size
+    if group is not None and group != "node" and (isinstance(group, bool) or not isinstance(group, int)
+                                                  or group < 1):
+        raise ConfigError(f"shard_group_size={group!r} must be an integer >= 1, 'node' (the processes "
+                          "of one node) or None (all processes)")
+    _choice("host_kernel", cfg.host_kernel, get_args(HostKernelName))
+
+
+def _check_loop(cfg: EngineConfig) -> None:
+    """Accumulation, seed, clipping and batch sizes."""
+    accum = cfg.grad_accum_steps
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        raise ConfigError(f"grad_accum_steps={cfg.grad_accum_steps!r} must be an integer >= 1")
+    if cfg.seed is not None and (isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int)):
+        raise ConfigError(f"seed={cfg.seed!r} must be an integer (or None: the engine seeds nothing)")
+    if cfg.max_grad_norm is not None:
+        _positive("max_grad_norm", cfg.max_grad_norm, minimum=1e-12)
+    for name in ("micro_batch_size", "train_batch_size"):
+        value = getattr(cfg, name)
+        if value is not None:
+            _positive(name, value, allow_auto=True)
+
+
+def _check_checkpointing(cfg: EngineConfig) -> None:
+    """When checkpoints are written and how many are kept; where a run resumes from."""
+    for name in ("checkpoint_every_steps", "keep_last"):
+        if getattr(cfg, name) is not None:
+            _int_at_least_1(name, getattr(cfg, name))
+    if cfg.checkpoint_every_seconds is not None:
+        _positive("checkpoint_every_seconds", cfg.checkpoint_every_seconds, minimum=1e-3)
+    _choice("resume", cfg.resume, get_args(ResumeName))
+
+
+def _check_observation(cfg: EngineConfig) -> None:
+    """Trackers, the metrics' cadence and what MFU is computed from."""
+    try:
+        cfg.log_with = check_log_with(cfg.log_with)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    every = cfg.log_every_steps
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ConfigError(f"log_every_steps={every!r} must be an integer >= 0 (0: no records)")
+    for name in ("peak_tflops", "flops_per_token"):
+        if getattr(cfg, name) is not None:
+            _positive(name, getattr(cfg, name), minimum=1e-12)
+
+
+def _check_supervision(cfg: EngineConfig) -> None:
+    """Collective timeouts, preemption signals and their grace period."""
+    _positive("collective_timeout_s", cfg.collective_timeout_s, minimum=1e-3)
+    if cfg.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
+        raise ConfigError(
+            f"collective_timeout_s={cfg.collective_timeout_s!r} is too short: a healthy run's "
+            f"collectives can take that long; use at least {MIN_COLLECTIVE_TIMEOUT_S:g} (seconds)"
+        )
+    _positive("preempt_grace_s", cfg.preempt_grace_s, minimum=0)
+    if isinstance(cfg.preempt_signals, str):
+        cfg.preempt_signals = (cfg.preempt_signals,)
+    cfg.preempt_signals = tuple(cfg.preempt_signals)
+    for name in cfg.preempt_signals:
+        is_signal = isinstance(name, str) and name.startswith("SIG") and hasattr(signal, name)
+        if not is_signal or name in ("SIGKILL", "SIGSTOP"):  # those two cannot be caught
+            raise ConfigError(
+                f"preempt_signals: {name!r} is not a signal a process can catch; e.g. SIGTERM, SIGUSR1"
+            )
+
+
+def _check_sections(cfg: EngineConfig) -> None:
+    """The block list, the nested sections given as mappings, and what needs what."""
+    if isinstance(cfg.wrap, (str, type)):
+        cfg.wrap = (cfg.wrap,)
+    cfg.wrap = tuple(cfg.wrap)
+    for item in cfg.wrap:
+        if not isinstance(item, (str, type)):
+            raise ConfigError(f"wrap entries must be module classes or class names, got {item!r}")
+    for name, cls in (("loss_scale", LossScaleConfig), ("launch", LaunchConfig)):
+        if isinstance(getattr(cfg, name), dict):
+            setattr(cfg, name, cls(**getattr(cfg, name)))
+    if cfg.scheduler is not None and cfg.optimizer is None:
+        raise ConfigError("scheduler needs an optimizer section to build with it")
+
+
+def _check_speed(cfg: EngineConfig) -> None:
+    """activation_checkpointing (a bool means full or none) and the compile settings."""
+    ac = cfg.activation_checkpointing
+    if isinstance(ac, bool):
+        cfg.activation_checkpointing = "full" if ac else "none"
+    _choice("activation_checkpointing", cfg.activation_checkpointing, get_args(CheckpointingName))
+    every = cfg.activation_checkpointing_every
+    if every is not None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"activation_checkpointing_every={every!r} must be an integer >= 1 (or None)")
+        if cfg.activation_checkpointing != "selective":
+            raise ConfigError(
+                f"activation_checkpointing_every={every} applies to activation_checkpointing: selective "
+                f"only (it is {cfg.activation_checkpointing!r}); set it to selective or drop the setting")
+    for name in ("compile", "compile_fullgraph", "checkpoint_async"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} must be true or false")
+    if cfg.compile_dynamic is not None and not isinstance(cfg.compile_dynamic, bool):
+        raise ConfigError(f"compile_dynamic={cfg.compile_dynamic!r} must be true, false or None")
+    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    if cfg.compile_mode is not None:
+        _choice("compile_mode", cfg.compile_mode, modes)
+    if not isinstance(cfg.compile_backend, str) or not cfg.compile_backend:
+        raise ConfigError(f"compile_backend={cfg.compile_backend!r} must name a torch.compile backend "
+                          "(e.g. inductor)")
+    if cfg.compile:
+        _check_compile(cfg)
+
+
+def _check_compile(cfg: EngineConfig) -> None:
+    """compile: true: a backend that compiles blocks, a torch.compile backend torch has here, a
+    mode only inductor takes."""
+    if not backend_spec(cfg.backend).compiles_blocks:
+        raise ConfigError(f"compile: true is not supported with backend: {cfg.backend} (its engine wraps the "
+                          "model itself); use backend: torch to compile each block, or compile: false")
+    import torch
+
+    known = torch.compiler.list_backends(exclude_tags=())
+    if cfg.compile_backend not in known:
+        raise ConfigError(f"compile_backend={cfg.compile_backend!r} is not a torch.compile backend of this "
+                          f"torch ({torch.__version__}); choose one of: "
+                          f"{', '.join(sorted({*torch.compiler.list_backends(), 'aot_eager', 'eager'}))}")
+    if cfg.compile_mode not in (None, "default") and cfg.compile_backend != "inductor":
+        raise ConfigError(f"compile_mode={cfg.compile_mode!r} is an inductor setting; drop compile_mode or "
+                          f"use compile_backend: inductor (it is {cfg.compile_backend!r})")
+
+
+def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:
+    """A `train_batch_size` the config states must equal micro x grad_accum_steps x processes."""
+    total = cfg.train_batch_size
+    if isinstance(total, int) and not isinstance(total, bool):
+        actual = micro_batch * cfg.grad_accum_steps * world
+        if actual != total:
+            raise ConfigError(
+                f"train_batch_size={total} but micro_batch_size {micro_batch} x "
+                f"grad_accum_steps {cfg.grad_accum_steps} x {world} processes = {actual}"
+            )
+
+
+def resolve_shard_group(value: int | str | None, world_size: int, local_world_size: int) -> int:
+    """The processes per sharding group for `shard_group_size=value` in a world of `world_size`
+    (`local_world_size` per node); refused in one line when it does not divide the world."""
+    group = world_size if value is None else local_world_size if value == "node" else int(value)
+    if group < 1 or world_size % group:
+        said = f"{value!r} ({group} processes per node)" if value == "node" else repr(value)
+        raise ConfigError(
+            f"shard_group_size={said} does not divide the {world_size} processes of this run into "
+            f"equal groups; choose a divisor of {world_size} (e.g. the processes per node) or None"
+        )
+    return group
+
+
+def resolve_grad_accum(cfg: EngineConfig, micro_batch: int, world: int) -> int:
+    """The accumulation steps that keep the global batch (`train_batch_size`, when given) at
+    this world size: the config's where it is consistent; recomputed when the run has another
+    number of processes than the config was written for (an elastic restart); a config
+    inconsistent at its own world size, or a global batch no whole number of micro-batches
+    reaches, is refused."""
+    total = cfg.train_batch_size
+    if (
+        not isinstance(total, int)
+        or isinstance(total, bool)
+        or micro_batch * cfg.grad_accum_steps * world == total
+    ):
+        return cfg.grad_accum_steps
+    written_for = cfg.launch.num_processes * cfg.launch.num_nodes
+    if world == written_for:
+        check_train_batch(cfg, micro_batch, world)
+    if total % (micro_batch * world):
+        raise ConfigError(
+            f"train_batch_size={total} cannot be kept at {world} process(es) x micro-batch {micro_batch}: "
+            f"{total} is not a multiple of {micro_batch * world}; change the number of processes or the "
+            "DataLoader's batch_size"
+        )
+    return total // (micro_batch * world)

@@ -1,0 +1,210 @@
+"""The private torch names shardwise touches, each behind one function here.
+
+torch has no public spelling for these; keeping them in one module means a torch upgrade is
+checked in one place (`tests/test_layering.py` fails on a private name read anywhere else, save
+nn.Module's `_parameters`/`_buffers`/`_modules` dictionaries, which torch itself documents for
+subclass authors); checked against torch 2.13.0. The planner's fake process group keeps its own
+(`plan/fakes.py`), DeepSpeed's are in `strategies/deepspeed/internals.py`.
+
+Tensors
+- `DTensor._local_tensor`: the rank's shard of a DTensor without an autograd node
+  (`DTensor.to_local()` records one when grad mode is on).
+- `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`: where a shard sits.
+- `torch._subclasses.fake_tensor.is_fake`: a FakeTensor (or a wrapper of one) in the planner's trace.
+- `Tensor._base`: the tensor a view was made from.
+- `torch.utils._pytree.tree_map`: torch's own nested-container walk.
+- `torch.nn.init._no_grad_trunc_normal_`: the body of `trunc_normal_`, which skips a meta tensor.
+- `Tensor._version`: the count of in-place writes to a tensor's memory (shared by its views).
+- `torch.multiprocessing.reductions.StorageWeakRef`: a weak reference to a tensor's storage,
+  equal for every tensor on that storage (its `_weak_ref()` pointer); torch's own meta
+  conversion keys storages by it.
+
+Optimizers (`torch.optim.optimizer`)
+- `_global_optimizer_pre_hooks` / `_global_optimizer_post_hooks`, and an optimizer's
+  `_optimizer_step_pre_hooks` / `_optimizer_step_post_hooks`: the step hooks `Optimizer.step` runs.
+- `Optimizer._opt_called`: set by a step; an LR scheduler warns when it steps before one.
+- `Optimizer._step_supports_amp_scaling`: the step unscales a GradScaler's gradients itself
+  (fused kernels do).
+
+Process groups and the launcher
+- `torch.distributed.distributed_c10d._get_default_store`: the default group's TCP store.
+- `torch.distributed.elastic.multiprocessing.api._terminate_process_handler`: the function
+  torchrun's agent installs for every signal it stops on.
+- `torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter`: FSDP2's pluggable reduce-scatter
+  interface (torch >= 2.8; None before).
+- FSDP2's per-module state, `module._get_fsdp_state()._fsdp_param_groups[*].fsdp_params`, and an
+  FSDPParam's `_unsharded_param`: the gathered parameter, counted by `shardwise.runtime.memory`.
+
+Compilation (`torch._dynamo`)
+- `torch._dynamo.utils.counters`: dynamo's per-process counters; `["stats"]["unique_graphs"]`
+  counts the graphs compiled (`strategies.compile` tells a recompilation by it).
+- `torch._dynamo.exc.Unsupported`: what `torch.compile(fullgraph=True)` raises at a graph break.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.distributed import Store
+from torch.distributed.tensor import DTensor
+
+try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a private module
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
+except ImportError:  # pragma: no cover - older torch: FSDP2's own reduce-scatter is used
+    FSDPReduceScatter = None  # type: ignore[assignment,misc]
+
+Hook = Callable[..., Any]
+
+__all__ = [
+    "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
+    "is_fake", "is_sharded", "local_tensor", "mark_stepped", "no_grad_trunc_normal", "shard_box",
+    "step_post_hooks", "step_pre_hooks", "storage_ref", "terminate_handler", "tree_map", "version_of",
+    "view_base",
+]
+
+
+# -- tensors ---------------------------------------------------------------------------------------
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the storage FSDP2 keeps), or `t` itself for a plain tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """`t` is a DTensor (or DeepSpeed-partitioned tensor is asked elsewhere): a shard of a whole."""
+    return isinstance(t, DTensor)
+
+
+def shard_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of this rank's shard of `t` within the whole tensor
+    (`torch.distributed.tensor._utils.compute_local_shape_and_global_offset`)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """`t` is a FakeTensor (the planner's trace), or a tensor subclass wrapping one."""
+    from torch._subclasses.fake_tensor import is_fake as torch_is_fake
+
+    return bool(torch_is_fake(t))
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (`Tensor._base`), or None when `t` owns its memory."""
+    return t._base
+
+
+def version_of(t: torch.Tensor) -> int:
+    """How many in-place writes `t`'s memory has had (`Tensor._version`; a view shares its base's)."""
+    return int(t._version)
+
+
+def storage_ref(t: torch.Tensor) -> Any:
+    """A weak, hashable reference to `t`'s storage (`StorageWeakRef`): equal for every tensor on
+    the same memory, `expired()` once the memory is freed, and while it lives no other storage
+    takes its address."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`fn` applied to every leaf of nested lists, tuples and dicts (torch's pytree)."""
+    from torch.utils._pytree import tree_map as torch_tree_map
+
+    return torch_tree_map(fn, tree)
+
+
+def no_grad_trunc_normal() -> Callable[..., torch.Tensor]:
+    """`torch.nn.init._no_grad_trunc_normal_`, the function `trunc_normal_` calls (it returns
+    early on a meta tensor, so an init recorder must know its code object)."""
+    return torch.nn.init._no_grad_trunc_normal_
+
+
+# -- optimizers ----------------------------------------------------------------------------------
+def step_pre_hooks(optimizer: torch.optim.Optimizer) -> list[Hook]:
+    """The step pre-hooks `optimizer.step()` would run: the global ones, then its own."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return list(itertools.chain(torch_optimizer._global_optimizer_pre_hooks.values(),
+                                optimizer._optimizer_step_pre_hooks.values()))
+
+
+def step_post_hooks(optimizer: torch.optim.Optimizer) -> list[Hook]:
+    """The step post-hooks `optimizer.step()` would run: the global ones, then its own."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return list(itertools.chain(torch_optimizer._global_optimizer_post_hooks.values(),
+                                optimizer._optimizer_step_post_hooks.values()))
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record that `optimizer` stepped, as its own `step()` does, for a step run some other way
+    (an LR scheduler stepped before any optimizer step warns)."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def allow_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
+    """Tell a GradScaler that `optimizer`'s step unscales the gradients itself (a fused kernel
+    does), where its class declares the flag."""
+    if hasattr(optimizer, "_step_supports_amp_scaling"):
+        optimizer._step_supports_amp_scaling = True
+
+
+# -- process groups and the launcher -------------------------------------------------------------
+def default_store() -> Store:
+    """The default process group's key-value store (a `torch.distributed.Store`); raises when
+    there is no default group."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+@contextlib.contextmanager
+def terminate_handler(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """Inside, torchrun's elastic agent calls `handler(signum, frame)` for each signal it stops
+    on (it installs this module function as the signal handler when it starts); the agent's
+    own is put back after."""
+    import torch.distributed.elastic.multiprocessing.api as elastic_api
+
+    before = elastic_api._terminate_process_handler
+    elastic_api._terminate_process_handler = handler  # type: ignore[assignment]  # a patched function
+    try:
+        yield
+    finally:
+        elastic_api._terminate_process_handler = before
+
+
+def fsdp_params(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(shard, gathered parameter or None) of each parameter FSDP2 manages at `module` (its
+    `_get_fsdp_state()._fsdp_param_groups[*].fsdp_params`, `sharded_param`, `_unsharded_param`);
+    empty for a module `fully_shard` was not applied to. torch has no public view of the gathered
+    parameter, which the module registers only while it is in use."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if not callable(get_state):
+        return []
+    return [(fp.sharded_param, getattr(fp, "_unsharded_param", None))
+            for group in getattr(get_state(), "_fsdp_param_groups", []) for fp in group.fsdp_params]
+
+
+# -- compilation -----------------------------------------------------------------------------------
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process (`torch._dynamo.utils.counters`, its
+    `["stats"]["unique_graphs"]`); it only grows."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def graph_break_error() -> type[Exception]:
+    """The exception `torch.compile(fullgraph=True)` raises at a graph break
+    (`torch._dynamo.exc.Unsupported`)."""
+    from torch._dynamo.exc import Unsupported
+
+    return Unsupported

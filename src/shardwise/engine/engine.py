@@ -1,0 +1,500 @@
+"""`Engine`: an ordinary PyTorch loop, sharded. The verbs follow Hugging Face Accelerate.
+
+The engine resolves the config, joins the process group, prepares DataLoaders, and offers the
+collectives and checkpoints; models, optimizers, schedulers and the step are its `Session`'s
+(`shardwise.engine.session`), and everything that depends on the strategy is the `Strategy`'s.
+
+Words: "Engine" is this user object only. "backend" is the library under the strategies (torch
+or DeepSpeed). A "DeepSpeed engine" (`ds_engine`) is DeepSpeed's own `DeepSpeedEngine`, one per
+model on that backend. The "loop state" is what a checkpoint keeps besides tensors: step
+counters, loss scaler, schedulers, DataLoader positions, registered objects (`engine.pt`, the
+file name of checkpoint format 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import random
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint.background import staging_bytes, wait_for_save
+from ..checkpoint.storage import agree, os_error_line
+from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
+from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one
+from ..distributed.world import init_distributed
+from ..runtime.memory import MemoryReport, tensor_memory
+from ..runtime.observe import Observer, TrackerVerbs
+from ..runtime.supervision import Guard, say
+from ..strategies import make_strategy
+from ..strategies.compile import compile_boundary
+from ..strategies.frozen import check_inference_models, for_inference
+from ..strategies.precision import check_device_supports
+from ..weights.adapters import attach_full_weights
+from ..weights.ema import PreparedEMA, bind, shard
+from .data import PreparedDataLoader
+from .items import per_item
+from .loop_rules import LoopRules
+from .loop_state import LoaderTracker, checkpoint_parts, config_from_code, kind_of, restore_loop_state
+from .models import ModelVerbs
+from .optim import PreparedOptimizer, PreparedScheduler, build_optimizer, build_scheduler
+from .process import ProcessVerbs
+from .session import Session, check_optimizer
+
+log = logging.getLogger("shardwise")
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (every device) on this process."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
+    """Runs a PyTorch training loop under ddp, zero1, zero2 or zero3 on one or many processes.
+
+    Keywords fill an `EngineConfig` (see its fields for the meaning of each); Accelerate's
+    `mixed_precision` ("no", "fp16", "bf16") and `gradient_accumulation_steps` are accepted too.
+    Under `shardwise launch` (or with SHARDWISE_CONFIG / `--config FILE`) the resolved config file
+    comes first and keywords given in code override it, with one warning naming both values.
+    `rules`: where the loop differs from Accelerate's (`LoopRules`; `Accelerator` passes its own).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, rules: LoopRules | None = None,
+                 **kwargs: Any) -> None:
+        config, conflicts = config_from_code(config, kwargs)
+        self._config = cfg = config
+        self._rules = rules if rules is not None else LoopRules()
+        self._info = init_distributed(force_cpu=cfg.cpu, timeout_s=cfg.collective_timeout_s)
+        if conflicts and self._info.is_main:
+            warnings.warn("code overrides the config file: " + "; ".join(conflicts), stacklevel=2)
+        check_device_supports(cfg.precision, self._info.device)
+        # strategy="auto" is chosen at the first prepare, from the model and its batch
+        self._session: Session | None = None
+        if not is_auto(cfg.strategy):
+            self._session = Session(cfg, make_strategy(cfg, self._info))
+        self.plan: Any = None  # strategy="auto": the plan the choice came from
+        if cfg.seed is not None:  # only a seed the user gave: a script's own set_seed() stands
+            set_seed(cfg.seed)
+        self._loaders = LoaderTracker()  # the prepared loaders, and which one yielded the last batch
+        self._registered: list[Any] = []
+        self._save_by_policy: Callable[[], Path] = self.save_state  # `save_policy_checkpoints_with`
+        self._init_rng: torch.Tensor | None = None  # init_empty(): the generator state it began with
+        self._pretrained_saves: dict[int, int] = {}  # save_pretrained calls this step (arrival keys)
+        self.noun = "engine"  # what messages call this object (the Accelerator: "accelerator")
+        self._emas: list[PreparedEMA] = []  # EMAs passed to prepare (`shardwise.weights.ema`)
+        self._last_save: Any = None  # the newest save's SaveReport
+        self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
+        self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
+        self._guard = Guard(cfg, self._info)  # checkpoints by policy, preemption, timeouts
+        self._observer = Observer(cfg, self._info)  # metrics, trackers, progress
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts:
+            say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
+
+    @property
+    def config(self) -> EngineConfig:
+        """The resolved config (read-only: `set_grad_accum` changes grad_accum_steps)."""
+        return self._config
+
+    def set_grad_accum(self, steps: int) -> None:
+        """Micro-steps per optimizer step from now on: the one setter of grad_accum_steps (the
+        config and the session's step state, which divides the loss and finds the boundary)."""
+        self._config = dataclasses.replace(self._config, grad_accum_steps=int(steps))
+        if self._session is not None:
+            self._session.set_grad_accum(self._config.grad_accum_steps)
+
+    @property
+    def rules(self) -> LoopRules:
+        """Where this loop's rules differ from Accelerate's (`shardwise.engine.loop_rules`)."""
+        return self._rules
+
+    def set_rules(self, rules: LoopRules) -> None:
+        """The rules DataLoaders prepared from now on follow (prepared ones keep theirs; `set_tail`)."""
+        self._rules = rules
+
+    def set_tail(self, tail: str) -> None:
+        """How every prepared DataLoader's next pass, and every later one, splits its last
+        incomplete global batch ("split", "full", "uneven")."""
+        self._rules = dataclasses.replace(self._rules, tail=tail)
+        for loader in self._loaders.loaders:
+            loader.set_tail(tail)
+
+    @property
+    def session(self) -> Session:
+        """The strategy and what was prepared on it (strategy='auto': from the first prepare)."""
+        if self._session is None:
+            raise RuntimeError(
+                "strategy='auto' chooses the strategy at the first prepare(); prepare the model "
+                "(and its DataLoader) before this call"
+            )
+        return self._session
+
+    # -- the loop ---------------------------------------------------------------------------
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-step that ends an accumulation (gradients are communicated)."""
+        return self._session is None or self._session.step_state.sync
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return self._session is not None and any(o.step_was_skipped for o in self._session.optimizers)
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale (1.0 when nothing is scaled, or DeepSpeed scales)."""
+        return self._session.strategy.precision.loss_scale if self._session is not None else 1.0
+
+    @property
+    def logging_dir(self) -> Path:
+        """The folder the trackers' runs go into (`<project_dir>/logs` unless set)."""
+        return self._observer.logging_dir
+
+    def set_logging_root(self, folder: Path | None) -> None:
+        """Trackers' runs go to `<folder>/<run>` (None: `<project_dir>/logs/<run>`)."""
+        self._observer.root = folder
+
+    # -- prepare ----------------------------------------------------------------------------
+    def prepare(self, *objects: Any) -> Any:
+        """Shard models, rebind optimizers, split DataLoaders, wrap schedulers.
+
+        Any order and number; the results come back in the same order (one object: itself).
+        Everything is checked before anything is changed.
+        """
+        kinds = [kind_of(obj, self._session) for obj in objects]
+        of = {kind: [o for o, k in zip(objects, kinds) if k == kind]
+              for kind in ("model", "optimizer", "scheduler", "dataloader", "ema")}
+        for loader in of["dataloader"]:
+            self._check_batch_sizes(loader)
+        known = self._session.param_ids if self._session is not None else set()
+        check_inference_models([*of["model"], *(self._session.models if self._session else [])],
+                               of["optimizer"])
+        for optimizer in of["optimizer"]:
+            check_optimizer(optimizer, of["model"], known)
+        if self._session is None:
+            from ..plan.auto import choose
+
+            self._config, self.plan = choose(self.config, self._info, of["model"], of["dataloader"])
+            self._session = Session(self.config, make_strategy(self.config, self._info))
+        session = self._session
+        session.init_rng = self._init_rng
+        for model in of["model"]:
+            self._observer.watch(model)
+        prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
+        for model in of["model"]:  # the heartbeat that says who did not arrive if a collective hangs
+            ready = prepared[id(model)]
+            ready.register_forward_pre_hook(self._forward_started, prepend=True)
+            # its own save_pretrained, called on every process, gathers through this engine
+            attach_full_weights(self.unwrap_model(ready), self._full_weights(ready))
+        for ema in of["ema"]:  # an EMA of a prepared model: its shadows take the model's layout
+            self._emas.append(bind(ema, [self.unwrap_model(m) for m in session.models]))
+            shard(self._emas[-1])
+            prepared[id(ema)] = ema
+        for loader in of["dataloader"]:
+            prepared[id(loader)] = self._prepare_loader(loader)
+            self._loaders.loaders.append(prepared[id(loader)])
+        for scheduler in of["scheduler"]:  # the rules' scheduler stepping (Accelerate: per process)
+            prepared[id(scheduler)].steps_per_call = self._rules.scheduler_steps_per_call(self.num_processes)
+            prepared[id(scheduler)].step_with_optimizer = self._rules.step_scheduler_with_optimizer
+        trained = [m for m in of["model"] if not for_inference(m)]  # a frozen reference gets no optimizer
+        if trained and not of["optimizer"] and not session.optimizers and self.config.optimizer:
+            loaders = [prepared[id(o)] for o in of["dataloader"]]
+            self._build_from_config(prepared[id(trained[0])], loaders[0] if loaders else None)
+        out = tuple(prepared[id(o)] for o in objects)
+        return out[0] if len(out) == 1 else out
+
+    def _prepare_loader(self, loader: Any) -> PreparedDataLoader:
+        """This process's share of `loader`, split and ordered by the rules (`shardwise.engine.data`)."""
+        rules = self._rules
+        seed = rules.data_seed if rules.seedable_sampler and rules.data_seed is not None else self.config.seed
+        return PreparedDataLoader(
+            loader, world=self.num_processes, rank=self.process_index, device=self.device,
+            on_batch=self._on_batch, seed=seed, tail=rules.tail, split_batches=rules.split_batches,
+            seedable=rules.seedable_sampler, resume_draws=rules.resume_draws,
+            on_end=self._loaders.ended if rules.restore_outer_loader else None,
+        )
+
+    def _build_from_config(self, model: nn.Module, loader: PreparedDataLoader | None) -> None:
+        """The optimizer (and schedule) the config describes, for a script that passes none;
+        they are `engine.optimizer` and `engine.scheduler`."""
+        assert self.config.optimizer is not None
+        raw = build_optimizer(self.config.optimizer, model)
+        self.optimizer = self.session.add_optimizer(raw)
+        log.info("built %s from the config", type(raw).__name__)
+        if self.config.scheduler is not None:
+            steps = len(loader) // self.config.grad_accum_steps if loader is not None else None
+            built = build_scheduler(self.config.scheduler, raw, steps)
+            self.scheduler = self.session.add_scheduler(built)
+
+    def _check_batch_sizes(self, loader: Any) -> None:
+        micro = self.config.micro_batch_size
+        if isinstance(micro, int) and micro != loader.batch_size and self.is_main_process:
+            warnings.warn(
+                f"the DataLoader in code has batch_size={loader.batch_size}, the config says "
+                f"micro_batch_size={micro}; the code's value is used",
+                stacklevel=3,
+            )
+        if loader.batch_size is not None:
+            accum = resolve_grad_accum(self.config, loader.batch_size, self.num_processes)
+            if accum != self.config.grad_accum_steps:
+                say(self._info, f"train_batch_size={self.config.train_batch_size} at {self.num_processes} "
+                    f"process(es) x batch {loader.batch_size}: grad_accum_steps "
+                    f"{self.config.grad_accum_steps} -> {accum}")
+                self.set_grad_accum(accum)
+
+    # -- the step ---------------------------------------------------------------------------
+    def _on_batch(self, loader: PreparedDataLoader, last: bool, batch: Any) -> None:
+        self._boundary()  # before the batch counts as served: a checkpoint here resumes with it
+        self._loaders.on_batch(loader, last, restore_outer=self._rules.restore_outer_loader)
+        self._observer.on_batch(batch)
+
+    @property
+    def active_loader(self) -> PreparedDataLoader | None:
+        """The prepared DataLoader that yielded the last batch (None before any, or, with
+        `LoopRules.restore_outer_loader`, after its loop ended outside any other)."""
+        return self._loaders.active
+
+    @property
+    def loader_at_end(self) -> bool:
+        """The last batch yielded was its loader's last (the accumulation ends there)."""
+        return self._loaders.at_end
+
+    def _boundary(self) -> None:
+        """Once per optimizer step, before the next one's work: heartbeat, agreement on
+        preemption, checkpoints by policy (`shardwise.runtime.supervision`). Every process gets here."""
+        if self._session is not None and self._session.models:
+            self._observer.at_boundary(self.step, self._probe)
+            self._guard.at_boundary(self.step, self._policy_save)
+            compile_boundary(self.step, self._info)  # compile: recompilations, the start-up line
+
+    def _probe(self) -> tuple[MemoryReport | None, dict[str, Any]]:
+        """What a metrics record takes from the engine: memory by role, skipped steps, loss scale."""
+        if self._session is None or not self._session.models:
+            return None, {}
+        extra: dict[str, Any] = {"skipped_steps": self._session.step_state.skipped_steps}
+        if self._session.strategy.precision.dtype is torch.float16:  # loss-scaled (by us or DeepSpeed)
+            extra["loss_scale"] = self.loss_scale
+        return self.memory_report(), extra
+
+    def _forward_started(self, module: nn.Module, args: Any) -> None:
+        self._guard.heartbeat("in its forward")
+
+    def save_policy_checkpoints_with(self, save: Callable[[], Path]) -> None:
+        """Checkpoints by policy (`checkpoint_every_*`, preemption, the end) call `save()`
+        instead of `save_state()` (`Accelerator`: with Accelerate's naming)."""
+        self._save_by_policy = save
+
+    def _policy_save(self, reason: str) -> None:
+        path = self._save_by_policy()
+        report = self._last_save
+        if report is not None and report.pending:  # checkpoint_async: the write's own line follows in the log
+            say(self._info, f"checkpoint {path} staged in {report.stall:.2f} s (the training's stall), "
+                f"written in the background ({reason})")
+            return
+        size = f", {report.bytes / 1e9:.2f} GB" if report is not None else ""
+        secs = f" in {report.seconds:.2f} s (stall {report.stall:.2f} s)" if report is not None else ""
+        say(self._info, f"checkpoint {path} saved{secs}{size} ({reason})")
+
+    def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """One micro-step. Off the boundary nothing is communicated and the prepared
+        optimizers and schedulers do nothing; `sync_gradients` says which this is."""
+        self._boundary()
+        return self.session.accumulate(models, loader_at_end=self.loader_at_end,
+                                       sync_each_batch=self._rules.sync_each_batch)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()` / grad_accum_steps, x the fp16 loss scale. `num_items=n`: see
+        `shardwise.engine.items`."""
+        if self._session is None or not self._session.models:
+            raise RuntimeError("backward() before prepare(): prepare the model (and its optimizer) first, "
+                               "then compute the loss with the prepared model")
+        self._guard.heartbeat("in its backward")
+        loader = self._loaders.new_pass()
+        if loader is not None:  # a new training pass
+            self._observer.epoch = loader.iteration if loader.epoch is None else loader.epoch
+            self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
+        self._observer.at_boundary(self.step, self._probe)  # loops without accumulate() or loaders
+        self._observer.on_backward(per_item(loss, kwargs.get("num_items")))  # num_items: a mean per item
+        with self._guard.timeouts():
+            self.session.backward(loss, **kwargs)
+
+    def unscale_gradients(self) -> None:
+        """fp16: unscale every prepared optimizer's gradients now (done once per step)."""
+        self.session.unscale_gradients()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip gradients in place; return the total norm over all shards (the unsharded norm).
+
+        Off an accumulation boundary gradients are partial, so nothing is clipped and None is
+        returned. The bound applies to this step only.
+        """
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): the bound must be a number > 0 "
+                             "(a negative bound would scale gradients by a negative factor)")
+        with self._guard.timeouts():
+            norm = self.session.clip_grad_norm(parameters, max_norm, norm_type)
+        self._observer.on_clip(norm)
+        return norm
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The compute-dtype context of this run (prepared models already run inside it)."""
+        return self.session.strategy.precision.autocast()
+
+    # -- collectives ------------------------------------------------------------------------
+    def gather(self, data: Any) -> Any:
+        """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
+        with self._guard.timeouts():
+            return map_tensors(data, lambda t: gather_one(t, self.num_processes))
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """`gather`, minus the samples repeated to even out the last batch of the loader."""
+        gathered = self.gather(data)
+        keep = self.real_in_last_batch()
+        return gathered if keep is None else map_tensors(gathered, lambda t: t[:keep])
+
+    def real_in_last_batch(self) -> int | None:
+        """At the last batch of a loader that evened it out with repeated samples: how many of
+        the gathered items are real (None: all are)."""
+        return self._loaders.real_in_last_batch()
+
+    def reduce(self, data: Any, reduction: str = "sum") -> Any:
+        """Sum, mean, max or min of tensors across processes."""
+        check_reduction(reduction)
+        with self._guard.timeouts():
+            return map_tensors(data, lambda t: reduce_one(t, reduction, self.num_processes))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by `load_state`)."""
+        return self._session.step_state.optimizer_steps if self._session is not None else 0
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore these objects (anything with state_dict/load_state_dict) too."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict(); "
+                                "it cannot be checkpointed")
+            self._registered.append(obj)
+
+    def save_state(
+        self, output_dir: str | os.PathLike[str] | None = None, *, keep_last: int | None = None
+    ) -> Path:
+        """Checkpoint everything needed to resume exactly (a collective; sharded, atomic, every
+        file checksummed).
+
+        With no folder: `<checkpoint_dir>/step_<N>` (checkpoint_dir is "checkpoints" unless the
+        config says otherwise), then `<checkpoint_dir>/latest` points at it and only the newest
+        `keep_last` (default: the config's) step folders are kept. A folder given must be absent,
+        empty or an earlier checkpoint; anything else (a folder of other files, a file, the
+        current directory) is refused with a `CheckpointError` before anything is written.
+        `checkpoint_async`: the state is copied to host memory and this returns; the folder (and
+        `latest`) appear once a writer thread has written it (`shardwise.checkpoint.background`).
+        """
+        from ..checkpoint import sharded as checkpoint
+
+        root = Path(self.config.checkpoint_dir)
+        target = Path(output_dir) if output_dir is not None else root / f"step_{self.step}"
+        keep_last, step = keep_last if keep_last is not None else self.config.keep_last, self.step
+
+        def placed(report: Any, group: Any) -> None:  # every process, once it is in place (checkpoint_async:
+            self._guard.saved(report, step)  # in the writer thread); noted for resume and the launcher
+            problem = None
+            if output_dir is None and self.is_main_process:
+                try:
+                    checkpoint.mark_latest(target.parent, target, keep_last)
+                except OSError as err:
+                    problem = os_error_line(root / "latest", "point at the new checkpoint", err)
+            agree(problem, group)
+
+        with self._guard.timeouts():
+            self._last_save = checkpoint.save(self._checkpoint_parts(), target, then=placed,
+                                              background=self.config.checkpoint_async)
+        return Path(self._last_save.path)
+
+    def wait_for_checkpoint(self) -> float:
+        """Block until a checkpoint being written in the background (`checkpoint_async`) is in
+        place, raising its failure if it failed; the seconds waited (0.0 when none is pending)."""
+        return wait_for_save()
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> int | None:
+        """Resume from a checkpoint saved at any world size, strategy or offload setting; return
+        the optimizer steps it holds.
+
+        With no folder: the newest complete checkpoint under `checkpoint_dir`, or, when there is
+        none yet, one line says so and None comes back, so a script calls it unconditionally at
+        its start (the `resume` setting; "latest" names it too, but requires one). Prepare the same models,
+        optimizers, schedulers and DataLoaders first; the next batch is the one that would have
+        come after the save.
+        """
+        from ..checkpoint import runlock, sharded as checkpoint
+
+        wait_for_save()  # a checkpoint still being written (checkpoint_async) completes first
+        if input_dir is None:
+            # one run per checkpoint folder
+            runlock.hold(Path(self.config.checkpoint_dir), self.process_index)
+            found = self._guard.resume_from(Path(self.config.checkpoint_dir))  # the `resume` setting
+            if found is None:
+                return None
+            path = found
+        else:
+            path = Path(input_dir)
+            if str(input_dir) == "latest":
+                path = Path(self.config.checkpoint_dir) / "latest"
+            path = checkpoint.resolve(path)
+        with self._guard.timeouts():
+            state = checkpoint.load(self._checkpoint_parts(), path)
+        restore_loop_state(state, path, self.session, self._loaders.loaders, self._registered,
+                           self.num_processes, loader_positions=self._rules.restore_loader_position)
+        self._guard.last_step = self.step  # no checkpoint of the step just restored
+        say(self._info, f"resumed from {path} at step {self.step}")
+        return self.step
+
+    def _checkpoint_parts(self) -> Any:
+        return checkpoint_parts(self.session, self._loaders.loaders, self._registered, self.config,
+                                self.process_index, self.num_processes)
+
+    def memory_report(self) -> MemoryReport:
+        """Tensor bytes this process holds for the prepared models and optimizers (and the host
+        copy of a checkpoint being written in the background: `staging`)."""
+        session = self.session
+        return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()],
+                             staging=staging_bytes())
+
+    def free_memory(self, *objects: Any) -> tuple[Any, ...]:
+        """Release everything prepared on this engine (between two trainings in one process),
+        then collect; the objects come back as None. DeepSpeed's engines are destroyed first
+        (DeepSpeed's own cleanup of its hooks); a later `prepare` starts afresh, on the same strategy."""
+        wait_for_save()  # a checkpoint being written (checkpoint_async) completes, its copy is freed
+        if self._session is not None:  # a later prepare keeps the strategy launched or chosen (planner: once)
+            self._session.release()
+            self._session = Session(self.config, make_strategy(self.config, self._info))
+        self._loaders.reset()
+        self._emas.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return tuple(None for _ in objects)
+
+    def end_training(self) -> None:
+        """Write the last metrics record, close the trackers and leave the process group
+        (call once, at the end of the script)."""
+        self._guard.at_end(self.step if self._session is not None else 0, self._policy_save)  # the last one
+        self._observer.close(self.step if self._session is not None else 0, self._probe)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

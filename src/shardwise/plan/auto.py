@@ -1,0 +1,93 @@
+"""`strategy="auto"`: at the first `prepare`, plan for this run and take the fastest plan that fits.
+
+The planner (`shardwise.plan`) traces the user's model on fake tensors through every strategy
+at the real world size and per-device batch, against the real device memory (a GPU's total
+memory; on CPU processes, this machine's RAM shared by its local processes). Every rank plans
+the same inputs deterministically and without collectives, so every rank makes the same choice.
+`auto` picks the strategy and the offload; activation checkpointing stays the user's setting
+(its mode is planned on every strategy), an offload the user set restricts the choice to plans
+with it, and a `shard_group_size` the user set is planned as set (hybrid sharding: per-rank
+state cut by the group, not the world).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config.tree import ConfigError, EngineConfig, offload_spec, resolve_shard_group
+from ..distributed.world import DistInfo
+
+log = logging.getLogger("shardwise")
+
+
+def device_memory(info: DistInfo) -> int:
+    """Bytes one process may use: its GPU's memory, or its share of this machine's RAM."""
+    if info.device.type == "cuda":
+        return int(torch.cuda.get_device_properties(info.device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(ram // max(1, info.local_world_size))
+
+
+def sample_batch(loader: Any) -> Any:
+    """The first `batch_size` samples of the loader's dataset, collated as the loader would
+    (read by index: the sampler and its random state are untouched)."""
+    dataset = loader.dataset
+    indexable = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    if loader.batch_size is None or not indexable:
+        raise ConfigError(
+            "strategy='auto' reads one batch by index to plan, which needs a map-style dataset and a "
+            "DataLoader batch_size; name the strategy instead (see `shardwise plan`)"
+        )
+    n = min(loader.batch_size, len(dataset))
+    return loader.collate_fn([dataset[i] for i in range(n)])
+
+
+def choose(
+    cfg: EngineConfig, info: DistInfo, models: list[nn.Module], loaders: list[Any]
+) -> tuple[EngineConfig, Any]:
+    """The config with `strategy` (and `offload`) chosen by the planner, and the plan."""
+    from . import CANDIDATES, PlanRequest, plan_module
+
+    if len(models) != 1 or not loaders:
+        raise ConfigError(
+            "strategy='auto' plans one model at its per-device batch: pass exactly one model and its "
+            f"DataLoader to the same prepare() call (got {len(models)} model(s), "
+            f"{len(loaders)} DataLoader(s))"
+        )
+    loader = loaders[0]
+    # an offload the user set restricts the choice to plans with it
+    restrict = offload_spec(cfg.offload).any
+    # a shard_group_size the user set (hybrid sharding) is planned as set, for every sharding plan
+    group = resolve_shard_group(cfg.shard_group_size, info.world_size, info.local_world_size)
+    hybrid = group if group < info.world_size else None
+    sharding = {c: hybrid if c.strategy_spec.shards_optimizer else None for c in CANDIDATES}
+    # the config's activation checkpointing (any mode), on every strategy
+    mode, every = str(cfg.activation_checkpointing), cfg.activation_checkpointing_every
+    candidates = [dataclasses.replace(c, shard_group_size=sharding[c], activation_checkpointing=mode,
+                                      activation_checkpointing_every=every)
+                  for c in CANDIDATES if not c.checkpointed and (not restrict or c.offload == cfg.offload)]
+    local = max(1, info.local_world_size)
+    request = PlanRequest(
+        world_size=info.world_size, nodes=info.world_size // local if info.world_size % local == 0 else 1,
+        device_memory=device_memory(info), batch=loader.batch_size,
+        device="cuda" if info.device.type == "cuda" else "cpu", precision=cfg.precision,
+        candidates=candidates, activation_checkpointing=mode, activation_checkpointing_every=every,
+        wrap=cfg.wrap, checkpoint_async=cfg.checkpoint_async,
+    )
+    plan = plan_module(models[0], sample_batch(loader), request)
+    if plan.best is None:
+        raise ConfigError(f"strategy='auto': no strategy fits: {plan.why}")
+    chosen = plan.best.settings()
+    out = dataclasses.replace(cfg, strategy=chosen["strategy"], offload=chosen["offload"])
+    message = f"shardwise: strategy='auto' chose {plan.best.name}: {plan.why}"
+    log.info(message)
+    if info.is_main:
+        print(message, file=sys.stderr, flush=True)
+    return out, plan

@@ -1,0 +1,405 @@
+"""Runs that survive failures: checkpoints by policy, preemption, a launcher that died, hung ranks.
+
+At every optimizer-step boundary (the first thing after an optimizer step: the prepared
+DataLoader yielding the next batch, or the next `accumulate()`, both before the next forward, so
+a checkpoint there resumes exactly), the Engine calls `Guard.at_boundary`:
+  heartbeat   this process's progress goes to the process group's store (`shardwise/progress/<r>`:
+              a count of boundaries, forwards and backwards, with the step), also at every
+              forward of a prepared model and every `backward()`, so a process whose collective
+              times out can say which processes did not arrive;
+  agreement   one all-reduce (MAX) of four flags, so every process acts alike: a preemption
+              signal arrived (on any process), the launcher is gone, checkpoint_every_seconds
+              has passed (process 0's clock), a checkpoint written in the background failed
+              (`checkpoint_async`: then every process raises its CheckpointError here);
+  checkpoint  every checkpoint_every_steps steps or when the time is due; on preemption or a gone
+              launcher, a checkpoint and then the exit with PREEMPTED_EXIT (75, "try again"):
+              a checkpoint still being written in the background completes first (and is not
+              saved again when it is of this step), and the process exits only once the last
+              one is complete.
+Signals: the configured preempt_signals (SIGTERM, SIGUSR1) set a flag. Schedulers (SLURM,
+Kubernetes) signal every process of the job at once, and `shardwise launch` passes its own signal
+on, so a worker gets the same signal twice or more: the repeats change nothing. A process that
+reaches no boundary within preempt_grace_s of the first signal (a hung or stalled process) exits
+with 128 + the signal, without saving: the scheduler would kill it anyway.
+Resume: `resume_from` is what `load_state()` with no folder does (the `resume` setting); the
+saves of a run under `shardwise launch` go to its run record (RUN_RECORD_ENV, one JSON line per
+save), which tells the launcher what a stopped run saved and a restarted attempt that an
+earlier attempt saved a checkpoint it must find.
+Launcher: a thread notices when the parent process changes (the launcher was SIGKILLed: the
+process was handed to init); the run then stops at its next boundary, as on preemption, or
+after preempt_grace_s without one.
+Hung ranks: the process group's collectives time out after collective_timeout_s; the timeout is
+reported as `CollectiveTimeout`, one line naming the step and the processes behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.background import WRITER
+from ..checkpoint.storage import CheckpointError
+from ..config.tree import EngineConfig
+from ..distributed.world import DistInfo
+
+log = logging.getLogger("shardwise")
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the run stopped cleanly after a checkpoint; start it again to continue
+RUN_RECORD_ENV = "SHARDWISE_RUN_RECORD"  # set by `shardwise launch`: a file for the saves of its workers
+_TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "DistStoreError")
+
+
+def say(info: DistInfo, message: str) -> None:
+    """A lifecycle line (resume, checkpoint, preemption) on process 0's stderr, and in the log."""
+    log.info(message)
+    if info.is_main:
+        print(f"shardwise: {message}", file=sys.stderr, flush=True)
+
+
+def _attempt() -> int:
+    """Which attempt of a `--max-restarts` launch this is (0: the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _run_record() -> list[dict[str, Any]]:
+    """The run record's lines (empty outside `shardwise launch`); a line cut short is skipped."""
+    return read_run_record(os.environ.get(RUN_RECORD_ENV, ""))
+
+
+def read_run_record(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with contextlib.suppress(OSError), open(path or os.devnull) as fh:
+        for line in fh:
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return [r for r in rows if isinstance(r, dict)]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within collective_timeout_s (one line: step, who is behind)."""
+
+
+def is_timeout(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _TIMEOUT_MARKERS)
+
+
+class _Process:
+    """What this process has seen (signals, its launcher), shared by every Engine in it: the
+    handlers and the watch thread are installed once per process."""
+
+    def __init__(self) -> None:
+        self.preempted = 0  # the signal that asked to stop (0: none)
+        self.launcher_gone = False
+        self.since = 0.0  # when either happened
+        self.at_boundary = False  # a checkpoint on the way out is being written
+        self.stepping = False  # a step boundary was reached: from then on a signal means a checkpoint
+        self.grace = 25.0
+        self.rank = 0
+        self.handlers: dict[int, Any] = {}
+        self.parent = os.getppid()
+        self.watch: threading.Thread | None = None
+        self.under_launcher = False  # started by torchrun: a launcher to outlive
+        self.guard: Guard | None = None  # the newest Engine's: it reports an uncaught timeout
+        self.previous_hook: Callable[..., Any] | None = None
+        self.pid = os.getpid()  # the process the handlers are for (a forked child is not it)
+
+    def install(self, signals: tuple[str, ...], grace: float, rank: int) -> None:
+        self.grace, self.rank, self.pid = grace, rank, os.getpid()
+        if threading.current_thread() is threading.main_thread():  # handlers: main thread only
+            for name in signals:
+                signum = getattr(signal, name)
+                if signum not in self.handlers:
+                    self.handlers[signum] = signal.signal(signum, self._on_signal)
+        # the launcher watch: only under torchrun (a launcher to outlive); a thread in every
+        # process would also make fork() (multiprocessing pools) unsafe there. Elsewhere it
+        # starts with the first signal, to keep the preempt_grace_s bound.
+        self.under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
+        if self.under_launcher:
+            self._start_watch()
+        if self.previous_hook is None:
+            self.previous_hook = sys.excepthook
+            sys.excepthook = self._excepthook
+
+    def _excepthook(self, kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
+        """An uncaught collective timeout ends the process with its one line; others as before."""
+        if isinstance(err, CollectiveTimeout) or is_timeout(err):
+            guard = None if isinstance(err, CollectiveTimeout) else self.guard
+            message = str(err) if guard is None else guard.describe_timeout()
+            print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
+            os._exit(1)
+        (self.previous_hook or sys.__excepthook__)(kind, err, tb)
+
+    def _start_watch(self) -> None:
+        if self.watch is None:
+            self.watch = threading.Thread(target=self._watch_loop, name="shardwise-watch", daemon=True)
+            self.watch.start()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # A process forked from this one (a DataLoader worker, a multiprocessing pool's) inherits
+        # the handler but has no step boundary to save at, nor the watch thread: it takes the
+        # signal's default action, as it would without shardwise (a pool's terminate() ends it).
+        if os.getpid() != self.pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        # A repeat (the scheduler's SIGTERM and the launcher's forwarded one, or a second
+        # scancel) must not cut the checkpoint short: only the first signal counts, and the
+        # preempt_grace_s bound (the watch) ends a process that reaches no boundary.
+        if self.preempted:
+            return
+        if not self.stepping:  # before the first step boundary there is no work to save
+            if self.rank == 0:
+                print(f"shardwise: {signal.Signals(signum).name} before the first step: nothing to save; "
+                      "exiting", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.preempted, self.since = signum, time.monotonic()
+        self._start_watch()
+
+    def _watch_loop(self) -> None:
+        while True:
+            time.sleep(0.2 if self.preempted else 1.0)
+            if self.under_launcher and not self.launcher_gone and os.getppid() != self.parent:
+                self.launcher_gone, self.since = True, time.monotonic()
+                log.warning("rank %d: the launcher (pid %d) is gone; stopping at the next step boundary",
+                            self.rank, self.parent)
+            waiting = (self.preempted or self.launcher_gone) and not self.at_boundary
+            if waiting and time.monotonic() - self.since > self.grace:
+                code = 128 + (self.preempted or signal.SIGTERM)
+                print(f"shardwise: rank {self.rank}: no step boundary within preempt_grace_s={self.grace:g} "
+                      f"s of {self.why()}; exiting ({code}) without a checkpoint",
+                      file=sys.stderr, flush=True)
+                os._exit(code)
+
+    def why(self) -> str:
+        return signal.Signals(self.preempted).name if self.preempted else "the launcher's exit"
+
+
+PROCESS = _Process()
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryDecision:
+    """What every process does at an optimizer step's boundary, from the flags they agreed on."""
+
+    save: str | None = None
+    """why a checkpoint is written now (None: none by policy)"""
+    stop: str | None = None
+    """why the run stops here, after saving this step unless it is saved already (None: go on)"""
+    failed: bool = False
+    """a background checkpoint write failed on some process: every process raises"""
+
+
+def decide(step: int, *, stop: bool, gone: bool, due: bool, failed: bool, every: int | None,
+           signalled: str) -> BoundaryDecision:
+    """The boundary's decision (pure): a failed background write is raised unless the run stops
+    anyway; a stop (a signal, the launcher gone) saves and exits; else the policy's checkpoint
+    (every `every` steps, or `due` by the clock)."""
+    if stop or gone:
+        return BoundaryDecision(stop=signalled if stop else "the launcher is gone")
+    if failed:
+        return BoundaryDecision(failed=True)
+    if (every and step > 0 and step % every == 0) or due:
+        return BoundaryDecision(save="every seconds" if due else "every step")
+    return BoundaryDecision()
+
+
+class Guard:
+    """The step heartbeat, the boundary agreement and timeout reports of one Engine."""
+
+    def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+        self.last_save = time.monotonic()
+        self.last_step = -1  # the step of the newest boundary handled
+        self.last_saved_step, self.last_saved_path = -1, ""  # the newest checkpoint in checkpoint_dir
+        self.step_in_progress = 0
+        self._progress = 0  # heartbeats sent: every process sends the same sequence
+        PROCESS.install(cfg.preempt_signals, cfg.preempt_grace_s, info.rank)
+        PROCESS.guard = self
+        self._store: Any = None
+        with contextlib.suppress(Exception):  # a store the heartbeats can use (absent: no names)
+            from ..distributed.internals import default_store
+
+            self._store = default_store()
+
+    # -- the boundary -----------------------------------------------------------------------
+    def at_boundary(self, step: int, save: Callable[[str], None]) -> None:
+        """After optimizer step `step`: heartbeat, agree, checkpoint by policy, stop if asked."""
+        if step == self.last_step:
+            return
+        self.last_step, self.step_in_progress = step, step + 1
+        PROCESS.stepping = True
+        self.heartbeat("at the start")
+        flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone),
+                              float(self._time_due()), float(WRITER.failed)])
+        if self.info.world_size > 1:
+            with self.timeouts():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, gone, due, failed = (bool(x) for x in flags.tolist())
+        signalled = PROCESS.why() if PROCESS.preempted else "a signal to another process"
+        decision = decide(step, stop=stop, gone=gone, due=due, failed=failed,
+                          every=self.cfg.checkpoint_every_steps, signalled=signalled)
+        if decision.failed:  # a background write failed (checkpoint_async): all raise
+            WRITER.wait()  # (its line: the failure is agreed over the writer's group)
+            raise CheckpointError("a checkpoint written in the background failed on another process; see its "
+                                  "error")
+        if decision.stop is not None:
+            self._stop(step, decision.stop, save)
+        if decision.save is not None:
+            save(decision.save)
+            self.last_save = time.monotonic()
+
+    def _stop(self, step: int, reason: str, save: Callable[[str], None]) -> None:
+        """Every process saves this step (unless it is saved already) and exits `PREEMPTED_EXIT`."""
+        PROCESS.at_boundary = True
+        t0 = time.monotonic()
+        try:  # a save still being written completes first: it may be of this very step
+            WRITER.wait()
+        except CheckpointError as err:  # said, and this step is saved anew below
+            say(self.info, f"the checkpoint being written failed: {err}")
+        if self.last_saved_step != step:  # not saved at this step already (by policy or the script)
+            save(reason)
+            WRITER.wait()  # checkpoint_async: the process exits only once it is complete
+        self._record(step, time.monotonic() - t0, path=self.last_saved_path, stop=reason)
+        say(self.info, f"stopped after step {step} ({reason}) with its checkpoint saved in "
+                       f"{time.monotonic() - t0:.2f} s; exit code {PREEMPTED_EXIT}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(PREEMPTED_EXIT)
+
+    def at_end(self, step: int, save: Callable[[str], None]) -> None:
+        """`end_training()`: with a checkpoint policy, the last step is saved too (every process
+        is here, so the save's collectives are safe; interpreter exit is not such a place)."""
+        from ..checkpoint.sharded import step_dirs
+
+        WRITER.wait()  # a checkpoint being written (checkpoint_async) completes before anything else
+        policy = self.cfg.checkpoint_every_steps or self.cfg.checkpoint_every_seconds
+        root = Path(self.cfg.checkpoint_dir)
+        saved = self.last_saved_step == step or any(p.name == f"step_{step}" for p in step_dirs(root))
+        if policy and step > 0 and not saved:  # (a run resumed at its last step has it already)
+            save("the end of training")
+            WRITER.wait()  # before the process group goes
+
+    def saved(self, report: Any, step: int) -> Any:
+        """A checkpoint of `step` was written (any save): note it, and in the launcher's run record."""
+        path = Path(getattr(report, "path", ""))
+        if path.parent.resolve() == Path(self.cfg.checkpoint_dir).resolve():  # one `load_state()` finds
+            self.last_saved_step, self.last_saved_path = step, str(path)
+            self._record(step, float(getattr(report, "seconds", 0.0)), path=str(path))
+        return report
+
+    def _record(self, step: int, seconds: float, *, path: str = "", stop: str = "") -> None:
+        """One JSON line in the run record of `shardwise launch` (one writer per machine)."""
+        record = os.environ.get(RUN_RECORD_ENV)
+        if not record or not self.info.is_local_main:
+            return
+        line = {"attempt": _attempt(), "step": step, "seconds": round(seconds, 3), "path": path, "stop": stop}
+        with contextlib.suppress(OSError), open(record, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+    # -- resume -------------------------------------------------------------------------------
+    def resume_from(self, root: Path) -> Path | None:
+        """The checkpoint `load_state()` with no folder resumes from (the `resume` setting), or
+        None for a start at step 0, said in one line; an error when there must be one."""
+        from ..checkpoint.sharded import newest
+
+        if self.cfg.resume == "never":
+            say(self.info, f"resume: never: no checkpoint loaded (checkpoint_dir {root}/); starting at "
+                "step 0")
+            return None
+        found = newest(root)
+        if found is not None:
+            return found
+        if self.cfg.resume == "required":
+            raise CheckpointError(f"no checkpoint under {root}/ and resume: required: check checkpoint_dir "
+                                  "(or set resume: auto to start at step 0)")
+        earlier = [r for r in _run_record() if r.get("attempt", 0) < _attempt() and r.get("path")]
+        if earlier:
+            raise CheckpointError(
+                f"restart {_attempt()}: an earlier attempt saved {earlier[-1]['path']} "
+                f"(step {earlier[-1]['step']}), but there is no checkpoint under {root}/ now; this attempt "
+                "will not start again from step 0: "
+                "give every machine the same checkpoint_dir on a shared file system")
+        say(self.info, f"no checkpoint under {root}/: starting at step 0")
+        return None
+
+    def _time_due(self) -> bool:
+        every = self.cfg.checkpoint_every_seconds
+        return bool(every) and self.info.is_main and time.monotonic() - self.last_save >= float(every or 0)
+
+    def heartbeat(self, where: str) -> None:
+        """Record this process's progress (`where` in the step in progress) in the store."""
+        self._progress += 1
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.set(f"shardwise/progress/{self.info.rank}",
+                                f"{self._progress}|{self.step_in_progress}|{where}")
+
+    # -- timeouts -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def timeouts(self) -> Iterator[None]:
+        """Inside: a collective's timeout comes out as one `CollectiveTimeout` line."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, CollectiveTimeout) or not is_timeout(err):
+                raise
+            raise CollectiveTimeout(self.describe_timeout()) from None
+
+    def describe_timeout(self) -> str:
+        behind = self._behind()
+        who = f"; {behind} did not arrive" if behind else ""
+        return (f"rank {self.info.rank}: step {self.step_in_progress}: a collective did not complete within "
+                f"collective_timeout_s={self.cfg.collective_timeout_s:g} s{who}. The run stops; restart it "
+                "(shardwise launch --max-restarts N) to resume from the newest checkpoint")
+
+    def _seen(self, rank: int) -> tuple[int, str, str] | None:
+        """Another process's newest heartbeat (count, step, where), None when it sent none."""
+        key = f"shardwise/progress/{rank}"
+        if not self._store.check([key]):
+            return None
+        count, step, where = self._store.get(key).decode().split("|", 2)
+        return int(count), step, where
+
+    def _behind(self) -> str:
+        """The processes whose progress is behind this one's (read from the store)."""
+        if self._store is None:
+            return ""
+        late = []
+        with contextlib.suppress(Exception):
+            self._store.set_timeout(datetime.timedelta(seconds=2))
+            for r in range(self.info.world_size):
+                seen = self._seen(r)
+                if seen is None:
+                    late.append(f"rank {r} (no step yet)")
+                elif seen[0] < self._progress:
+                    late.append(f"rank {r} (last seen in step {seen[1]}, {seen[2]})")
+        return ", ".join(late)
+
+    def others_moved_on(self) -> bool:
+        """Every other process has sent more heartbeats than this one: they went past the point
+        where this process is (every process sends the same sequence), so a call this process
+        makes now, they are not making (`accelerate_hooks`: a save or forward on one process)."""
+        if self._store is None:
+            return False
+        with contextlib.suppress(Exception):
+            for r in range(self.info.world_size):
+                seen = self._seen(r) if r != self.info.rank else None
+                if r != self.info.rank and (seen is None or seen[0] <= self._progress):
+                    return False
+            return True
+        return False

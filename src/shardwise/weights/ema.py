@@ -1,0 +1,101 @@
+"""Exponential moving averages of sharded models: diffusers' `EMAModel`, passed to `prepare`.
+
+diffusers' EMAModel keeps one shadow tensor per parameter, updates it elementwise (`step`),
+copies it in and out (`copy_to`, `store`, `restore`) and saves it as a model folder
+(`save_pretrained`, from whole tensors). Built before `prepare`, as diffusers' scripts build it,
+its shadows are whole tensors, and its first `step` on a sharded model's parameters (DTensors)
+fails inside torch (`aten.sub.Tensor got mixed torch.Tensor and DTensor`).
+
+Passed to `prepare` (`ema_model = accelerator.prepare(ema_model)`; Accelerate returns objects it
+does not know unchanged, so the line runs under Accelerate as well), each shadow takes its
+parameter's layout: the rows of this process's shard, cut locally (every process built the same
+EMA from the same weights: no communication), so the EMA costs each process 1/W of the model and
+`step`, `copy_to`, `store` and `restore` run on local shards. The Accelerator's save hooks call
+`ema_model.save_pretrained(...)` on the main process alone: while they run, the shadows are
+whole there (`whole_on_main`: one all-gather per shadow, every process joins). A load hook that
+replaces them with whole tensors (`load_state_dict`) is cut back to shards after the hooks
+(`shard`). Under a replicating strategy (ddp, zero1, DeepSpeed zero1/2) nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..config.tree import ConfigError
+
+
+def is_ema(obj: Any) -> bool:
+    """An EMA in diffusers' shape: a list of shadow tensors, `step` and `copy_to`."""
+    return (isinstance(getattr(obj, "shadow_params", None), list) and callable(getattr(obj, "step", None))
+            and callable(getattr(obj, "copy_to", None)))
+
+
+@dataclass(slots=True)
+class PreparedEMA:
+    """An EMA and the prepared model's parameters its shadows follow, in its order."""
+
+    ema: Any
+    params: list[torch.Tensor]
+
+
+def bind(ema: Any, models: Sequence[nn.Module]) -> PreparedEMA:
+    """The prepared model whose parameters `ema`'s shadows follow (same number, same whole
+    shapes, in order); one line naming the fix when there is none."""
+    shadows = ema.shadow_params
+    for model in models:
+        params: list[torch.Tensor] = list(model.parameters())
+        if any(hasattr(p, "ds_shape") for p in params):
+            raise ConfigError(
+                f"{type(ema).__name__}: the model is partitioned by DeepSpeed ZeRO-3, whose parameters are "
+                "empty outside its forward; keep the EMA on backend='torch' (zero3 there shards it too), or "
+                "use DeepSpeed's zero1/zero2")
+        if len(params) == len(shadows) and all(tuple(s.shape) == tuple(p.shape)
+                                               for s, p in zip(shadows, params)):
+            return PreparedEMA(ema, params)
+    raise ConfigError(
+        f"{type(ema).__name__}: its {len(shadows)} shadow tensors match no prepared model's parameters; "
+        "build it from the parameters of the model you train (EMAModel(model.parameters(), ...)) and "
+        "prepare that model first, or in the same prepare() call")
+
+
+def shard(prepared: PreparedEMA) -> None:
+    """Each whole shadow cut to its parameter's layout (a DTensor parameter: this process's rows)."""
+    ema = prepared.ema
+    ema.shadow_params = [_like(s, p) for s, p in zip(ema.shadow_params, prepared.params)]
+
+
+def _like(shadow: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if not isinstance(param, DTensor) or isinstance(shadow, DTensor):
+        return shadow
+    # src_data_rank=None: each process cuts its own copy (all hold the same values)
+    return distribute_tensor(shadow.detach().to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None)
+
+
+@contextlib.contextmanager
+def whole_on_main(prepared: Sequence[PreparedEMA], is_main: bool) -> Iterator[None]:
+    """Inside, every sharded EMA holds whole shadows on the main process (as diffusers' own
+    `save_pretrained` needs); a collective: every process joins, one all-gather per shadow."""
+    swapped: list[tuple[Any, list[torch.Tensor]]] = []
+    for p in prepared:
+        shadows = p.ema.shadow_params
+        if not any(isinstance(s, DTensor) for s in shadows):
+            continue
+        whole = []
+        for s in shadows:
+            full = s.full_tensor() if isinstance(s, DTensor) else s
+            whole.append(full if is_main else s)  # the others drop each at once
+        swapped.append((p.ema, shadows))
+        p.ema.shadow_params = whole
+    try:
+        yield
+    finally:
+        for ema, shadows in swapped:
+            ema.shadow_params = shadows
