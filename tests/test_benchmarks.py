@@ -139,3 +139,22 @@ def test_speed_features_dry_run(tmp_path: Path) -> None:
     kept = {mode: r["kept_for_backward_mib"] for mode, r in results["ac"].items()}
     assert kept["full"] < kept["selective"] < kept["none"]
     assert results["async"]["async"]["stall_s"] < results["async"]["sync"]["stall_s"]
+
+
+def test_step_hooks_times_every_hook_the_engine_adds(tmp_path: Path) -> None:
+    """benchmarks/step_hooks.py at 2 processes, 3 steps of ddp: every hook the engine adds to a
+    step is timed, the supervision boundary and the compile watch only in the loop through
+    `accumulate()` (a plain loop never reaches them)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "step_hooks.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+         "--strategies", "ddp", "--steps", "3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.iterdir()
+    results = json.loads(path.read_text())["results"]
+    plain, accumulate = results["ddp plain"], results["ddp accumulate"]
+    assert set(plain) == {"heartbeats", "metrics record", "step_ms_median"}
+    assert set(accumulate) == set(plain) | {"supervision boundary", "compile watch"}
+    assert all(v > 0 for v in accumulate.values())

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed.internals import local_tensor
 from .storage import CheckpointError, one_line
 
-__all__ = ["WRITER", "Writer", "stage", "staging_bytes", "wait_for_save"]
+__all__ = ["WRITER", "BackgroundWriter", "stage", "staging_bytes", "wait_for_save"]
 
 
 class _Pool:
@@ -124,7 +124,7 @@ def stage(state: Any, pool: _Pool | None = None) -> tuple[Any, int]:
     return out, copier.nbytes
 
 
-class Writer:
+class BackgroundWriter:
     """This process's background checkpoint writer: at most one write in flight."""
 
     def __init__(self) -> None:
@@ -206,14 +206,15 @@ class Writer:
         return max(self.staged if self.pending else 0, self.pool.nbytes())
 
 
-WRITER = Writer()  # one per process: every Engine's saves share it, so one save is in flight at a time
+# one per process: every Engine's saves share it, so one save is in flight at a time
+WRITER = BackgroundWriter()
 
 
 def wait_for_save() -> float:
-    """Wait for this process's pending checkpoint write (see `Writer.wait`)."""
+    """Wait for this process's pending checkpoint write (see `BackgroundWriter.wait`)."""
     return WRITER.wait()
 
 
 def staging_bytes() -> int:
-    """Host bytes this process holds for staging checkpoints (`Writer.held_bytes`)."""
+    """Host bytes this process holds for staging checkpoints (`BackgroundWriter.held_bytes`)."""
     return WRITER.held_bytes()

@@ -6,7 +6,7 @@ already in the next step's all-reduce, so any collective in the call waits for t
 Telling "only the main process called" needs no collective: every process that enters the
 call adds 1 to a key of the process group's store (a TCP round trip, no tensor traffic) and
 polls until the count reaches the world size. The main process decides it is alone when every
-other process has gone past this point: their heartbeats in the store (`resilience.Guard`: one
+other process has gone past this point: their heartbeats in the store (`resilience.Supervisor`: one
 per boundary, forward, backward and `wait_for_everyone`, the same sequence on every process)
 outnumber its own; or, without that sign, after `ARRIVAL_TIMEOUT_S`. It then closes the key by
 adding `_CLOSED` and goes on alone (ddp) or refuses (sharded). A process that is merely late

@@ -36,7 +36,7 @@ from ..distributed.collectives import check_reduction, gather_one, map_tensors, 
 from ..distributed.world import init_distributed
 from ..runtime.memory import MemoryReport, tensor_memory
 from ..runtime.observe import Observer, TrackerVerbs
-from ..runtime.supervision import Guard, say
+from ..runtime.supervision import Supervisor, say
 from ..strategies import make_strategy
 from ..strategies.compile import compile_boundary
 from ..strategies.frozen import check_inference_models, for_inference
@@ -98,7 +98,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._last_save: Any = None  # the newest save's SaveReport
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
-        self._guard = Guard(cfg, self._info)  # checkpoints by policy, preemption, timeouts
+        self._supervisor = Supervisor(cfg, self._info)  # checkpoints by policy, preemption, timeouts
         self._observer = Observer(cfg, self._info)  # metrics, trackers, progress
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restarts:
@@ -276,7 +276,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         preemption, checkpoints by policy (`shardwise.runtime.supervision`). Every process gets here."""
         if self._session is not None and self._session.models:
             self._observer.at_boundary(self.step, self._probe)
-            self._guard.at_boundary(self.step, self._policy_save)
+            self._supervisor.at_boundary(self.step, self._policy_save)
             compile_boundary(self.step, self._info)  # compile: recompilations, the start-up line
 
     def _probe(self) -> tuple[MemoryReport | None, dict[str, Any]]:
@@ -289,7 +289,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         return self.memory_report(), extra
 
     def _forward_started(self, module: nn.Module, args: Any) -> None:
-        self._guard.heartbeat("in its forward")
+        self._supervisor.heartbeat("in its forward")
 
     def save_policy_checkpoints_with(self, save: Callable[[], Path]) -> None:
         """Checkpoints by policy (`checkpoint_every_*`, preemption, the end) call `save()`
@@ -320,14 +320,14 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if self._session is None or not self._session.models:
             raise RuntimeError("backward() before prepare(): prepare the model (and its optimizer) first, "
                                "then compute the loss with the prepared model")
-        self._guard.heartbeat("in its backward")
+        self._supervisor.heartbeat("in its backward")
         loader = self._loaders.new_pass()
         if loader is not None:  # a new training pass
             self._observer.epoch = loader.iteration if loader.epoch is None else loader.epoch
             self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
         self._observer.at_boundary(self.step, self._probe)  # loops without accumulate() or loaders
         self._observer.on_backward(per_item(loss, kwargs.get("num_items")))  # num_items: a mean per item
-        with self._guard.timeouts():
+        with self._supervisor.timeouts():
             self.session.backward(loss, **kwargs)
 
     def unscale_gradients(self) -> None:
@@ -344,7 +344,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): the bound must be a number > 0 "
                              "(a negative bound would scale gradients by a negative factor)")
-        with self._guard.timeouts():
+        with self._supervisor.timeouts():
             norm = self.session.clip_grad_norm(parameters, max_norm, norm_type)
         self._observer.on_clip(norm)
         return norm
@@ -356,7 +356,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     # -- collectives ------------------------------------------------------------------------
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
-        with self._guard.timeouts():
+        with self._supervisor.timeouts():
             return map_tensors(data, lambda t: gather_one(t, self.num_processes))
 
     def gather_for_metrics(self, data: Any) -> Any:
@@ -373,7 +373,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """Sum, mean, max or min of tensors across processes."""
         check_reduction(reduction)
-        with self._guard.timeouts():
+        with self._supervisor.timeouts():
             return map_tensors(data, lambda t: reduce_one(t, reduction, self.num_processes))
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -412,7 +412,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         keep_last, step = keep_last if keep_last is not None else self.config.keep_last, self.step
 
         def placed(report: Any, group: Any) -> None:  # every process, once it is in place (checkpoint_async:
-            self._guard.saved(report, step)  # in the writer thread); noted for resume and the launcher
+            self._supervisor.saved(report, step)  # in the writer thread); noted for resume and the launcher
             problem = None
             if output_dir is None and self.is_main_process:
                 try:
@@ -421,7 +421,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
                     problem = os_error_line(root / "latest", "point at the new checkpoint", err)
             agree(problem, group)
 
-        with self._guard.timeouts():
+        with self._supervisor.timeouts():
             self._last_save = checkpoint.save(self._checkpoint_parts(), target, then=placed,
                                               background=self.config.checkpoint_async)
         return Path(self._last_save.path)
@@ -447,7 +447,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if input_dir is None:
             # one run per checkpoint folder
             runlock.hold(Path(self.config.checkpoint_dir), self.process_index)
-            found = self._guard.resume_from(Path(self.config.checkpoint_dir))  # the `resume` setting
+            found = self._supervisor.resume_from(Path(self.config.checkpoint_dir))  # the `resume` setting
             if found is None:
                 return None
             path = found
@@ -456,11 +456,11 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             if str(input_dir) == "latest":
                 path = Path(self.config.checkpoint_dir) / "latest"
             path = checkpoint.resolve(path)
-        with self._guard.timeouts():
+        with self._supervisor.timeouts():
             state = checkpoint.load(self._checkpoint_parts(), path)
         restore_loop_state(state, path, self.session, self._loaders.loaders, self._registered,
                            self.num_processes, loader_positions=self._rules.restore_loader_position)
-        self._guard.last_step = self.step  # no checkpoint of the step just restored
+        self._supervisor.last_step = self.step  # no checkpoint of the step just restored
         say(self._info, f"resumed from {path} at step {self.step}")
         return self.step
 
@@ -493,7 +493,8 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def end_training(self) -> None:
         """Write the last metrics record, close the trackers and leave the process group
         (call once, at the end of the script)."""
-        self._guard.at_end(self.step if self._session is not None else 0, self._policy_save)  # the last one
+        step = self.step if self._session is not None else 0
+        self._supervisor.at_end(step, self._policy_save)  # the last one
         self._observer.close(self.step if self._session is not None else 0, self._probe)
         if dist.is_initialized():
             dist.barrier()

@@ -1,5 +1,5 @@
 """Where an `Engine`'s process sits, and the calls about the processes: `ProcessVerbs`, mixed
-into `Engine` (which holds the `DistInfo` and the `Guard`)."""
+into `Engine` (which holds the `DistInfo` and the `Supervisor`)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.world import DistInfo
-from ..runtime.supervision import Guard
+from ..runtime.supervision import Supervisor
 
 
 class ProcessVerbs:
     """Rank, world and device of this process, barriers, and the guard's timeouts."""
 
     _info: DistInfo
-    _guard: Guard
+    _supervisor: Supervisor
 
     @property
     def device(self) -> torch.device:
@@ -50,7 +50,8 @@ class ProcessVerbs:
             print(*args, **kwargs)
 
     def wait_for_everyone(self) -> None:
-        self._guard.heartbeat("waiting for everyone")  # moved on, for a call the main process makes alone
+        # moved on, for a call the main process makes alone
+        self._supervisor.heartbeat("waiting for everyone")
         dist.barrier()
 
     @contextlib.contextmanager
@@ -63,11 +64,11 @@ class ProcessVerbs:
 
     def timeouts(self) -> contextlib.AbstractContextManager[None]:
         """Inside, a collective that outlasts `collective_timeout_s` raises, naming who is late."""
-        return self._guard.timeouts()
+        return self._supervisor.timeouts()
 
     def others_moved_on(self) -> bool:
         """The other processes' heartbeats are ahead of this one's (it makes a call alone)."""
-        return self._guard.others_moved_on()
+        return self._supervisor.others_moved_on()
 
     @contextlib.contextmanager
     def as_world_of_one(self) -> Iterator[None]:

@@ -2,7 +2,7 @@
 
 At every optimizer-step boundary (the first thing after an optimizer step: the prepared
 DataLoader yielding the next batch, or the next `accumulate()`, both before the next forward, so
-a checkpoint there resumes exactly), the Engine calls `Guard.at_boundary`:
+a checkpoint there resumes exactly), the Engine calls `Supervisor.at_boundary`:
   heartbeat   this process's progress goes to the process group's store (`shardwise/progress/<r>`:
               a count of boundaries, forwards and backwards, with the step), also at every
               forward of a prepared model and every `backward()`, so a process whose collective
@@ -114,7 +114,7 @@ class _Process:
         self.parent = os.getppid()
         self.watch: threading.Thread | None = None
         self.under_launcher = False  # started by torchrun: a launcher to outlive
-        self.guard: Guard | None = None  # the newest Engine's: it reports an uncaught timeout
+        self.supervisor: Supervisor | None = None  # the newest Engine's: it reports an uncaught timeout
         self.previous_hook: Callable[..., Any] | None = None
         self.pid = os.getpid()  # the process the handlers are for (a forked child is not it)
 
@@ -138,8 +138,8 @@ class _Process:
     def _excepthook(self, kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
         """An uncaught collective timeout ends the process with its one line; others as before."""
         if isinstance(err, CollectiveTimeout) or is_timeout(err):
-            guard = None if isinstance(err, CollectiveTimeout) else self.guard
-            message = str(err) if guard is None else guard.describe_timeout()
+            supervisor = None if isinstance(err, CollectiveTimeout) else self.supervisor
+            message = str(err) if supervisor is None else supervisor.describe_timeout()
             print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
             os._exit(1)
         (self.previous_hook or sys.__excepthook__)(kind, err, tb)
@@ -218,7 +218,7 @@ def decide(step: int, *, stop: bool, gone: bool, due: bool, failed: bool, every:
     return BoundaryDecision()
 
 
-class Guard:
+class Supervisor:
     """The step heartbeat, the boundary agreement and timeout reports of one Engine."""
 
     def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
@@ -229,7 +229,7 @@ class Guard:
         self.step_in_progress = 0
         self._progress = 0  # heartbeats sent: every process sends the same sequence
         PROCESS.install(cfg.preempt_signals, cfg.preempt_grace_s, info.rank)
-        PROCESS.guard = self
+        PROCESS.supervisor = self
         self._store: Any = None
         with contextlib.suppress(Exception):  # a store the heartbeats can use (absent: no names)
             from ..distributed.internals import default_store

@@ -41,7 +41,7 @@ from ..config.tree import ConfigError
 from ..distributed.internals import local_tensor, shard_box
 from .record import InitRecipe, Recorder, recipe_of
 
-Writer = Callable[[torch.Tensor, torch.Tensor], None]  # (prepared tensor, full value) -> store its slice
+SliceWriter = Callable[[torch.Tensor, torch.Tensor], None]  # (prepared tensor, full value) -> store its slice
 
 
 @dataclass
@@ -283,8 +283,8 @@ class _Scratch:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, places: Places, *, rng: torch.Tensor | None, write: Writer = write_slice,
-                skip: Callable[[str], bool] = lambda name: False) -> None:
+def materialize(model: nn.Module, places: Places, *, rng: torch.Tensor | None,
+                write: SliceWriter = write_slice, skip: Callable[[str], bool] = lambda name: False) -> None:
     """Initialize the tensors at `places` (allocated, uninitialized); `write` stores each value
     (its slice, for a sharded tensor). In order of preference:
 
@@ -317,7 +317,8 @@ def materialize(model: nn.Module, places: Places, *, rng: torch.Tensor | None, w
 class _Fill:
     """One `materialize`: where each tensor sits, what is left to fill, what was written."""
 
-    def __init__(self, model: nn.Module, places: Places, write: Writer, skip: Callable[[str], bool]) -> None:
+    def __init__(self, model: nn.Module, places: Places, write: SliceWriter,
+                 skip: Callable[[str], bool]) -> None:
         self.model, self.write = model, write
         self.names: dict[Place, str] = {}
         self.where: dict[Place, tuple[dict[str, Any], str]] = {}
