@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import workloads as W
 from spawn import spawn
 from torch import nn
 
@@ -74,25 +75,6 @@ def _encoder_step(model: nn.Module, opt: Any, ids: torch.Tensor, backward: Any) 
     return loss.item()
 
 
-def _held(model: nn.Module) -> int:
-    """Parameter elements held in storages this process keeps (FSDP2 shards and gathered ones)."""
-    tensors: list[torch.Tensor] = []
-    for p in model.parameters():
-        tensors += [p, getattr(p, "ds_tensor", p)]
-    for m in model.modules():
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-        for group in state._fsdp_param_groups if state is not None else []:
-            for fp in group.fsdp_params:
-                tensors += [fp.sharded_param, getattr(fp, "_unsharded_param", fp.sharded_param)]
-    seen, total = set(), 0
-    for t in tensors:
-        s = getattr(t, "_local_tensor", t).untyped_storage()
-        if s.data_ptr() not in seen and s.nbytes():
-            seen.add(s.data_ptr())
-            total += s.nbytes() // 4
-    return total
-
-
 def _run(backend: str, strategy: str, folder: str) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -111,9 +93,9 @@ def _run(backend: str, strategy: str, folder: str) -> dict[str, Any]:
     model, opt = engine.prepare(model, opt)
     inner = engine.unwrap_model(model)
     out["t5_tied"] = inner.encoder.embed_tokens.weight is inner.shared.weight
-    rest = _held(inner)
+    rest = W.held_elements(inner)
     out["calls"] = _calls(inner)
-    out["held_after"] = (_held(inner), rest)
+    out["held_after"] = (W.held_elements(inner), rest)
     mine = IDS[engine.process_index:engine.process_index + 1]
     out["loss"] = _encoder_step(inner, opt, mine, engine.backward)
     out["state"] = engine.get_state_dict(model)

@@ -45,25 +45,6 @@ def _build(kind: str) -> nn.Module:
     return model
 
 
-def _held(model: nn.Module) -> int:
-    """Parameter elements whose storage this process holds, each storage once (fp32: bytes / 4)."""
-    tensors: list[torch.Tensor] = []
-    for p in model.parameters():
-        tensors += [p, getattr(p, "ds_tensor", p)]
-    for m in model.modules():
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-        for group in state._fsdp_param_groups if state is not None else []:
-            for fp in group.fsdp_params:
-                tensors += [fp.sharded_param, getattr(fp, "_unsharded_param", fp.sharded_param)]
-    seen, total = set(), 0
-    for t in tensors:
-        s = getattr(t, "_local_tensor", t).untyped_storage()
-        if s.nbytes() and s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total // 4
-
-
 def _blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("GPT2Block")]  # FSDP2 renames the class
 
@@ -82,22 +63,24 @@ def _run(backend: str, strategy: str, kind: str, folder: str) -> dict[str, Any]:
     engine.backward(W.lm_loss(model, ids[2 * rank : 2 * rank + 2]))  # a training step first
     opt.step()
     opt.zero_grad()
-    rest = _held(inner)
+    rest = W.held_elements(inner)
     during: list[tuple[int, int]] = []  # (held, memory_report's params bytes) after each block
-    hooks = [b.register_forward_hook(lambda *_: during.append((_held(inner), engine.memory_report().params)))
-             for b in _blocks(inner)]
+    def note(*_: Any) -> None:
+        during.append((W.held_elements(inner), engine.memory_report().params))
+
+    hooks = [b.register_forward_hook(note) for b in _blocks(inner)]
     model.eval()
     with torch.no_grad():
         model(input_ids=ids[:2])
     for h in hooks:
         h.remove()
-    after_eval, report = _held(inner), engine.memory_report().params
+    after_eval, report = W.held_elements(inner), engine.memory_report().params
     n, new = LENGTHS[rank]
     prompt = ids[rank : rank + 1, :n]
     # the prepared model's own generate (no unwrap_model), with synced_gpus=False: must not hang
     tokens = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
                             min_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=False)
-    after_generate = _held(inner)
+    after_generate = W.held_elements(inner)
     state = engine.get_state_dict(model)
     saved: dict[str, Any] = {}
     if engine.is_main_process:

@@ -281,3 +281,22 @@ def plain_reference(steps: int, n: int, batch: int) -> dict[str, Any]:
             if len(losses) == steps:
                 return {"losses": losses, "state": model.state_dict()}
     raise AssertionError(f"{steps} steps need more than two epochs of {n} samples")
+
+
+def held_elements(model: nn.Module) -> int:
+    """Parameter elements whose storage this process holds, each storage once (fp32: bytes / 4)."""
+    tensors: list[torch.Tensor] = []
+    for p in model.parameters():
+        tensors += [p, getattr(p, "ds_tensor", p)]
+    for m in model.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        for group in state._fsdp_param_groups if state is not None else []:
+            for fp in group.fsdp_params:
+                tensors += [fp.sharded_param, getattr(fp, "_unsharded_param", fp.sharded_param)]
+    seen, total = set(), 0
+    for t in tensors:
+        s = getattr(t, "_local_tensor", t).untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total // 4
