@@ -2,17 +2,17 @@
 written for Accelerate runs with `from shardwise import Accelerator` and gets the same numbers.
 
 It composes an `Engine` (`accelerator.engine`) and hands it Accelerate's rules (`LoopRules`
-from `accelerate_rules`, one field per difference; the table is in docs/api.md): the LR scheduler
+from `accelerate.rules`, one field per difference; the table is in docs/api.md): the LR scheduler
 steps once per process per optimizer step, a full last batch per process (even_batches), a
 resumed pass draws its iterator seed again, `load_state` leaves DataLoader positions (unless
 use_stateful_dataloader), a loop's end makes the loader active before it active again,
 sync_each_batch. The Accelerator itself adds Accelerate's checkpoint naming
 (`<project_dir>/checkpoints/checkpoint_<i>`), its tracker folders (`<logging_dir>/<run>`), and
-calls made on one process alone (`accelerate_hooks`: ddp saves a one-process checkpoint, a
+calls made on one process alone (`accelerate.hooks`: ddp saves a one-process checkpoint, a
 sharded state refuses in one line, never a hang).
 The Accelerate objects a script passes (DataLoaderConfiguration, ProjectConfiguration,
 GradientAccumulationPlugin, kwargs handlers) are read by their fields; accelerate is imported
-only where installed, to fill the state its logger reads (`accelerate_extras`). dynamo_backend
+only where installed, to fill the state its logger reads (`accelerate.extras`). dynamo_backend
 and dynamo_plugin become `compile: true` (each block compiled, `strategies.compile`). Plugins for
 other engines (deepspeed_plugin, fsdp_plugin, megatron, tensor parallel) are refused: choose the
 strategy in shardwise's config instead.
@@ -69,7 +69,7 @@ from .rules import (
 
 class Accelerator(ProcessHelpers):
     """Accelerate's `Accelerator` (its keywords, attributes and rules) on shardwise's engine
-    (`self.engine`, an `Engine` following `accelerate_rules`). Keywords Accelerate does not have go
+    (`self.engine`, an `Engine` following `accelerate.rules`). Keywords Accelerate does not have go
     to `EngineConfig` as for `Engine`."""
 
     engine: Engine
@@ -387,7 +387,7 @@ class Accelerator(ProcessHelpers):
 
     # -- checkpoints with Accelerate's automatic naming -----------------------------------------
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
-        """`hook(models, weights, output_dir)`, before a save writes (`accelerate_hooks.StateHooks`)."""
+        """`hook(models, weights, output_dir)`, before a save writes (`accelerate.hooks.StateHooks`)."""
         return self._state_hooks.add(self._state_hooks.save, hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
@@ -411,7 +411,7 @@ class Accelerator(ProcessHelpers):
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
                    **save_model_func_kwargs: Any) -> Path:
         """Accelerate's automatic naming, safe for earlier runs' checkpoints: the run owns
-        `<project_dir>/checkpoints` (`runlock`); a save never goes into an existing
+        `<project_dir>/checkpoints` (`checkpoint.runlock`); a save never goes into an existing
         `checkpoint_<i>`: a fresh run continues the numbering after the newest one there (where
         Accelerate refuses); `total_limit` removes only checkpoints this process wrote and only
         while they hold nothing but the checkpoint (others stay, with one warning)."""

@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..distributed.arrival import arrived_together
+from ..distributed.arrival import alone, arrived_together
 
 
 def save_together(calls: dict[int, int], step: int, world: int, rank: int, wait_s: float,
@@ -44,18 +43,13 @@ def save_together(calls: dict[int, int], step: int, world: int, rank: int, wait_
 
 @contextlib.contextmanager
 def world_of_one(engine: Any) -> Iterator[None]:
-    """Inside, `engine` is process 0 of one and the checkpoint code sees no process group (so
-    it runs no collective): a lone process writes a complete single-process checkpoint. Only
-    for replicated state (ddp); the process-group itself is untouched."""
-    real = dist.is_initialized
-    dist.is_initialized = lambda: False
-    try:
-        with engine.as_world_of_one(), warnings.catch_warnings():
-            # DCP's "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            yield
-    finally:
-        dist.is_initialized = real
+    """Inside, `engine` is process 0 of one and its checkpoint code runs no collective
+    (`distributed.arrival.alone`): a lone process writes a complete single-process checkpoint.
+    Only for replicated state (ddp); the process group itself is untouched."""
+    with engine.as_world_of_one(), alone(), warnings.catch_warnings():
+        # DCP's "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        yield
 
 
 class StateHooks:

@@ -76,7 +76,7 @@ class GradientAccumulationPlugin:
 
 class GradientState:
     """Accelerate's `gradient_state`, read from the engine's step state and the loader whose loop
-    is under way (`engine_state.LoaderTracker`: when a loop ends, the one active before it)."""
+    is under way (`engine.loop_state.LoaderTracker`: when a loop ends, the one active before it)."""
 
     def __init__(self, acc: _Steps) -> None:
         self._acc = acc

@@ -26,7 +26,7 @@ log = logging.getLogger("shardwise")
 
 def read_dynamo(kwargs: dict[str, Any]) -> None:
     """`Accelerator(dynamo_backend=...)` or `dynamo_plugin=TorchDynamoPlugin(...)` (popped from
-    `kwargs`) -> the engine's compile settings (`imports.from_dynamo`): backend NO compiles
+    `kwargs`) -> the engine's compile settings (`config.translate.from_dynamo`): backend NO compiles
     nothing; any other compiles each block. Backend options, and both keywords at once, are
     refused in one line; Accelerate's whole-model compilation is named in one log line."""
     backend, plugin = kwargs.pop("dynamo_backend", None), kwargs.pop("dynamo_plugin", None)
@@ -51,7 +51,7 @@ def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
     """`Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size, dp_shard_size))` (popped
     from `kwargs`) -> the engine's `shard_group_size` (hybrid sharding: groups of dp_shard_size);
     tensor, context and sequence parallelism, and sizes whose product is not the process count,
-    are refused in one line (`imports.from_parallelism`)."""
+    are refused in one line (`config.translate.from_parallelism`)."""
     config = kwargs.pop("parallelism_config", None)
     if config is None:
         return

@@ -9,7 +9,7 @@ save would (DCP, checksums, the sums gathered, meta.json last, the atomic exchan
 `latest`, keep_last and the run record).
 
 Communication: the writer's collectives (DCP's plan exchange, the gather of checksums, the
-agreements on errors) run on a gloo group of their own (`dist.background_group`), made once on
+agreements on errors) run on a gloo group of their own (`distributed.world.background_group`), made once on
 the main thread. On the training's group they would interleave with the collectives the main
 thread issues meanwhile (gradient reduce-scatters, all-gathers), in an order that differs
 between processes: a deadlock or, worse, mixed-up tensors.

@@ -19,7 +19,7 @@ file's size and xxh3-64 checksum (each process hashes the files it wrote, from t
 a load verifies them all first, each process a share of the files. Loading reads only JSON and
 weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256 matches the one
 recorded in meta.json. A save or load inside the run's checkpoint_dir first takes the run lock
-(`runlock`: one run per checkpoint folder). With `checkpoint_async`, the state is copied to host
+(`checkpoint.runlock`: one run per checkpoint folder). With `checkpoint_async`, the state is copied to host
 memory on the calling thread and written, as above, by a writer thread (`checkpoint_async`);
 `latest` moves only once the folder is in place. Saving and loading are here; reading a folder's
 format, its checks and the `step_<N>` layout are `checkpoint_files` (its names are re-exported).
@@ -57,6 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ..distributed.arrival import is_alone
 from ..distributed.world import background_group
 from ..version import __version__
 from ..weights.export import find_aliases, hf_config_json
@@ -247,7 +248,7 @@ def save(parts: Parts, target: Path, *, background: bool = False, then: Then | N
     checkpoint_async.wait_for_save()  # one save in flight: a pending one completes first (or raises)
     runlock.hold_for(parts.checkpoint_dir, target, parts.rank)  # before anything is checked or written
     agree(_check_target(target, stage) if parts.rank == 0 else None)
-    if background and not dist.is_initialized():
+    if background and (is_alone() or not dist.is_initialized()):
         # a lone process's save (Accelerate's save_state called on one ddp process) runs no
         # collective, and no process group is there for a writer thread's: it is written now
         log.info("%s: saved synchronously: a save by one process alone has no group for a background "
@@ -318,7 +319,8 @@ def _write(parts: Parts, target: Path, stage: Path, snap: _Snapshot, start: floa
     `stall`: an asynchronous save's (None: synchronous, the whole time is the stall)."""
     writer = _RecordingWriter(stage)
     try:
-        dcp.save(snap.state, storage_writer=writer, process_group=group)  # each process writes its own shards
+        # each process writes its own shards (a process saving alone: no collective at all)
+        dcp.save(snap.state, storage_writer=writer, process_group=group, no_dist=is_alone())
     except DCP_FAILURES as err:  # DCP agrees on failure across processes itself
         needed = _tensor_bytes(snap.state)  # the same on every process: the message is too
         line = os_error_line(target, "write the checkpoint's tensors", first_failure(err), needed)

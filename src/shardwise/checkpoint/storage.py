@@ -27,6 +27,8 @@ from typing import Any
 
 import xxhash
 
+from ..distributed.arrival import is_alone
+
 ALGORITHM = "xxh3_64"
 STAGING_MARK = ".shardwise-staging"  # made first in every staging folder: says the folder is ours
 
@@ -180,7 +182,7 @@ def agree(error: str | None, group: Any = None) -> None:
     import torch.distributed as dist
 
     errors: list[str | None] = [error]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if not is_alone() and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         errors = [None] * dist.get_world_size(group)
         dist.all_gather_object(errors, error, group=group)
     first = next((e for e in errors if e), None)

@@ -2,7 +2,7 @@
 
 Flags for the config tree are generated from its fields (their docstrings are the help), so the
 command line, the YAML file and `Engine(...)` keywords always name the same settings. `plan` is
-in `cli_plan`, `env` in `cli_env`.
+in `cli.plan`, `env` in `cli.env`.
 """
 
 from __future__ import annotations

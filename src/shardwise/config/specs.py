@@ -1,7 +1,7 @@
 """The strategy table: the one place that knows what each strategy, offload and backend does
 (and the names trackers go by).
 
-Everything outside `strategies/`, `config` and `imports` asks these specs (a property, a method)
+Everything outside `strategies/`, `config` and `config.translate` asks these specs (a property, a method)
 instead of comparing names, so a new strategy, offload or backend is one new entry here
 (`tests/test_layering.py` fails on a name comparison elsewhere). `config` re-exports them.
 """

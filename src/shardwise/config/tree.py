@@ -3,7 +3,7 @@
 Every field carries a docstring right under it; the CLI turns them into its help. Values are
 validated at construction, so a bad value is refused before any process group, model or
 optimizer is touched. Files (YAML, DeepSpeed JSON, Accelerate YAML) and command-line flags only
-fill this tree (see `config_io`); precedence is defaults < file < flags < `Engine(...)` keywords.
+fill this tree (see `config.files`); precedence is defaults < file < flags < `Engine(...)` keywords.
 """
 
 from __future__ import annotations

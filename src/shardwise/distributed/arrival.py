@@ -21,8 +21,10 @@ until the collective timeout and raise.)
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch.distributed as dist
 
@@ -71,3 +73,23 @@ def arrived_together(calls: dict[int, int], kind: str, step: int, world: int, is
         # (not the main process) the main process made a call alone under this key: this
         # process's call is the next one
         n += 1
+
+
+_ALONE: ContextVar[bool] = ContextVar("shardwise_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Inside, this process works by itself on purpose (a checkpoint the main process writes
+    alone, of replicated state): the checkpoint code's agreements are its own and it runs no
+    collective (`is_alone`). Said explicitly by the caller; the process group is untouched."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
+def is_alone() -> bool:
+    """Inside `alone()`."""
+    return _ALONE.get()

@@ -1,7 +1,7 @@
 """`LoopRules`: where a training loop's rules differ between `Engine` and Accelerate.
 
 An `Engine` follows `LoopRules()` (its own rules); `Accelerator` hands its engine the rules
-`accelerate_rules.accelerate_rules` reads from Accelerate's configuration objects. Each field
+`accelerate.rules.accelerate_rules` reads from Accelerate's configuration objects. Each field
 names one difference of the table in docs/api.md; the engine branches on these fields only,
 never on which class it runs under. (Accelerate's checkpoint naming, tracker folders and calls
 made on one process alone are the `Accelerator`'s own, on top of the engine's public methods.)

@@ -31,7 +31,8 @@ from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
 from .step import StepState
 
 log = logging.getLogger("shardwise")
-PRETRAINED = "_shardwise_pretrained"  # on a model from `Engine.from_pretrained`: a `weights.Pretrained`
+# on a model from `Engine.from_pretrained`: a `weights.loading.Pretrained`
+PRETRAINED = "_shardwise_pretrained"
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module],

@@ -393,7 +393,7 @@ class Supervisor:
     def others_moved_on(self) -> bool:
         """Every other process has sent more heartbeats than this one: they went past the point
         where this process is (every process sends the same sequence), so a call this process
-        makes now, they are not making (`accelerate_hooks`: a save or forward on one process)."""
+        makes now, they are not making (`accelerate.hooks`: a save or forward on one process)."""
         if self._store is None:
             return False
         with contextlib.suppress(Exception):

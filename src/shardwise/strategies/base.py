@@ -166,7 +166,7 @@ class Strategy(ABC):
     """
 
     mesh: DeviceMesh | None = None
-    """`dist.device_mesh` of the run: 1-D over every process, or 2-D ("replicate", "shard")
+    """`distributed.world.device_mesh` of the run: 1-D over every process, or 2-D ("replicate", "shard")
     under hybrid sharding; None where the strategy keeps no mesh (ddp, the DeepSpeed engine)."""
 
     def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:

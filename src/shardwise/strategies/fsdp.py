@@ -158,7 +158,7 @@ class FSDPStrategy(Strategy):
     def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
         super().__init__(cfg, info)
         self.stage = stage
-        # 1-D over every process, or hybrid's 2-D (replicate, shard): see `dist.device_mesh`
+        # 1-D over every process, or hybrid's 2-D (replicate, shard): see `distributed.world.device_mesh`
         self.mesh: DeviceMesh = device_mesh(info.device, self.shard_group_size)
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:

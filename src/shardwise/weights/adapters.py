@@ -17,7 +17,7 @@ README or anything else already in the folder stays.
 
 Merged export: the adapter folded into the base weights by peft's own `merge_and_unload`, on a
 copy of the model built on the meta device and given the gathered tensors (no second copy of
-the weights on the main process), then written as a plain model folder (`consolidate`).
+the weights on the main process), then written as a plain model folder (`weights.export`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..config.tree import ConfigError
 from ..distributed.internals import local_tensor, shard_box
@@ -56,26 +57,26 @@ def init_empty() -> Iterator[EmptyInit]:
     """Build models inside with their parameters on the meta device (buffers stay real), and
     record what their constructors do to those parameters (`shardwise.weights.record`)."""
     record = EmptyInit(rng=torch.get_rng_state())
-    register = nn.Module.register_parameter
     recorder = Recorder()
 
-    def register_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        p = module._parameters.get(name)
-        if p is not None and not p.is_meta:
-            meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-            module._parameters[name] = meta
-            recorder.track(meta, p)
-            if not getattr(module, _HOOKED, False):
-                module.register_load_state_dict_pre_hook(_load_into_meta)
-                object.__setattr__(module, _HOOKED, True)
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        """torch's parameter-registration hook: the parameter registered is a meta one."""
+        if param is None or param.is_meta:
+            return None
+        meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        recorder.track(meta, param)
+        if not getattr(module, _HOOKED, False):
+            module.register_load_state_dict_pre_hook(_load_into_meta)
+            object.__setattr__(module, _HOOKED, True)
+        return meta
 
-    setattr(nn.Module, "register_parameter", register_meta)  # noqa: B010 -- patched for this block only
+    # (torch annotates the hook as returning None; its code and docs take a returned parameter)
+    handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
     try:
         with recorder:
             yield record
     finally:
-        setattr(nn.Module, "register_parameter", register)  # noqa: B010
+        handle.remove()
 
 
 _HOOKED = "_shardwise_load_hook"
@@ -291,7 +292,7 @@ def materialize(model: nn.Module, places: Places, *, rng: torch.Tensor | None,
     1. a module's `init_weights()`, for its whole subtree, where some tensor in it has no
        replayable recipe (a model built under `torch.device("meta")`, or an init shardwise
        cannot record);
-    2. the constructor's recorded writes, replayed one parameter at a time (`init_record`):
+    2. the constructor's recorded writes, replayed one parameter at a time (`weights.record`):
        the value a normal build gives it;
     3. the modules' own initializers (`reset_parameters`, transformers' `_init_weights`), module
        by module on full CPU tensors, for what is left.

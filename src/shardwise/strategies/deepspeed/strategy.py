@@ -129,7 +129,7 @@ def _nothing() -> None:
 
 def _engine_forward(model: DeepSpeedModel, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """A submodule's forward, called outside the model's: as part of a forward of the DeepSpeed
-    engine when it can train (`deepspeed_internals.as_engine_forward`), else as it is. DeepSpeed
+    engine when it can train (`internals.as_engine_forward`), else as it is. DeepSpeed
     gathers each module's ZeRO-3 partitions in that module's own hooks, so the call itself needs
     nothing more."""
     engine = model.ds_engine
