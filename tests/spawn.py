@@ -3,8 +3,10 @@ worker errors re-raised in the test process with their traceback."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +37,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
         HF_HUB_OFFLINE="1",
     )
     torch.set_num_threads(1)
+    # a worker still running at the deadline writes every thread's stack here first (SIGUSR1)
+    stacks = open(Path(out) / f"{rank}.stacks", "w")  # noqa: SIM115 -- open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     code = 0
     try:
         result = fn(*args)
@@ -105,6 +110,10 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, timeout: float)
         while any(p.is_alive() for p in procs):
             failed = [p for p in procs if p.exitcode not in (None, 0)]
             if failed or time.monotonic() > deadline:
+                if not failed:  # a hang: every live worker's stacks, for the error below
+                    for p in procs:
+                        if p.is_alive() and p.pid is not None:
+                            os.kill(p.pid, signal.SIGUSR1)
                 time.sleep(2)  # let the failing rank finish writing its traceback
                 for p in procs:
                     p.kill()
@@ -117,5 +126,7 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, timeout: float)
             raise RuntimeError("worker failed:\n" + "\n".join(e.read_text() for e in errors))
         if any(p.exitcode != 0 for p in procs):
             codes = [p.exitcode for p in procs]
-            raise RuntimeError(f"workers exited with {codes} (timeout {timeout}s?)")
+            stacks = "\n".join(f"rank {r}:\n{(Path(out) / f'{r}.stacks').read_text()}" for r in range(world)
+                               if (Path(out) / f"{r}.stacks").is_file())
+            raise RuntimeError(f"workers exited with {codes} (timeout {timeout}s?)\n{stacks}")
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]
