@@ -3,8 +3,8 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/step_hooks.py
 
 Each hook the engine runs besides the user's work is timed with `time.perf_counter` around it
-(the heartbeats of the forward and the backward, the metrics record, and, in a loop that goes
-through `accumulate()`, the supervision boundary and the compile watch), over `--steps` steps
+(the heartbeats of the forward and the backward, and each hook of the step boundary:
+observation, supervision, the compile watch), over `--steps` steps
 of the loop `benchmarks/overhead.py` times, metrics on (a JSONL record every 10 steps). Prints
 milliseconds per step for each, and writes benchmarks/results/step_hooks-<hardware>-<date>.json.
 """
@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GPT, finish_distributed, lm_loss
 
 import shardwise
-import shardwise.engine.engine as engine_module
 
 
 def _timed(table: dict[str, list[float]], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -45,11 +44,9 @@ def measure(strategy: str, steps: int, accumulate: bool) -> dict[str, float]:
                               project_dir=tempfile.mkdtemp(prefix="shardwise-hooks-"), log_every_steps=10)
     table: dict[str, list[float]] = defaultdict(list)
     # the probe wraps the engine's own objects' methods on this instance (a benchmark, not the product)
-    engine._observer.at_boundary = _timed(table, "metrics record", engine._observer.at_boundary)
-    engine._supervisor.at_boundary = _timed(table, "supervision boundary", engine._supervisor.at_boundary)
+    hooks = engine._boundary_hooks  # the step boundary's ordered hooks, each timed
+    hooks.hooks = [(name, _timed(table, f"boundary: {name}", hook)) for name, hook in hooks.hooks]
     engine._supervisor.heartbeat = _timed(table, "heartbeats", engine._supervisor.heartbeat)
-    compile_boundary = engine_module.compile_boundary
-    engine_module.compile_boundary = _timed(table, "compile watch", compile_boundary)
     torch.manual_seed(0)
     model = GPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -65,7 +62,6 @@ def measure(strategy: str, steps: int, accumulate: bool) -> dict[str, float]:
             opt.step()
             opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    engine_module.compile_boundary = compile_boundary
     row = {key: 1e3 * sum(v) / steps for key, v in sorted(table.items())}
     row["step_ms_median"] = 1e3 * statistics.median(times)
     engine.free_memory()

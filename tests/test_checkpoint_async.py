@@ -93,8 +93,6 @@ def _local_optim(opt: Any) -> list[dict[str, torch.Tensor]]:
 
 # -- resume, equality with a synchronous save, keep_last, one save in flight, staging bytes -----
 def _saving_run(folder: str) -> dict[str, Any]:
-    from shardwise.checkpoint.background import wait_for_save
-
     root = Path(folder)
     engine = _engine(root, keep_last=2)
     writes = _slow_writes(0.4)
@@ -116,10 +114,10 @@ def _saving_run(folder: str) -> dict[str, Any]:
             t0 = time.monotonic()
             engine.save_state(root / "copy_3")  # back to back: waits for step_3
             seen["second_call"] = time.monotonic() - t0
-            seen["second_stall"] = engine._last_save.stall
+            seen["second_stall"] = engine.checkpoints.last_report.stall
         if step == 4:
             engine.save_state()  # step_4: keep_last=2 leaves step_3, step_4
-            wait_for_save()
+            engine.wait_for_checkpoint()
             seen["staging_after"] = engine.memory_report().staging
             seen["listing"] = sorted(p.name for p in (root / "checkpoints").iterdir())
             seen["latest"] = (root / "checkpoints" / "latest").read_text().strip()
@@ -130,7 +128,6 @@ def _saving_run(folder: str) -> dict[str, Any]:
 
 
 def _resumed_runs(folder: str, killed: str) -> dict[str, Any]:
-    from shardwise.checkpoint.background import WRITER
     from shardwise.checkpoint.sharded import CheckpointError
 
     resumed = _loop(_engine(Path(folder)), 6, load=str(Path(folder) / "checkpoints" / "step_3"))
@@ -146,7 +143,7 @@ def _resumed_runs(folder: str, killed: str) -> dict[str, Any]:
             _full_disk_on_rank_1()
             engine.save_state(Path(killed) / "failing")
             deadline = time.monotonic() + 30
-            while not WRITER.failed and time.monotonic() < deadline:  # (the boundary reads it)
+            while not engine.checkpoints.failed and time.monotonic() < deadline:  # (the boundary reads it)
                 time.sleep(0.01)
 
     raised = None
@@ -205,10 +202,8 @@ def _killed_in_write(folder: str) -> None:
 
     def at_step(step: int, model: Any, opt: Any) -> None:
         if step == 2:
-            from shardwise.checkpoint.background import wait_for_save
-
             engine.save_state()
-            wait_for_save()  # step_2 is complete
+            engine.wait_for_checkpoint()  # step_2 is complete
             _slow_writes(60.0, marker)  # the next write hangs in the middle: the parent SIGKILLs
         if step == 4:
             engine.save_state()

@@ -22,12 +22,17 @@ from shardwise import cli
 from shardwise.cli.plan import world_layout
 from shardwise.config import ConfigError
 from shardwise.plan import Candidate, PlanRequest, plan_model
-from shardwise.plan.comm import ring_bytes, step_comm
+from shardwise.plan.comm import BOUNDARY_BYTES, ring_bytes, step_comm
 from shardwise.plan.presets import PlanError
 from shardwise.plan.report import describe
 
 P = 1_000_000  # parameters
 MB = 4 * P  # their bytes in fp32
+
+
+def flags(world: int) -> float:
+    """What one rank sends for the step boundary's agreement (an all-reduce of 16 bytes)."""
+    return ring_bytes("all_reduce", BOUNDARY_BYTES, world)
 
 
 def test_ring_bytes() -> None:
@@ -41,7 +46,8 @@ def test_full_sharding_sends_everything_across_nodes(strategy: str, gathers: int
     """2 nodes x 4: one group of 8 spans both nodes, so every byte crosses them."""
     v = step_comm(strategy, P, "fp32", world_size=8, nodes=2)
     assert v.intra == {}
-    assert v.inter == {"all_gather": gathers * 7 / 8 * MB, "reduce_scatter": 7 / 8 * MB}
+    assert v.inter == {"all_gather": gathers * 7 / 8 * MB, "reduce_scatter": 7 / 8 * MB,
+                       "all_reduce": flags(8)}
     one_node = step_comm(strategy, P, "fp32", world_size=8, nodes=1)
     assert one_node.inter == {} and one_node.intra == v.inter
 
@@ -52,7 +58,7 @@ def test_hybrid_keeps_gathers_in_the_node_and_all_reduces_a_shard_across(strateg
     only the all-reduce of each rank's 1/4 gradient shard, 2(R-1)/R of it with R = 2."""
     v = step_comm(strategy, P, "fp32", world_size=8, nodes=2, group_size=4)
     assert v.intra == {"all_gather": gathers * 3 / 4 * MB, "reduce_scatter": 3 / 4 * MB}
-    assert v.inter == {"all_reduce": 2 * (1 / 2) * MB / 4}
+    assert v.inter == {"all_reduce": 2 * (1 / 2) * MB / 4 + flags(8)}
     full = step_comm(strategy, P, "fp32", world_size=8, nodes=2)
     assert v.inter_bytes < full.inter_bytes / 6  # 0.25 MB against (gathers + 1) * 3.5 MB
     # the faster plan depends on the links: hybrid when the network is the slow one
@@ -66,9 +72,10 @@ def test_precision_and_replicated_strategies() -> None:
     bf16 = step_comm("zero3", P, "bf16", world_size=4, nodes=2, group_size=2)
     assert bf16.intra == {"all_gather": 2 * 0.5 * 2 * P, "reduce_scatter": 0.5 * MB}
     z1 = step_comm("zero1", P, "bf16", world_size=4, nodes=2, group_size=2)
-    assert z1.inter == {"all_reduce": 2 * 3 / 4 * MB} and z1.intra == {"all_gather": 0.5 * MB}
+    assert z1.inter == {"all_reduce": 2 * 3 / 4 * MB + flags(4)} and z1.intra == {"all_gather": 0.5 * MB}
     ddp = step_comm("ddp", P, "fp32", world_size=4, nodes=2)
-    assert ddp.inter == {"all_reduce": 2 * 3 / 4 * MB} and ddp.intra == {}
+    assert ddp.inter == {"all_reduce": 2 * 3 / 4 * MB + flags(4)} and ddp.intra == {}
+    assert bf16.inter == {"all_reduce": 2 * 1 / 2 * MB / 2 + flags(4)}
     assert step_comm("zero3", P, "fp32", world_size=1).intra == {}
     with pytest.raises(ValueError, match="groups of 3"):
         step_comm("zero3", P, "fp32", world_size=8, nodes=2, group_size=3)

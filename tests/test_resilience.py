@@ -326,3 +326,31 @@ def test_the_checkpoint_policy_saves_the_final_step(tmp_path: Path) -> None:
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt" / "step_4").iterdir())
     again.end_training()  # nothing new to save: step 4 is there already
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt" / "step_4").iterdir()) == before
+
+
+# -- a loop with neither a prepared DataLoader nor accumulate() reaches the boundary too ----------
+def _plain_loop(folder: str) -> None:
+    import torch.distributed as dist
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/checkpoints",
+                              checkpoint_every_steps=2, preempt_signals=("SIGUSR1",))
+    model = W.build("tiny")
+    model, opt = engine.prepare(model, W.make_optimizer(model))
+    data = W.Tokens(16).data
+    for step in range(6):
+        if step == 3 and dist.get_rank() == 1:  # a preemption notice to one process, after step 3
+            os.kill(os.getpid(), signal.SIGUSR1)
+        engine.backward(W.lm_loss(model, data[2 * step: 2 * step + 2]))  # its forward: the boundary
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_plain_loop_checkpoints_by_policy_and_stops_on_preemption(tmp_path: Path) -> None:
+    """No DataLoader, no accumulate(): the training forward is the step boundary. The policy saves
+    step 2, the signal to one process stops both at the next boundary with step 3 saved (75)."""
+    with pytest.raises(RuntimeError, match=r"workers exited with \[75, 75\]"):
+        spawn(_plain_loop, 2, str(tmp_path))
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*") if (p / "meta.json").is_file())
+    assert steps == ["step_2", "step_3"]

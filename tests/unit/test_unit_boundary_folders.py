@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.accelerate.objects import checkpoint_index, numbered_checkpoints
 from shardwise.checkpoint.files import FORMAT, META, mark_latest, newest, resolve, step_dirs
+from shardwise.checkpoint.naming import checkpoint_index, numbered_checkpoints
 from shardwise.checkpoint.storage import CheckpointError
 from shardwise.distributed.arrival import arrived_together
 from shardwise.runtime.supervision import BoundaryDecision, decide

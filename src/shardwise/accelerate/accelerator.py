@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..checkpoint.background import WRITER
+from ..checkpoint import runlock
+from ..checkpoint.naming import NumberedFolders, prune_checkpoints
 from ..config.tree import ConfigError, EngineConfig
 from ..engine.data import PreparedDataLoader
 from ..engine.engine import Engine
@@ -50,9 +51,6 @@ from .objects import (
     DistributedType,
     GradientState,
     ProjectConfiguration,
-    checkpoint_index,
-    numbered_checkpoints,
-    prune_checkpoints,
 )
 from .process import ProcessHelpers, all_tensors, join_uneven_inputs, trigger_sync_in_backward
 from .rules import (
@@ -132,7 +130,6 @@ class Accelerator(ProcessHelpers):
         self.engine.set_logging_root(extras.logging_root(self))  # Accelerate's <logging_dir>/<run> layout
         self.engine.save_policy_checkpoints_with(self.save_state)  # policy checkpoints: Accelerate's naming
         extras.share_process_state(self)  # accelerate.logging's loggers read it
-        self._auto_saved: list[Path] = []  # automatic checkpoint_<i> this process wrote (total_limit's)
         self._state_hooks = StateHooks()
         self._saves: dict[int, int] = {}  # save_state calls at the current step (arrival keys)
 
@@ -405,9 +402,6 @@ class Accelerator(ProcessHelpers):
         return save_together(self._saves, self.step, self.num_processes, self.process_index,
                              self.config.collective_timeout_s, sharded_as, self.engine.others_moved_on)
 
-    def _checkpoints(self) -> Path:
-        return Path(self.project_dir or ".") / "checkpoints"
-
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
                    **save_model_func_kwargs: Any) -> Path:
         """Accelerate's automatic naming, safe for earlier runs' checkpoints: the run owns
@@ -415,8 +409,6 @@ class Accelerator(ProcessHelpers):
         `checkpoint_<i>`: a fresh run continues the numbering after the newest one there (where
         Accelerate refuses); `total_limit` removes only checkpoints this process wrote and only
         while they hold nothing but the checkpoint (others stay, with one warning)."""
-        from ..checkpoint import runlock
-
         pc = self.project_configuration
         together = self._save_together()
         # ddp: a world-of-one checkpoint
@@ -426,29 +418,31 @@ class Accelerator(ProcessHelpers):
                 path = self.engine.save_state(output_dir, keep_last=keep_last)
             self._after_save(path)
             return path
-        root = self._checkpoints()
-        runlock.hold(root, self.process_index)
-        found = numbered_checkpoints(root)
-        start = [max(pc.iteration, checkpoint_index(found[-1]) + 1 if found else 0)]
+        checkpoints = self.engine.checkpoints
+        numbered = self._numbered()
+        runlock.hold(numbered.root, self.process_index)
+        start = [numbered.next_index()]
         if self.num_processes > 1 and together:  # process 0's listing: every process saves to the same folder
             dist.broadcast_object_list(start, src=0)
-        if start[0] != pc.iteration and self.is_main_process and not self._auto_saved:
-            warnings.warn(f"{root / f'checkpoint_{pc.iteration}'} exists (an earlier run's): this run's "
+        if start[0] != pc.iteration and self.is_main_process and not numbered.written:
+            warnings.warn(f"{numbered.folder(pc.iteration)} exists (an earlier run's): this run's "
                           f"checkpoints start at checkpoint_{start[0]}", stacklevel=2)
-        pc.iteration = start[0]
         with alone:
-            path = self.engine.save_state(root / f"checkpoint_{pc.iteration}")
+            path = self.engine.save_state(numbered.folder(start[0]))
         self._after_save(path)
-        pc.iteration += 1
-        self._auto_saved.append(path)
-        limit = getattr(pc, "total_limit", None)
-        if limit and len(self._auto_saved) > limit:
-            old, self._auto_saved = self._auto_saved[:-limit], self._auto_saved[-limit:]
-            if self.is_main_process:  # checkpoint_async: only once the new one is complete
-                WRITER.after(lambda: prune_checkpoints(old))
+        old = numbered.saved(path)
+        if old and self.is_main_process:  # checkpoint_async: only once the new one is complete
+            checkpoints.after(lambda: prune_checkpoints(old))
         if together:
             self.wait_for_everyone()
         return path
+
+    def _numbered(self) -> NumberedFolders:
+        """Accelerate's `checkpoint_<i>` naming, kept by the engine's checkpoint manager."""
+        naming = self.engine.checkpoints.naming
+        if isinstance(naming, NumberedFolders) and naming.project is self.project_configuration:
+            return naming
+        return self.engine.checkpoints.number_like_accelerate(self.project_configuration)
 
     def _after_save(self, path: Path) -> None:
         """The save hooks, which write into the checkpoint folder: it must be in place first (with
@@ -456,7 +450,7 @@ class Accelerator(ProcessHelpers):
         are gathered for them first, on every process (`adapters.full_weights_held`)."""
         if not self._state_hooks.save:
             return
-        WRITER.wait()
+        self.engine.checkpoints.wait()
         models = self._hook_models()
         with full_weights_held(models) as weights, self.engine.whole_emas():
             self._state_hooks.after_save(models, weights, str(path))
@@ -472,16 +466,14 @@ class Accelerator(ProcessHelpers):
         (its epoch, its place in it): its scripts skip the seen batches themselves
         (skip_first_batches or a `continue`), and would skip twice if the position came back;
         so unless use_stateful_dataloader=True, positions are not restored (`LoopRules`)."""
-        from ..checkpoint import runlock
-
         pc = self.project_configuration
         if input_dir is None and getattr(pc, "automatic_checkpoint_naming", False):
-            runlock.hold(self._checkpoints(), self.process_index)
-            found = numbered_checkpoints(self._checkpoints())
-            if not found:
-                raise FileNotFoundError(f"no checkpoint_<i> folder under {self._checkpoints()} to load")
-            input_dir = found[-1]
-            pc.iteration = checkpoint_index(found[-1]) + 1  # the next save does not overwrite it
+            numbered = self._numbered()
+            runlock.hold(numbered.root, self.process_index)
+            found = numbered.newest()  # (the next save goes past it)
+            if found is None:
+                raise FileNotFoundError(f"no checkpoint_<i> folder under {numbered.root} to load")
+            input_dir = found
         if input_dir is not None:
             self._state_hooks.before_load(self._hook_models(), str(input_dir))
             self.engine.reshard_emas()  # (a load hook may have given a prepared EMA whole shadows)

@@ -5,11 +5,7 @@ and the folder helpers of its automatic checkpoint naming."""
 from __future__ import annotations
 
 import enum
-import re
-import shutil
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
@@ -141,33 +137,3 @@ class AcceleratorState:
                 f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
                 f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
                 f"\nMixed precision type: {self.mixed_precision}\n")
-
-
-def checkpoint_index(path: Path) -> int:
-    return int(path.name.split("_")[1])
-
-
-def prune_checkpoints(old: list[Path]) -> None:
-    """total_limit: remove these checkpoints (this run's) unless a user put a file in one."""
-    import json
-
-    from ..checkpoint.sharded import FORMAT, META
-    from ..checkpoint.storage import is_checkpoint
-
-    for folder in old:
-        if is_checkpoint(folder, META, FORMAT):
-            shutil.rmtree(folder, ignore_errors=True)
-        elif folder.is_dir():
-            meta = folder / META
-            ours = set(json.loads(meta.read_text()).get("files", {})) if meta.is_file() else set()
-            extra = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()
-                           and str(p.relative_to(folder)) not in ours | {META})
-            warnings.warn(f"{folder}: kept (total_limit): it holds files that are not part of its checkpoint "
-                          f"({', '.join(extra[:3])}); delete it by hand when done", stacklevel=3)
-
-
-def numbered_checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
-    return [p for _, p in sorted(found)]

@@ -1,18 +1,19 @@
 """Asynchronous checkpoints (`checkpoint_async: true`): stage to host memory, write in a thread.
 
-`checkpoint.save(..., background=True)` does on the calling thread what must see the training
-state at this instant: the target checks and the staging folder, the DCP state dict (which may
-run collectives, e.g. zero1's gather of its optimizer state), and a deep copy of it into fresh
-host memory (`stage`), with the loop state and this process's generator states. Then it
-returns, and one writer thread per process (`WRITER`) writes that copy exactly as a synchronous
-save would (DCP, checksums, the sums gathered, meta.json last, the atomic exchange, then
-`latest`, keep_last and the run record).
+`sharded.save(..., writer=...)` does on the calling thread what must see the training state at
+this instant: the target checks and the staging folder, the DCP state dict (which may run
+collectives, e.g. zero1's gather of its optimizer state), and a deep copy of it into fresh host
+memory (`stage`), with the loop state and this process's generator states. Then it returns, and
+the engine's writer thread (`BackgroundWriter`, owned by its `CheckpointManager`) writes that
+copy exactly as a synchronous save would (DCP, checksums, the sums gathered, meta.json last,
+the atomic exchange, then `latest`, keep_last and the run record).
 
 Communication: the writer's collectives (DCP's plan exchange, the gather of checksums, the
-agreements on errors) run on a gloo group of their own (`distributed.world.background_group`), made once on
-the main thread. On the training's group they would interleave with the collectives the main
-thread issues meanwhile (gradient reduce-scatters, all-gathers), in an order that differs
-between processes: a deadlock or, worse, mixed-up tensors.
+agreements on errors) run on a gloo group of their own (`distributed.world.new_background_group`,
+one per checkpoint manager), made on the main thread at the first asynchronous save. On the
+training's group they would interleave with the collectives the main thread issues meanwhile
+(gradient reduce-scatters, all-gathers), in an order that differs between processes: a
+deadlock or, worse, mixed-up tensors.
 
 Memory: the staged copy is the checkpointed state's local bytes (a sharded strategy's shards of
 the weights and of the optimizer state; whole tensors where the process holds them whole), held
@@ -20,7 +21,7 @@ from the save until its write completes; `memory_report().staging` counts it. On
 goes to pinned buffers, kept for the next save (the same shapes each time) and counted while
 they are held.
 
-One save in flight per process: a save first waits for the pending one (its wait counts in the
+One save in flight per engine: a save first waits for the pending one (its wait counts in the
 save's stall); `load_state`, `end_training`, `free_memory` and a preemption wait too. A failed
 write is raised as the same CheckpointError on every process (its errors are agreed over the
 writer's group) at the next wait, save or step boundary; never dropped.
@@ -41,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed.internals import local_tensor
 from .storage import CheckpointError, one_line
 
-__all__ = ["WRITER", "BackgroundWriter", "stage", "staging_bytes", "wait_for_save"]
+__all__ = ["BackgroundWriter", "stage"]
 
 
 class _Pool:
@@ -204,17 +205,3 @@ class BackgroundWriter:
         """Host bytes of staging held now: the copy of a write in flight; on CUDA, the pinned
         buffers (kept for the next save) whenever there are any."""
         return max(self.staged if self.pending else 0, self.pool.nbytes())
-
-
-# one per process: every Engine's saves share it, so one save is in flight at a time
-WRITER = BackgroundWriter()
-
-
-def wait_for_save() -> float:
-    """Wait for this process's pending checkpoint write (see `BackgroundWriter.wait`)."""
-    return WRITER.wait()
-
-
-def staging_bytes() -> int:
-    """Host bytes this process holds for staging checkpoints (`BackgroundWriter.held_bytes`)."""
-    return WRITER.held_bytes()

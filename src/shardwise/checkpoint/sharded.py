@@ -18,10 +18,11 @@ file, or the current directory is refused before anything is written. meta.json 
 file's size and xxh3-64 checksum (each process hashes the files it wrote, from the page cache);
 a load verifies them all first, each process a share of the files. Loading reads only JSON and
 weights-only tensors: DCP's pickled `.metadata` is opened only after its SHA-256 matches the one
-recorded in meta.json. A save or load inside the run's checkpoint_dir first takes the run lock
-(`checkpoint.runlock`: one run per checkpoint folder). With `checkpoint_async`, the state is copied to host
-memory on the calling thread and written, as above, by a writer thread (`checkpoint_async`);
-`latest` moves only once the folder is in place. Saving and loading are here; reading a folder's
+recorded in meta.json. The engine's `CheckpointManager` (`manager`) calls these two: it holds the
+run lock (`runlock`: one run per checkpoint folder), names the folders, moves `latest` once a
+folder is in place and owns the background writer of `checkpoint_async` (`background`: the
+state copied to host memory on the calling thread, written as above by a writer thread).
+Saving and loading are here; reading a folder's
 format, its checks and the `step_<N>` layout are `checkpoint_files` (its names are re-exported).
 
 Hybrid sharding (`shard_group_size` G < W): every shard exists once per replica group, but is
@@ -58,10 +59,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ..distributed.arrival import is_alone
-from ..distributed.world import background_group
 from ..version import __version__
 from ..weights.export import find_aliases, hf_config_json
-from . import background as checkpoint_async, runlock
+from .background import BackgroundWriter, stage as stage_copy
 from .files import (
     DCP_FAILURES,
     FORMAT,
@@ -123,7 +123,6 @@ class Parts:
     info: dict[str, Any]  # backend, strategy, offload, precision
     rank: int
     world: int
-    checkpoint_dir: Path | None = None  # the run's folder: saves and loads inside it take the run lock
 
 
 def _versions() -> dict[str, str]:
@@ -230,34 +229,39 @@ def _check_target(target: Path, stage: Path) -> str | None:
 Then = Callable[[SaveReport, Any], None]  # (report, the process group of the thread that wrote it)
 
 
-def save(parts: Parts, target: Path, *, background: bool = False, then: Then | None = None) -> SaveReport:
+def save(parts: Parts, target: Path, *, writer: BackgroundWriter | None = None,
+         group: Callable[[], Any] | None = None, then: Then | None = None) -> SaveReport:
     """Write a checkpoint of `parts` to `target` (a collective: every process calls it).
 
     Refused with one line, before anything is written, when `target` is a file, the current
     directory, or a folder that is neither empty nor an earlier checkpoint. A failed save leaves
     the previous checkpoint at `target` untouched and removes what it wrote. A save pending
-    in the background (`checkpoint_async`) completes first. `then(report, group)` runs on every
-    process once the checkpoint is in place (collectives in it go on `group`).
+    in `writer` completes first. `then(report, group)` runs on every process once the checkpoint
+    is in place (collectives in it go on `group`). The caller (`CheckpointManager`) holds the run
+    lock.
 
-    `background`: stage the state to host memory, start its write in this process's writer
-    thread (`checkpoint_async`) and return at once; the report says `pending` and the stall.
+    `writer` (`checkpoint_async`): stage the state to host memory, start its write in that
+    background writer, whose collectives go on `group()` (a gloo group of every process, made
+    by a collective at the first such save), and return at once; the report says `pending` and
+    the stall.
     """
     target = Path(target)
     stage = staging_dir(target)
     start = time.perf_counter()
-    checkpoint_async.wait_for_save()  # one save in flight: a pending one completes first (or raises)
-    runlock.hold_for(parts.checkpoint_dir, target, parts.rank)  # before anything is checked or written
+    if writer is not None:
+        writer.wait()  # one save in flight: a pending one completes first (or raises)
     agree(_check_target(target, stage) if parts.rank == 0 else None)
+    background = writer is not None and group is not None
     if background and (is_alone() or not dist.is_initialized()):
         # a lone process's save (Accelerate's save_state called on one ddp process) runs no
         # collective, and no process group is there for a writer thread's: it is written now
         log.info("%s: saved synchronously: a save by one process alone has no group for a background "
                  "writer", target)
         background = False
-    group = background_group() if background else None  # a collective: every process is here
+    bg_group = group() if background and group is not None else None  # a collective: every process is here
     try:
         _begin(parts, target)
-        snap = _snapshot(parts, copy=background)
+        snap = _snapshot(parts, None if not background else writer)
         if not background:
             report = _write(parts, target, stage, snap, start, None, None)
     except BaseException:
@@ -272,15 +276,16 @@ def save(parts: Parts, target: Path, *, background: bool = False, then: Then | N
 
     def job() -> None:
         try:
-            done = _write(parts, target, stage, snap, time.perf_counter(), group, stall)
+            done = _write(parts, target, stage, snap, time.perf_counter(), bg_group, stall)
         except BaseException:
             if parts.rank == 0:
                 shutil.rmtree(stage, ignore_errors=True)
             raise
         if then is not None:
-            then(done, group)
+            then(done, bg_group)
 
-    checkpoint_async.WRITER.start(target, snap.nbytes, job)
+    assert writer is not None
+    writer.start(target, snap.nbytes, job)
     return SaveReport(target, 0, 0.0, 0.0, stall=stall, pending=True)
 
 
@@ -298,17 +303,17 @@ def _begin(parts: Parts, target: Path) -> None:
     agree(error)
 
 
-def _snapshot(parts: Parts, *, copy: bool) -> _Snapshot:
-    """The state to write, now. `copy`: into fresh host memory (`checkpoint_async.stage`), the
-    loop state and the models' entries too, so training may go on while it is written."""
+def _snapshot(parts: Parts, writer: BackgroundWriter | None) -> _Snapshot:
+    """The state to write, now. With `writer`: copied into fresh host memory (`background.stage`,
+    its pinned buffers on CUDA), the loop state too, so training may go on while it is written."""
     state = _dcp_state(parts)  # (zero1: gathers its optimizer state, a collective)
     # meta.json's model entries and config.json texts: process 0 alone writes them (`_finish`)
     mine = parts.unwrapped if parts.rank == 0 else []
     configs = [hf_config_json(module) for module in mine]
     models = [_model_meta(m, state[f"model{i}"]) for i, m in enumerate(mine)]
-    if not copy:
+    if writer is None:
         return _Snapshot(state, _rng_state(), parts.loop_state, models, configs)
-    staged, nbytes = checkpoint_async.stage(state, checkpoint_async.WRITER.pool)
+    staged, nbytes = stage_copy(state, writer.pool)
     return _Snapshot(staged, _rng_state(), copy_module.deepcopy(parts.loop_state), models, configs, nbytes)
 
 
@@ -421,10 +426,9 @@ def _tensor_bytes(obj: Any) -> int:
 def load(parts: Parts, folder: Path) -> dict[str, Any]:
     """Load a checkpoint into `parts` (a collective); return the loop state to restore.
     Every file is checked against its checksum first (each process a share), so nothing is
-    loaded from a checkpoint that is not the one that was written."""
+    loaded from a checkpoint that is not the one that was written. The caller
+    (`CheckpointManager`) has waited for its pending save and holds the run lock."""
     folder = Path(folder)
-    checkpoint_async.wait_for_save()  # a save being written completes first (it may be this folder)
-    runlock.hold_for(parts.checkpoint_dir, folder, parts.rank)
     meta = read_meta(folder)
     agree(verify_files(folder, meta, parts.rank, parts.world))
     if len(meta["optimizers"]) != len(parts.runners):

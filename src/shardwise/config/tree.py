@@ -205,6 +205,28 @@ class LaunchConfig:
             raise ConfigError(f"launch.max_restarts={self.max_restarts} must be >= 0")
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointSection:
+    """The checkpoint manager's part of the tree (`EngineConfig.checkpointing`): where
+    checkpoints go, how many stay, when the policy writes them, how, and where a run resumes."""
+
+    dir: str = "checkpoints"
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = None
+    background: bool = False
+    resume: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisionSection:
+    """The supervisor's part of the tree (`EngineConfig.supervision`): signals, grace, timeouts."""
+
+    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    preempt_grace_s: float = 25.0
+    collective_timeout_s: float = 600.0
+
+
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """How an `Engine` shards, casts, accumulates and launches. The root of the config tree."""
@@ -326,6 +348,18 @@ class EngineConfig:
     """How `shardwise launch` starts the workers."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
+
+    @property
+    def checkpointing(self) -> CheckpointSection:
+        """The checkpoint settings as one section (the flat keys users write stay the source)."""
+        return CheckpointSection(self.checkpoint_dir, self.checkpoint_every_steps,
+                                 self.checkpoint_every_seconds, self.keep_last, self.checkpoint_async,
+                                 self.resume)
+
+    @property
+    def supervision(self) -> SupervisionSection:
+        """Preemption and timeout settings as one section."""
+        return SupervisionSection(self.preempt_signals, self.preempt_grace_s, self.collective_timeout_s)
 
     def __post_init__(self) -> None:
         # each part of the tree checks its own fields (one function each, below)

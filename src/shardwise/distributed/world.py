@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,25 +87,17 @@ def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> Dist
 
 
 _TIMEOUT: list[datetime.timedelta | None] = [None]  # the collective timeout the default group was joined with
-# default group -> (it, its group for background checkpoint writes); kept with the default group
-# itself, so a later default group at the same address never gets a destroyed one
-_BACKGROUND: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
-def background_group() -> dist.ProcessGroup:
+def new_background_group() -> dist.ProcessGroup:
     """A gloo group of every process, for the collectives of a checkpoint written in a background
     thread (`checkpoint_async`): on the training's own group they would interleave with the
     training's collectives, which the main thread issues meanwhile, in an order no other process
-    shares. Made once per default group, by a collective: call it on the main thread at a point
-    every process reaches (the first asynchronous save). Same timeout as the default group."""
-    world = dist.group.WORLD
-    assert world is not None, "background_group() needs the default process group"
-    cached = _BACKGROUND.get(id(world))
-    if cached is not None and cached[0] is world:
-        return cached[1]
+    shares. A collective: call it on the main thread at a point every process reaches (a
+    `CheckpointManager` makes its own at its first asynchronous save, so two engines' writers
+    never share one). Same timeout as the default group."""
     made = dist.new_group(backend="gloo", timeout=_TIMEOUT[0])
     assert isinstance(made, dist.ProcessGroup)  # every process is a member
-    _BACKGROUND[id(world)] = (world, made)
     return made
 
 
@@ -118,46 +109,6 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_store, timeout=datetime.timedelta(seconds=300))
     return dist.PrefixStore(f"/shardwise/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-
-
-# see device_mesh; keyed by the default group too, so the planner's fake world (plan/fakes.py),
-# which runs inside a live job, never replaces the live job's mesh
-_MESHES: dict[tuple[str, int, int], tuple[dist.ProcessGroup, DeviceMesh]] = {}
-
-
-def device_mesh(device: torch.device, group: int | None = None) -> DeviceMesh:
-    """The data-parallel mesh of a run whose sharding groups hold `group` processes (None: all).
-
-    `group` equal to the world size: a 1-D mesh over every process, the sharding dimension.
-    Otherwise a 2-D mesh, dims named ("replicate", "shard"), of world/group rows of `group`
-    consecutive ranks: ranks 0..group-1 are sharding group 0 (one node, with `shard_group_size:
-    node`), and the replicate dimension links the processes at the same position in each group.
-    `mesh_groups(mesh)` gives the two process groups. A 2-D mesh is built once per default
-    process group and size (building one makes new process groups on every rank, collectively).
-    """
-    world = dist.get_world_size()
-    group = world if group is None else group
-    if group == world:
-        return init_device_mesh(device.type, (world,))
-    if group < 1 or world % group:
-        raise ValueError(f"a sharding group of {group} processes does not divide the world of {world}")
-    key = (device.type, group, id(dist.group.WORLD))
-    cached = _MESHES.get(key)
-    if cached is not None and cached[0] is dist.group.WORLD:
-        return cached[1]
-    mesh = init_device_mesh(device.type, (world // group, group), mesh_dim_names=("replicate", "shard"))
-    world_group = dist.group.WORLD
-    assert world_group is not None  # init_device_mesh needs (and made sure of) a default group
-    _MESHES[key] = (world_group, mesh)
-    return mesh
-
-
-def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """(shard group, replicate group) of a `device_mesh`: the processes this one shards with,
-    and those holding the same shard in the other groups (None on a 1-D mesh: no replicas)."""
-    if mesh.ndim == 1:
-        return mesh.get_group(), None
-    return mesh.get_group("shard"), mesh.get_group("replicate")
 
 
 def config_source(argv: list[str] | None = None) -> str | None:

@@ -29,11 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.background import staging_bytes, wait_for_save
-from ..checkpoint.storage import agree, os_error_line
+from ..checkpoint.manager import CheckpointManager
 from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
 from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one
-from ..distributed.world import init_distributed
+from ..distributed.world import init_distributed, new_background_group
 from ..runtime.memory import MemoryReport, tensor_memory
 from ..runtime.observe import Observer, TrackerVerbs
 from ..runtime.supervision import Supervisor, say
@@ -43,6 +42,7 @@ from ..strategies.frozen import check_inference_models, for_inference
 from ..strategies.precision import check_device_supports
 from ..weights.adapters import attach_full_weights
 from ..weights.ema import PreparedEMA, bind, shard
+from . import boundary
 from .data import PreparedDataLoader
 from .items import per_item
 from .loop_rules import LoopRules
@@ -91,15 +91,24 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._loaders = LoaderTracker()  # the prepared loaders, and which one yielded the last batch
         self._registered: list[Any] = []
         self._save_by_policy: Callable[[], Path] = self.save_state  # `save_policy_checkpoints_with`
+        # the run's checkpoints: naming, run lock, background writer, resume (`checkpoint.manager`)
+        self._checkpoints = CheckpointManager(cfg.checkpointing, rank=self._info.rank,
+                                              local_main=self._info.is_local_main,
+                                              say=lambda message: say(self._info, message),
+                                              make_group=new_background_group)
         self._init_rng: torch.Tensor | None = None  # init_empty(): the generator state it began with
         self._pretrained_saves: dict[int, int] = {}  # save_pretrained calls this step (arrival keys)
         self.noun = "engine"  # what messages call this object (the Accelerator: "accelerator")
         self._emas: list[PreparedEMA] = []  # EMAs passed to prepare (`shardwise.weights.ema`)
-        self._last_save: Any = None  # the newest save's SaveReport
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
-        self._supervisor = Supervisor(cfg, self._info)  # checkpoints by policy, preemption, timeouts
+        self._supervisor = Supervisor(cfg.supervision, cfg.checkpointing, self._info)  # preemption, timeouts
         self._observer = Observer(cfg, self._info)  # metrics, trackers, progress
+        # between two optimizer steps, in this order (`shardwise.engine.boundary`)
+        self._boundary_hooks = boundary.StepBoundary()
+        self._boundary_hooks.add("observation", lambda step: self._observer.at_boundary(step, self._probe))
+        self._boundary_hooks.add("supervision", self._supervise)
+        self._boundary_hooks.add("compile watch", lambda step: compile_boundary(step, self._info))
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restarts:
             say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
@@ -219,8 +228,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         """This process's share of `loader`, split and ordered by the rules (`shardwise.engine.data`)."""
         rules = self._rules
         seed = rules.data_seed if rules.seedable_sampler and rules.data_seed is not None else self.config.seed
+        dims = self.session.strategy.dims  # the data-parallel ranks split the data (`distributed.mesh`)
         return PreparedDataLoader(
-            loader, world=self.num_processes, rank=self.process_index, device=self.device,
+            loader, world=dims.dp_size, rank=dims.dp_rank(self.process_index), device=self.device,
             on_batch=self._on_batch, seed=seed, tail=rules.tail, split_batches=rules.split_batches,
             seedable=rules.seedable_sampler, resume_draws=rules.resume_draws,
             on_end=self._loaders.ended if rules.restore_outer_loader else None,
@@ -272,12 +282,21 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         return self._loaders.at_end
 
     def _boundary(self) -> None:
-        """Once per optimizer step, before the next one's work: heartbeat, agreement on
-        preemption, checkpoints by policy (`shardwise.runtime.supervision`). Every process gets here."""
+        """Once per optimizer step, before the next one's work: observation, supervision, the
+        compile watch (`shardwise.engine.boundary`). Every process gets here."""
         if self._session is not None and self._session.models:
-            self._observer.at_boundary(self.step, self._probe)
-            self._supervisor.at_boundary(self.step, self._policy_save)
-            compile_boundary(self.step, self._info)  # compile: recompilations, the start-up line
+            self._boundary_hooks.reach(self._session.step_state.optimizer_steps)
+
+    def _supervise(self, step: int) -> None:
+        """The boundary's supervision: the processes' agreed decision, acted on."""
+        decision = self._supervisor.at_boundary(step, write_failed=self._checkpoints.failed)
+        boundary.act(decision, step, checkpoints=self._checkpoints, supervisor=self._supervisor,
+                     save=self._policy_save, info=self._info)
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        """This engine's checkpoint manager (naming, run lock, background writer, resume)."""
+        return self._checkpoints
 
     def _probe(self) -> tuple[MemoryReport | None, dict[str, Any]]:
         """What a metrics record takes from the engine: memory by role, skipped steps, loss scale."""
@@ -289,6 +308,10 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         return self.memory_report(), extra
 
     def _forward_started(self, module: nn.Module, args: Any) -> None:
+        # a training forward (every process runs it) is a boundary too: a loop with neither a
+        # prepared DataLoader nor accumulate() reaches it only here (a no-op when it was reached)
+        if torch.is_grad_enabled():
+            self._boundary()
         self._supervisor.heartbeat("in its forward")
 
     def save_policy_checkpoints_with(self, save: Callable[[], Path]) -> None:
@@ -298,7 +321,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
 
     def _policy_save(self, reason: str) -> None:
         path = self._save_by_policy()
-        report = self._last_save
+        report = self._checkpoints.last_report
         if report is not None and report.pending:  # checkpoint_async: the write's own line follows in the log
             say(self._info, f"checkpoint {path} staged in {report.stall:.2f} s (the training's stall), "
                 f"written in the background ({reason})")
@@ -325,7 +348,6 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if loader is not None:  # a new training pass
             self._observer.epoch = loader.iteration if loader.epoch is None else loader.epoch
             self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
-        self._observer.at_boundary(self.step, self._probe)  # loops without accumulate() or loaders
         self._observer.on_backward(per_item(loss, kwargs.get("num_items")))  # num_items: a mean per item
         with self._supervisor.timeouts():
             self.session.backward(loss, **kwargs)
@@ -405,31 +427,16 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         `checkpoint_async`: the state is copied to host memory and this returns; the folder (and
         `latest`) appear once a writer thread has written it (`shardwise.checkpoint.background`).
         """
-        from ..checkpoint import sharded as checkpoint
-
-        root = Path(self.config.checkpoint_dir)
-        target = Path(output_dir) if output_dir is not None else root / f"step_{self.step}"
-        keep_last, step = keep_last if keep_last is not None else self.config.keep_last, self.step
-
-        def placed(report: Any, group: Any) -> None:  # every process, once it is in place (checkpoint_async:
-            self._supervisor.saved(report, step)  # in the writer thread); noted for resume and the launcher
-            problem = None
-            if output_dir is None and self.is_main_process:
-                try:
-                    checkpoint.mark_latest(target.parent, target, keep_last)
-                except OSError as err:
-                    problem = os_error_line(root / "latest", "point at the new checkpoint", err)
-            agree(problem, group)
-
         with self._supervisor.timeouts():
-            self._last_save = checkpoint.save(self._checkpoint_parts(), target, then=placed,
-                                              background=self.config.checkpoint_async)
-        return Path(self._last_save.path)
+            report = self._checkpoints.save(self._checkpoint_parts(), self.step,
+                                            Path(output_dir) if output_dir is not None else None,
+                                            keep_last=keep_last)
+        return Path(report.path)
 
     def wait_for_checkpoint(self) -> float:
         """Block until a checkpoint being written in the background (`checkpoint_async`) is in
         place, raising its failure if it failed; the seconds waited (0.0 when none is pending)."""
-        return wait_for_save()
+        return self._checkpoints.wait()
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> int | None:
         """Resume from a checkpoint saved at any world size, strategy or offload setting; return
@@ -441,26 +448,14 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         optimizers, schedulers and DataLoaders first; the next batch is the one that would have
         come after the save.
         """
-        from ..checkpoint import runlock, sharded as checkpoint
-
-        wait_for_save()  # a checkpoint still being written (checkpoint_async) completes first
-        if input_dir is None:
-            # one run per checkpoint folder
-            runlock.hold(Path(self.config.checkpoint_dir), self.process_index)
-            found = self._supervisor.resume_from(Path(self.config.checkpoint_dir))  # the `resume` setting
-            if found is None:
-                return None
-            path = found
-        else:
-            path = Path(input_dir)
-            if str(input_dir) == "latest":
-                path = Path(self.config.checkpoint_dir) / "latest"
-            path = checkpoint.resolve(path)
         with self._supervisor.timeouts():
-            state = checkpoint.load(self._checkpoint_parts(), path)
+            loaded = self._checkpoints.load(self._checkpoint_parts, input_dir)
+        if loaded is None:
+            return None
+        state, path = loaded
         restore_loop_state(state, path, self.session, self._loaders.loaders, self._registered,
                            self.num_processes, loader_positions=self._rules.restore_loader_position)
-        self._supervisor.last_step = self.step  # no checkpoint of the step just restored
+        self._boundary_hooks.passed(self.step)  # no checkpoint of the step just restored
         say(self._info, f"resumed from {path} at step {self.step}")
         return self.step
 
@@ -473,13 +468,13 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         copy of a checkpoint being written in the background: `staging`)."""
         session = self.session
         return tensor_memory(session.models, [t for o in session.optimizers for t in o.runner.tensors()],
-                             staging=staging_bytes())
+                             staging=self._checkpoints.staging_bytes())
 
     def free_memory(self, *objects: Any) -> tuple[Any, ...]:
         """Release everything prepared on this engine (between two trainings in one process),
         then collect; the objects come back as None. DeepSpeed's engines are destroyed first
         (DeepSpeed's own cleanup of its hooks); a later `prepare` starts afresh, on the same strategy."""
-        wait_for_save()  # a checkpoint being written (checkpoint_async) completes, its copy is freed
+        self._checkpoints.wait()  # a checkpoint being written (checkpoint_async) completes, its copy is freed
         if self._session is not None:  # a later prepare keeps the strategy launched or chosen (planner: once)
             self._session.release()
             self._session = Session(self.config, make_strategy(self.config, self._info))
@@ -494,7 +489,11 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         """Write the last metrics record, close the trackers and leave the process group
         (call once, at the end of the script)."""
         step = self.step if self._session is not None else 0
-        self._supervisor.at_end(step, self._policy_save)  # the last one
+        self._checkpoints.wait()  # a checkpoint being written (checkpoint_async) completes first
+        policy = self.config.checkpoint_every_steps or self.config.checkpoint_every_seconds
+        if policy and step > 0 and not self._checkpoints.has_saved(step):  # (resumed at its last step: saved)
+            self._policy_save("the end of training")  # every process is here: its collectives are safe
+        self._checkpoints.close()  # the last save is complete before the process group goes
         self._observer.close(self.step if self._session is not None else 0, self._probe)
         if dist.is_initialized():
             dist.barrier()

@@ -150,7 +150,6 @@ def checkpoint_parts(session: Session, loaders: list[PreparedDataLoader], regist
               "precision": config.precision},
         rank=rank,
         world=world,
-        checkpoint_dir=Path(config.checkpoint_dir),  # saves and loads inside it take the run lock
     )
 
 

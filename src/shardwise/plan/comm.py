@@ -10,6 +10,8 @@ processes) and hybrid sharding (groups of G processes, one per node; R = W / G r
     zero1  DDP all-reduces whole gradients over all W processes; each rank steps its slice of
            the optimizer and the updated parameters are all-gathered within the group.
     ddp    the gradient all-reduce over all W processes.
+Every strategy adds the step boundary's agreement (`runtime.supervision`): one all-reduce of
+four fp32 flags over all W processes (BOUNDARY_BYTES).
 
 A collective's cost per rank is what a ring algorithm sends (bandwidth-optimal, what NCCL's
 rings do): all-gather and reduce-scatter (g-1)/g of the full buffer, all-reduce 2(g-1)/g. A
@@ -34,6 +36,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # lookup, not a rule: config has no precision table to ask); gradients are reduced in fp32
 _GATHER_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _REDUCE_BYTES = 4
+BOUNDARY_BYTES = 16  # the step boundary's flags: stop, launcher gone, time due, write failed
 
 
 def ring_bytes(kind: str, nbytes: float, group: int) -> float:
@@ -101,4 +104,5 @@ def step_comm(strategy: str, parameters: float, precision: str, *, world_size: i
         add("all_reduce", reduced, world_size, world_spans)
         if spec.shards_optimizer:  # zero1: the updated fp32 slices all-gathered in the group
             add("all_gather", parameters * 4, group, group_spans)
+    add("all_reduce", BOUNDARY_BYTES, world_size, world_spans)
     return CommVolume(intra=volume[False], inter=volume[True])

@@ -1,30 +1,29 @@
 """Runs that survive failures: checkpoints by policy, preemption, a launcher that died, hung ranks.
 
-At every optimizer-step boundary (the first thing after an optimizer step: the prepared
-DataLoader yielding the next batch, or the next `accumulate()`, both before the next forward, so
-a checkpoint there resumes exactly), the Engine calls `Supervisor.at_boundary`:
+At every optimizer-step boundary (the first thing after an optimizer step, before the next
+step's forward: the prepared DataLoader yielding the next batch, the next `accumulate()`, or the
+next forward of a prepared model, so a checkpoint there resumes exactly), the Engine's boundary
+(`engine.boundary`) asks `Supervisor.at_boundary` for a decision and acts on it through its
+checkpoint manager:
   heartbeat   this process's progress goes to the process group's store (`shardwise/progress/<r>`:
               a count of boundaries, forwards and backwards, with the step), also at every
               forward of a prepared model and every `backward()`, so a process whose collective
               times out can say which processes did not arrive;
-  agreement   one all-reduce (MAX) of four flags, so every process acts alike: a preemption
-              signal arrived (on any process), the launcher is gone, checkpoint_every_seconds
-              has passed (process 0's clock), a checkpoint written in the background failed
-              (`checkpoint_async`: then every process raises its CheckpointError here);
-  checkpoint  every checkpoint_every_steps steps or when the time is due; on preemption or a gone
-              launcher, a checkpoint and then the exit with PREEMPTED_EXIT (75, "try again"):
-              a checkpoint still being written in the background completes first (and is not
-              saved again when it is of this step), and the process exits only once the last
-              one is complete.
+  agreement   one all-reduce (MAX) of four flags, so every process decides alike (`decide`): a
+              preemption signal arrived (on any process), the launcher is gone,
+              checkpoint_every_seconds has passed (process 0's clock), a checkpoint written in
+              the background failed (`checkpoint_async`: then every process raises its
+              CheckpointError);
+  decision    save (every checkpoint_every_steps steps or when the time is due); stop (on
+              preemption or a gone launcher: the engine saves the step unless it is saved
+              already, waits until it is complete, and `leave` exits with PREEMPTED_EXIT, 75,
+              "try again").
 Signals: the configured preempt_signals (SIGTERM, SIGUSR1) set a flag. Schedulers (SLURM,
 Kubernetes) signal every process of the job at once, and `shardwise launch` passes its own signal
 on, so a worker gets the same signal twice or more: the repeats change nothing. A process that
 reaches no boundary within preempt_grace_s of the first signal (a hung or stalled process) exits
 with 128 + the signal, without saving: the scheduler would kill it anyway.
-Resume: `resume_from` is what `load_state()` with no folder does (the `resume` setting); the
-saves of a run under `shardwise launch` go to its run record (RUN_RECORD_ENV, one JSON line per
-save), which tells the launcher what a stopped run saved and a restarted attempt that an
-earlier attempt saved a checkpoint it must find.
+The stop goes into the run record of `shardwise launch` (`checkpoint.run_record`) after the saves.
 Launcher: a thread notices when the parent process changes (the launcher was SIGKILLed: the
 process was handed to init); the run then stops at its next boundary, as on preemption, or
 after preempt_grace_s without one.
@@ -36,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import os
 import signal
@@ -45,22 +43,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.background import WRITER
-from ..checkpoint.storage import CheckpointError
-from ..config.tree import EngineConfig
+from ..checkpoint import run_record, runlock
+from ..checkpoint.run_record import (  # (the launcher reads the run record through these names)
+    RUN_RECORD_ENV as RUN_RECORD_ENV,
+    read_run_record as read_run_record,
+)
+from ..config.tree import CheckpointSection, SupervisionSection
 from ..distributed.world import DistInfo
 
 log = logging.getLogger("shardwise")
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the run stopped cleanly after a checkpoint; start it again to continue
-RUN_RECORD_ENV = "SHARDWISE_RUN_RECORD"  # set by `shardwise launch`: a file for the saves of its workers
 _TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "DistStoreError")
 
 
@@ -69,25 +68,6 @@ def say(info: DistInfo, message: str) -> None:
     log.info(message)
     if info.is_main:
         print(f"shardwise: {message}", file=sys.stderr, flush=True)
-
-
-def _attempt() -> int:
-    """Which attempt of a `--max-restarts` launch this is (0: the first)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def _run_record() -> list[dict[str, Any]]:
-    """The run record's lines (empty outside `shardwise launch`); a line cut short is skipped."""
-    return read_run_record(os.environ.get(RUN_RECORD_ENV, ""))
-
-
-def read_run_record(path: str) -> list[dict[str, Any]]:
-    rows = []
-    with contextlib.suppress(OSError), open(path or os.devnull) as fh:
-        for line in fh:
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-    return [r for r in rows if isinstance(r, dict)]
 
 
 class CollectiveTimeout(RuntimeError):
@@ -141,6 +121,7 @@ class _Process:
             supervisor = None if isinstance(err, CollectiveTimeout) else self.supervisor
             message = str(err) if supervisor is None else supervisor.describe_timeout()
             print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
+            runlock.release_all()  # os._exit skips atexit, where the run lock goes
             os._exit(1)
         (self.previous_hook or sys.__excepthook__)(kind, err, tb)
 
@@ -166,6 +147,7 @@ class _Process:
             if self.rank == 0:
                 print(f"shardwise: {signal.Signals(signum).name} before the first step: nothing to save; "
                       "exiting", file=sys.stderr, flush=True)
+            runlock.release_all()  # os._exit skips atexit, where the run lock goes
             os._exit(128 + signum)
         self.preempted, self.since = signum, time.monotonic()
         self._start_watch()
@@ -183,6 +165,7 @@ class _Process:
                 print(f"shardwise: rank {self.rank}: no step boundary within preempt_grace_s={self.grace:g} "
                       f"s of {self.why()}; exiting ({code}) without a checkpoint",
                       file=sys.stderr, flush=True)
+                runlock.release_all()  # os._exit skips atexit, where the run lock goes
                 os._exit(code)
 
     def why(self) -> str:
@@ -219,16 +202,15 @@ def decide(step: int, *, stop: bool, gone: bool, due: bool, failed: bool, every:
 
 
 class Supervisor:
-    """The step heartbeat, the boundary agreement and timeout reports of one Engine."""
+    """The step heartbeat, the boundary agreement and timeout reports of one Engine. It decides;
+    the engine acts on the decision through its checkpoint manager."""
 
-    def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
-        self.cfg, self.info = cfg, info
-        self.last_save = time.monotonic()
-        self.last_step = -1  # the step of the newest boundary handled
-        self.last_saved_step, self.last_saved_path = -1, ""  # the newest checkpoint in checkpoint_dir
+    def __init__(self, section: SupervisionSection, policy: CheckpointSection, info: DistInfo) -> None:
+        self.section, self.policy, self.info = section, policy, info
+        self.last_save = time.monotonic()  # the clock of checkpoint_every_seconds
         self.step_in_progress = 0
         self._progress = 0  # heartbeats sent: every process sends the same sequence
-        PROCESS.install(cfg.preempt_signals, cfg.preempt_grace_s, info.rank)
+        PROCESS.install(section.preempt_signals, section.preempt_grace_s, info.rank)
         PROCESS.supervisor = self
         self._store: Any = None
         with contextlib.suppress(Exception):  # a store the heartbeats can use (absent: no names)
@@ -237,108 +219,43 @@ class Supervisor:
             self._store = default_store()
 
     # -- the boundary -----------------------------------------------------------------------
-    def at_boundary(self, step: int, save: Callable[[str], None]) -> None:
-        """After optimizer step `step`: heartbeat, agree, checkpoint by policy, stop if asked."""
-        if step == self.last_step:
-            return
-        self.last_step, self.step_in_progress = step, step + 1
+    def at_boundary(self, step: int, *, write_failed: bool) -> BoundaryDecision:
+        """After optimizer step `step`: heartbeat, then one agreement of every process on what
+        to do (`decide`). `write_failed`: this process's background write failed."""
+        self.step_in_progress = step + 1
         PROCESS.stepping = True
         self.heartbeat("at the start")
         flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone),
-                              float(self._time_due()), float(WRITER.failed)])
+                              float(self._time_due()), float(write_failed)])
         if self.info.world_size > 1:
             with self.timeouts():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, gone, due, failed = (bool(x) for x in flags.tolist())
         signalled = PROCESS.why() if PROCESS.preempted else "a signal to another process"
-        decision = decide(step, stop=stop, gone=gone, due=due, failed=failed,
-                          every=self.cfg.checkpoint_every_steps, signalled=signalled)
-        if decision.failed:  # a background write failed (checkpoint_async): all raise
-            WRITER.wait()  # (its line: the failure is agreed over the writer's group)
-            raise CheckpointError("a checkpoint written in the background failed on another process; see its "
-                                  "error")
-        if decision.stop is not None:
-            self._stop(step, decision.stop, save)
-        if decision.save is not None:
-            save(decision.save)
-            self.last_save = time.monotonic()
+        return decide(step, stop=stop, gone=gone, due=due, failed=failed, every=self.policy.every_steps,
+                      signalled=signalled)
 
-    def _stop(self, step: int, reason: str, save: Callable[[str], None]) -> None:
-        """Every process saves this step (unless it is saved already) and exits `PREEMPTED_EXIT`."""
+    def saved_by_policy(self) -> None:
+        """A checkpoint by policy was written: checkpoint_every_seconds counts from now."""
+        self.last_save = time.monotonic()
+
+    def stopping(self) -> None:
+        """The stop's checkpoint is being written: the grace watch waits for it."""
         PROCESS.at_boundary = True
-        t0 = time.monotonic()
-        try:  # a save still being written completes first: it may be of this very step
-            WRITER.wait()
-        except CheckpointError as err:  # said, and this step is saved anew below
-            say(self.info, f"the checkpoint being written failed: {err}")
-        if self.last_saved_step != step:  # not saved at this step already (by policy or the script)
-            save(reason)
-            WRITER.wait()  # checkpoint_async: the process exits only once it is complete
-        self._record(step, time.monotonic() - t0, path=self.last_saved_path, stop=reason)
+
+    def leave(self, step: int, reason: str, seconds: float, path: str) -> None:
+        """The stop's checkpoint is in place: record and say it, then exit `PREEMPTED_EXIT`."""
+        if self.info.is_local_main:
+            run_record.append(step, seconds, path=path, stop=reason)
         say(self.info, f"stopped after step {step} ({reason}) with its checkpoint saved in "
-                       f"{time.monotonic() - t0:.2f} s; exit code {PREEMPTED_EXIT}")
+                       f"{seconds:.2f} s; exit code {PREEMPTED_EXIT}")
         sys.stdout.flush()
         sys.stderr.flush()
+        runlock.release_all()  # os._exit skips atexit, where the run lock goes
         os._exit(PREEMPTED_EXIT)
 
-    def at_end(self, step: int, save: Callable[[str], None]) -> None:
-        """`end_training()`: with a checkpoint policy, the last step is saved too (every process
-        is here, so the save's collectives are safe; interpreter exit is not such a place)."""
-        from ..checkpoint.sharded import step_dirs
-
-        WRITER.wait()  # a checkpoint being written (checkpoint_async) completes before anything else
-        policy = self.cfg.checkpoint_every_steps or self.cfg.checkpoint_every_seconds
-        root = Path(self.cfg.checkpoint_dir)
-        saved = self.last_saved_step == step or any(p.name == f"step_{step}" for p in step_dirs(root))
-        if policy and step > 0 and not saved:  # (a run resumed at its last step has it already)
-            save("the end of training")
-            WRITER.wait()  # before the process group goes
-
-    def saved(self, report: Any, step: int) -> Any:
-        """A checkpoint of `step` was written (any save): note it, and in the launcher's run record."""
-        path = Path(getattr(report, "path", ""))
-        if path.parent.resolve() == Path(self.cfg.checkpoint_dir).resolve():  # one `load_state()` finds
-            self.last_saved_step, self.last_saved_path = step, str(path)
-            self._record(step, float(getattr(report, "seconds", 0.0)), path=str(path))
-        return report
-
-    def _record(self, step: int, seconds: float, *, path: str = "", stop: str = "") -> None:
-        """One JSON line in the run record of `shardwise launch` (one writer per machine)."""
-        record = os.environ.get(RUN_RECORD_ENV)
-        if not record or not self.info.is_local_main:
-            return
-        line = {"attempt": _attempt(), "step": step, "seconds": round(seconds, 3), "path": path, "stop": stop}
-        with contextlib.suppress(OSError), open(record, "a") as fh:
-            fh.write(json.dumps(line) + "\n")
-
-    # -- resume -------------------------------------------------------------------------------
-    def resume_from(self, root: Path) -> Path | None:
-        """The checkpoint `load_state()` with no folder resumes from (the `resume` setting), or
-        None for a start at step 0, said in one line; an error when there must be one."""
-        from ..checkpoint.sharded import newest
-
-        if self.cfg.resume == "never":
-            say(self.info, f"resume: never: no checkpoint loaded (checkpoint_dir {root}/); starting at "
-                "step 0")
-            return None
-        found = newest(root)
-        if found is not None:
-            return found
-        if self.cfg.resume == "required":
-            raise CheckpointError(f"no checkpoint under {root}/ and resume: required: check checkpoint_dir "
-                                  "(or set resume: auto to start at step 0)")
-        earlier = [r for r in _run_record() if r.get("attempt", 0) < _attempt() and r.get("path")]
-        if earlier:
-            raise CheckpointError(
-                f"restart {_attempt()}: an earlier attempt saved {earlier[-1]['path']} "
-                f"(step {earlier[-1]['step']}), but there is no checkpoint under {root}/ now; this attempt "
-                "will not start again from step 0: "
-                "give every machine the same checkpoint_dir on a shared file system")
-        say(self.info, f"no checkpoint under {root}/: starting at step 0")
-        return None
-
     def _time_due(self) -> bool:
-        every = self.cfg.checkpoint_every_seconds
+        every = self.policy.every_seconds
         return bool(every) and self.info.is_main and time.monotonic() - self.last_save >= float(every or 0)
 
     def heartbeat(self, where: str) -> None:
@@ -364,8 +281,8 @@ class Supervisor:
         behind = self._behind()
         who = f"; {behind} did not arrive" if behind else ""
         return (f"rank {self.info.rank}: step {self.step_in_progress}: a collective did not complete within "
-                f"collective_timeout_s={self.cfg.collective_timeout_s:g} s{who}. The run stops; restart it "
-                "(shardwise launch --max-restarts N) to resume from the newest checkpoint")
+                f"collective_timeout_s={self.section.collective_timeout_s:g} s{who}. The run stops; restart "
+                "it (shardwise launch --max-restarts N) to resume from the newest checkpoint")
 
     def _seen(self, rank: int) -> tuple[int, str, str] | None:
         """Another process's newest heartbeat (count, step, where), None when it sent none."""

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config.tree import EngineConfig, resolve_shard_group
-from ..distributed.world import DistInfo, mesh_groups
+from ..distributed.mesh import ParallelDims
+from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
 from ..weights.materialize import Places, allocate, materialize
 from .host_step import DeepSpeedAdam, threads
@@ -161,19 +162,24 @@ class Strategy(ABC):
     """Turns a model into its distributed form and performs the optimizer step on it.
 
     Hybrid sharding: `shard_group_size` processes (consecutive ranks) shard among themselves and
-    the groups replicate each other; `mesh` is the data-parallel mesh the strategy shards on and
+    the groups replicate each other. `dims` (`distributed.mesh.ParallelDims`) is the run's layout
+    and the one owner of its mesh and process groups; `mesh` is the mesh the strategy shards on and
     `process_groups()` its (shard, replicate) groups, for whoever counts or checkpoints by group.
     """
 
     mesh: DeviceMesh | None = None
-    """`distributed.world.device_mesh` of the run: 1-D over every process, or 2-D ("replicate", "shard")
-    under hybrid sharding; None where the strategy keeps no mesh (ddp, the DeepSpeed engine)."""
+    """`dims.mesh`: 1-D over every process, or 2-D ("dp_replicate", "dp_shard") under hybrid
+    sharding; None where the strategy shards nothing itself (ddp, the DeepSpeed engine)."""
+    shards: bool = True
+    """The strategy shards state over a dp_shard dimension (ddp: False, its dims are replicas only)."""
 
     def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
         self.cfg = cfg
         self.info = info
         # resolved (and a size that does not divide the world refused) before any model is touched
         self.shard_group_size = self.sharding_group()
+        self.dims = ParallelDims.for_strategy(shards=self.shards, group=self.shard_group_size,
+                                              world_size=info.world_size, device_type=info.device.type)
         self.precision = self.make_precision()
 
     def sharding_group(self) -> int:
@@ -187,7 +193,7 @@ class Strategy(ABC):
         optimizer states with, and the ones holding the same shard in the other sharding groups
         (None without hybrid sharding: one group of every process)."""
         if self.mesh is not None:
-            return mesh_groups(self.mesh)
+            return self.dims.groups()
         world = dist.group.WORLD
         assert world is not None, "no default process group"
         return world, None

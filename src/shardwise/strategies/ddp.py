@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config.tree import EngineConfig, offload_spec
-from ..distributed.world import DistInfo, device_mesh
+from ..distributed.world import DistInfo
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner
@@ -42,10 +42,10 @@ class DDPStrategy(Strategy):
     """Replicated model; `shard_optimizer` turns ddp into zero1."""
 
     def __init__(self, cfg: EngineConfig, info: DistInfo, *, shard_optimizer: bool) -> None:
-        self.shard_optimizer = shard_optimizer
+        self.shard_optimizer = self.shards = shard_optimizer
         super().__init__(cfg, info)
         if shard_optimizer:  # zero1: the mesh whose shard group splits the optimizer state
-            self.mesh = device_mesh(info.device, self.shard_group_size)
+            self.mesh = self.dims.mesh
 
     def sharding_group(self) -> int:
         """zero1: the resolved group; ddp: every process (the setting is ignored, in one log line)."""

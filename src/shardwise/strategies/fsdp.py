@@ -7,7 +7,7 @@ are stored as dim-0 shards (DTensor) and all-gathered just before its forward an
   zero2  keep the gathered parameters from forward to backward (one all-gather per step instead
          of two, at the cost of holding them through the step); gradients and optimizer state
          are still 1/W.
-Hybrid sharding (`shard_group_size` G < W): the mesh is 2-D ("replicate", "shard"); FSDP2
+Hybrid sharding (`shard_group_size` G < W): the mesh is 2-D ("dp_replicate", "dp_shard"); FSDP2
 shards each unit over its group of G processes (HSDP: all-gathers and reduce-scatters never
 leave the group) and all-reduces each reduce-scattered gradient shard across the W/G groups, so
 per-rank parameters, gradients and optimizer state are 1/G. On gloo both collectives sum and
@@ -49,7 +49,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config.tree import EngineConfig, offload_spec
 from ..distributed.internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
-from ..distributed.world import DistInfo, device_mesh, mesh_groups
+from ..distributed.mesh import mesh_groups
+from ..distributed.world import DistInfo
 from ..weights.adapters import is_peft_model, unwrapped
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks, keep_ties_whole
@@ -158,8 +159,8 @@ class FSDPStrategy(Strategy):
     def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
         super().__init__(cfg, info)
         self.stage = stage
-        # 1-D over every process, or hybrid's 2-D (replicate, shard): see `distributed.world.device_mesh`
-        self.mesh: DeviceMesh = device_mesh(info.device, self.shard_group_size)
+        # 1-D over every process, or hybrid's 2-D (dp_replicate, dp_shard): `distributed.mesh`
+        self.mesh: DeviceMesh = self.dims.mesh
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         """Shard `model` in FSDP2 units; under zero2 a model prepared for inference only is a

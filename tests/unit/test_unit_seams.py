@@ -1,0 +1,139 @@
+"""The engine's seams, in one process: the step boundary's ordered hooks
+(`shardwise.engine.boundary`), the checkpoint manager's naming, pruning and resume discovery
+(`shardwise.checkpoint.naming`, `.manager`), the mesh's named dimensions
+(`shardwise.distributed.mesh.ParallelDims`) and the config sections components receive."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shardwise.checkpoint.files import FORMAT, META
+from shardwise.checkpoint.manager import CheckpointManager
+from shardwise.checkpoint.naming import NumberedFolders, StepFolders
+from shardwise.checkpoint.run_record import RUN_RECORD_ENV, append, read_run_record
+from shardwise.checkpoint.storage import CheckpointError
+from shardwise.config import EngineConfig
+from shardwise.config.tree import CheckpointSection, SupervisionSection
+from shardwise.distributed.mesh import ParallelDims
+from shardwise.engine.boundary import StepBoundary
+
+
+def _checkpoint(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / META).write_text(json.dumps({"format": FORMAT, "files": {}}))
+    return folder
+
+
+# -- the step boundary ---------------------------------------------------------------------------
+def test_the_boundary_runs_its_hooks_in_order_once_per_step() -> None:
+    seen: list[tuple[str, int]] = []
+    b = StepBoundary()
+    for name in ("observation", "supervision", "compile watch"):
+        b.add(name, lambda step, name=name: seen.append((name, step)))
+    assert b.reach(0) and not b.reach(0)  # idempotent in one place
+    assert b.reach(1)
+    assert seen == [("observation", 0), ("supervision", 0), ("compile watch", 0),
+                    ("observation", 1), ("supervision", 1), ("compile watch", 1)]
+
+
+def test_a_loaded_step_passes_its_boundary() -> None:
+    seen: list[int] = []
+    b = StepBoundary()
+    b.add("supervision", seen.append)
+    b.passed(7)  # load_state restored step 7: no checkpoint of it again
+    assert not b.reach(7) and b.reach(8) and seen == [8]
+
+
+# -- folder naming and pruning --------------------------------------------------------------------
+def test_step_folders_name_find_and_prune(tmp_path: Path) -> None:
+    naming = StepFolders(tmp_path, keep_last=2)
+    assert naming.folder(4) == tmp_path / "step_4" and naming.newest() is None
+    for step in (2, 4, 6):
+        naming.placed(_checkpoint(naming.folder(step)), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]
+    assert naming.newest() == tmp_path / "step_6" and naming.has(4) and not naming.has(2)
+    naming.placed(_checkpoint(naming.folder(8)), keep_last=1)  # a save's own keep_last wins
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_8"]
+
+
+def test_accelerate_numbering_continues_after_earlier_runs_and_prunes_only_its_own(tmp_path: Path) -> None:
+    project = SimpleNamespace(project_dir=str(tmp_path), iteration=0, total_limit=2)
+    numbered = NumberedFolders(project)
+    earlier = _checkpoint(numbered.folder(3))  # an earlier run's
+    assert numbered.next_index() == 4  # never into an existing checkpoint_<i>
+    drops = [numbered.saved(_checkpoint(numbered.folder(i))) for i in (4, 5, 6)]
+    assert drops == [[], [], [numbered.folder(4)]] and project.iteration == 7
+    assert all(earlier not in d for d in drops)
+    fresh = NumberedFolders(SimpleNamespace(project_dir=str(tmp_path), iteration=0, total_limit=None))
+    assert fresh.newest() == numbered.folder(6) and fresh.project.iteration == 7  # the next save goes past it
+
+
+# -- resume discovery -------------------------------------------------------------------------------
+def _manager(tmp_path: Path, resume: str) -> tuple[CheckpointManager, list[str]]:
+    said: list[str] = []
+
+    def no_group() -> Any:
+        raise AssertionError("resume discovery makes no process group")
+
+    section = CheckpointSection(dir=str(tmp_path / "ckpt"), resume=resume)
+    return CheckpointManager(section, rank=0, local_main=True, say=said.append, make_group=no_group), said
+
+
+def test_resume_finds_the_newest_or_says_there_is_none(tmp_path: Path) -> None:
+    manager, said = _manager(tmp_path, "auto")
+    assert manager.resume_point() is None and "starting at step 0" in said[-1]
+    _checkpoint(tmp_path / "ckpt" / "step_3")
+    _checkpoint(tmp_path / "ckpt" / "step_10")
+    assert manager.resume_point() == tmp_path / "ckpt" / "step_10"
+    never, said = _manager(tmp_path, "never")
+    assert never.resume_point() is None and said == [f"resume: never: no checkpoint loaded (checkpoint_dir "
+                                                     f"{tmp_path / 'ckpt'}/); starting at step 0"]
+
+
+def test_resume_required_and_an_earlier_attempts_checkpoint_gone(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    required, _ = _manager(tmp_path, "required")
+    with pytest.raises(CheckpointError, match="resume: required"):
+        required.resume_point()
+    record = tmp_path / "run.jsonl"
+    monkeypatch.setenv(RUN_RECORD_ENV, str(record))
+    append(4, 1.5, path="/shared/ckpt/step_4")  # attempt 0 saved step 4 ...
+    assert read_run_record(str(record))[0]["step"] == 4
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # ... and attempt 1 does not see it
+    auto, _ = _manager(tmp_path, "auto")
+    with pytest.raises(CheckpointError, match="restart 1: an earlier attempt saved /shared/ckpt/step_4"):
+        auto.resume_point()
+
+
+def test_a_step_is_saved_when_its_folder_is_there(tmp_path: Path) -> None:
+    manager, _ = _manager(tmp_path, "auto")
+    assert not manager.has_saved(5) and manager.newest_saved == (-1, "")
+    _checkpoint(tmp_path / "ckpt" / "step_5")  # (a run resumed at its last step)
+    assert manager.has_saved(5)
+
+
+# -- the mesh's named dimensions -----------------------------------------------------------------
+def test_parallel_dims_of_each_strategy_layout() -> None:
+    ddp = ParallelDims.for_strategy(shards=False, group=8, world_size=8, device_type="cpu")
+    assert (ddp.dp_replicate, ddp.dp_shard, ddp.names) == (8, 1, ("dp_replicate",))
+    full = ParallelDims.for_strategy(shards=True, group=8, world_size=8, device_type="cpu")
+    assert (full.dp_replicate, full.dp_shard, full.names) == (1, 8, ("dp_shard",))
+    hybrid = ParallelDims.for_strategy(shards=True, group=4, world_size=8, device_type="cpu")
+    assert hybrid.names == ("dp_replicate", "dp_shard") and hybrid.dp_size == 8
+    assert [hybrid.dp_rank(r) for r in range(8)] == list(range(8))  # every dimension is data parallel
+    with pytest.raises(ValueError, match="does not make the world of 8"):
+        ParallelDims(3, 2, 8)
+
+
+# -- config sections ----------------------------------------------------------------------------------
+def test_components_get_their_own_section_from_the_flat_keys() -> None:
+    cfg = EngineConfig(checkpoint_dir="ck", checkpoint_every_steps=5, keep_last=2, checkpoint_async=True,
+                       resume="never", preempt_signals=("SIGUSR1",), preempt_grace_s=9.0,
+                       collective_timeout_s=60.0)
+    assert cfg.checkpointing == CheckpointSection("ck", 5, None, 2, True, "never")
+    assert cfg.supervision == SupervisionSection(("SIGUSR1",), 9.0, 60.0)
