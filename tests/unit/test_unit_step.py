@@ -71,10 +71,14 @@ def test_the_step_state_round_trips_through_a_checkpoint() -> None:
         state.begin_micro_step(loader_at_end=False)
         if state.sync:
             state.record_step(7)
+    state.skipped_steps = 1  # (one fp16 overflow: the skipped steps are counted here, once, and kept)
     saved = state.state_dict()
     other = StepState(grad_accum_steps=2)
     other.load_state_dict(saved)
-    assert (other.micro_step, other.optimizer_steps) == (state.micro_step, state.optimizer_steps) == (5, 2)
+    assert (other.micro_step, other.optimizer_steps, other.skipped_steps) == (5, 2, 1)
+    older = StepState(grad_accum_steps=2)  # a checkpoint that kept the count in the loss scaler's state
+    older.load_state_dict({"micro_step": 1, "step": 3, "scaler": {"scale": 8.0, "skipped": 2}})
+    assert older.skipped_steps == 2
 
 
 class _Runner:

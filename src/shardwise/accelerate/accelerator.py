@@ -123,13 +123,15 @@ class Accelerator(ProcessHelpers):
         self.rng_types = rng_types
         self.engine = Engine(rules=self._rules(), **kwargs)
         self.engine.noun = "accelerator"  # messages name the verbs of the object the script holds
-        self.gradient_state = GradientState(self)
+        self.gradient_state = GradientState(self.engine)
         self.state = AcceleratorState(self)
         self.flag_tensor: torch.Tensor | None = None
         check_rules(self.engine.rules, self.config)
-        self.engine.set_logging_root(extras.logging_root(self))  # Accelerate's <logging_dir>/<run> layout
+        # Accelerate's <logging_dir>/<run> layout
+        self.engine.set_logging_root(extras.logging_root(self.project_configuration))
         self.engine.save_policy_checkpoints_with(self.save_state)  # policy checkpoints: Accelerate's naming
-        extras.share_process_state(self)  # accelerate.logging's loggers read it
+        extras.share_process_state(self.device, self.distributed_type.value, self.num_processes,  # for
+                                   self.process_index, self.local_process_index)  # accelerate.logging
         self._state_hooks = StateHooks()
         self._saves: dict[int, int] = {}  # save_state calls at the current step (arrival keys)
 
@@ -339,7 +341,8 @@ class Accelerator(ProcessHelpers):
     @contextlib.contextmanager
     def profile(self, profile_handler: Any = None) -> Iterator[torch.profiler.profile]:
         """Accelerate's profiler with its `ProfileKwargs` (`shardwise.accelerate.extras.profile`)."""
-        with extras.profile(self, profile_handler or self.profile_handler) as profiler:
+        with extras.profile(profile_handler or self.profile_handler, self.process_index,
+                            self.wait_for_everyone) as profiler:
             yield profiler
 
     # -- odds and ends ---------------------------------------------------------------------

@@ -16,31 +16,13 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 PROFILE_PATTERN = "profile_{}.json"  # Accelerate's PROFILE_PATTERN_NAME: one trace per process
 _OURS = "_shardwise_filled"  # marks the PartialState shared state this module wrote
-
-
-class _AcceleratorLike(Protocol):
-    """What this module reads of `shardwise.Accelerator` (which imports this module)."""
-
-    project_configuration: Any
-
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def distributed_type(self) -> Any: ...
-    @property
-    def num_processes(self) -> int: ...
-    @property
-    def process_index(self) -> int: ...
-    @property
-    def local_process_index(self) -> int: ...
-    def wait_for_everyone(self) -> None: ...
 
 
 @dataclass
@@ -80,7 +62,8 @@ def build_profiler(handler: Any) -> torch.profiler.profile:
 
 
 @contextlib.contextmanager
-def profile(acc: _AcceleratorLike, handler: Any) -> Iterator[torch.profiler.profile]:
+def profile(handler: Any, process_index: int,
+            wait_for_everyone: Callable[[], None]) -> Iterator[torch.profiler.profile]:
     """Profile the block on every process; with `output_trace_dir`, each process then writes its
     own Chrome trace `profile_<process_index>.json` there, and all wait for the last one."""
     handler = handler if handler is not None else ProfileKwargs()
@@ -90,14 +73,14 @@ def profile(acc: _AcceleratorLike, handler: Any) -> Iterator[torch.profiler.prof
     if out is None:
         return
     os.makedirs(out, exist_ok=True)
-    profiler.export_chrome_trace(os.path.join(out, PROFILE_PATTERN.format(acc.process_index)))
-    acc.wait_for_everyone()
+    profiler.export_chrome_trace(os.path.join(out, PROFILE_PATTERN.format(process_index)))
+    wait_for_everyone()
 
 
-def logging_root(acc: _AcceleratorLike) -> Path | None:
-    """Accelerate's `logging_dir`: ProjectConfiguration's, else the project folder; a tracker's
-    run `<name>` is the folder `<logging_dir>/<name>` (no `logs/` in between, as Accelerate)."""
-    pc = acc.project_configuration
+def logging_root(pc: Any) -> Path | None:
+    """Accelerate's `logging_dir`: ProjectConfiguration's (`pc`), else the project folder; a
+    tracker's run `<name>` is the folder `<logging_dir>/<name>` (no `logs/` in between, as
+    Accelerate)."""
     folder = getattr(pc, "logging_dir", None) or getattr(pc, "project_dir", None)
     return Path(folder) if folder is not None else None
 
@@ -110,7 +93,8 @@ def _partial_state_shared_dict() -> dict[str, Any]:
     return cast(dict[str, Any], state._shared_state)
 
 
-def share_process_state(acc: _AcceleratorLike) -> None:
+def share_process_state(device: torch.device, distributed_type: str, num_processes: int, process_index: int,
+                        local_process_index: int) -> None:
     """Fill Accelerate's `PartialState` shared state with where this process sits, so that
     `accelerate.logging.get_logger(...)` loggers (which read `PartialState()`) log on the main
     process only and tag `[RANK r]` with the real rank.
@@ -128,13 +112,13 @@ def share_process_state(acc: _AcceleratorLike) -> None:
     shared.clear()
     shared.update({
         _OURS: True,
-        "_cpu": acc.device.type == "cpu",
+        "_cpu": device.type == "cpu",
         "backend": dist.get_backend() if dist.is_initialized() else None,
-        "device": acc.device,
+        "device": device,
         "debug": False,
-        "distributed_type": types(acc.distributed_type.value),
-        "num_processes": acc.num_processes,
-        "process_index": acc.process_index,
-        "local_process_index": acc.local_process_index,
+        "distributed_type": types(distributed_type),
+        "num_processes": num_processes,
+        "process_index": process_index,
+        "local_process_index": local_process_index,
         "fork_launched": False,
     })

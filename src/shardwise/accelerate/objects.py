@@ -1,30 +1,17 @@
 """Accelerate's plain objects, under its names and fields, for `shardwise.Accelerator`: the
 configuration dataclasses a script passes (read by their fields; accelerate is never imported),
-and the folder helpers of its automatic checkpoint naming."""
+and the states it reads from the engine."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from ..engine.data import PreparedDataLoader
-
-
-class _Steps(Protocol):
-    """What `GradientState` reads of the `Accelerator` (whose module imports this one)."""
-
-    @property
-    def sync_gradients(self) -> bool: ...
-    @property
-    def gradient_accumulation_steps(self) -> int: ...
-    @property
-    def active_loader(self) -> PreparedDataLoader | None: ...
-    @property
-    def loader_at_end(self) -> bool: ...
+from ..engine import Engine
+from ..engine.data import PreparedDataLoader
 
 __all__ = ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
            "ProjectConfiguration"]
@@ -74,8 +61,8 @@ class GradientState:
     """Accelerate's `gradient_state`, read from the engine's step state and the loader whose loop
     is under way (`engine.loop_state.LoaderTracker`: when a loop ends, the one active before it)."""
 
-    def __init__(self, acc: _Steps) -> None:
-        self._acc = acc
+    def __init__(self, engine: Engine) -> None:
+        self._acc = engine
 
     @property
     def sync_gradients(self) -> bool:
@@ -83,7 +70,7 @@ class GradientState:
 
     @property
     def num_steps(self) -> int:
-        return self._acc.gradient_accumulation_steps
+        return self._acc.config.grad_accum_steps
 
     @property
     def end_of_dataloader(self) -> bool:

@@ -12,35 +12,14 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..engine import Engine
+
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _EngineLike(Protocol):
-    """What `ProcessHelpers` uses of the engine (`shardwise.Engine`, which only the public API
-    and `accelerator` import)."""
-
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def num_processes(self) -> int: ...
-    @property
-    def process_index(self) -> int: ...
-    @property
-    def local_process_index(self) -> int: ...
-    @property
-    def is_main_process(self) -> bool: ...
-    @property
-    def is_local_main_process(self) -> bool: ...
-    def print(self, *args: Any, **kwargs: Any) -> None: ...
-    def wait_for_everyone(self) -> None: ...
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]: ...
-    def gather(self, data: Any) -> Any: ...
-    def reduce(self, data: Any, reduction: str = "sum") -> Any: ...
 
 
 def _on(function: F, here: Callable[[], bool]) -> F:
@@ -55,7 +34,7 @@ class ProcessHelpers:
     """Accelerate's `on_*_process` decorators, `split_between_processes`, `pad_across_processes`
     and the trigger flag."""
 
-    engine: _EngineLike  # the `Engine` the Accelerator composes
+    engine: Engine  # the `Engine` the Accelerator composes
     flag_tensor: torch.Tensor | None = None
 
     # -- where this process sits (the engine's) ------------------------------------------------

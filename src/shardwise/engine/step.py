@@ -51,7 +51,8 @@ class StepState:
     optimizer_steps: int = 0
     """Accumulation boundaries at which an optimizer stepped (restored by `load_state`)."""
     skipped_steps: int = 0
-    """Optimizer steps skipped so far (fp16 overflow), for the metrics."""
+    """Optimizer steps skipped so far (fp16 overflow), once per boundary; checkpointed. (The one
+    count: the loss scaler decides, this counts.)"""
     items: ItemCount = field(default_factory=ItemCount)
     """`backward(loss, num_items=n)`: this window's count, and the rescale at its boundary."""
     _stepped: set[int] = field(default_factory=set)  # optimizers that stepped on this boundary
@@ -82,9 +83,12 @@ class StepState:
         self.items.reset()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_step": self.micro_step, "step": self.optimizer_steps}
+        return {"micro_step": self.micro_step, "step": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_step, self.optimizer_steps = int(state["micro_step"]), int(state["step"])
+        # (checkpoints before 2026-12-02 kept the count in the loss scaler's state)
+        self.skipped_steps = int(state.get("skipped_steps", state.get("scaler", {}).get("skipped", 0)))
         self._stepped.clear()
         self.items.reset()

@@ -124,7 +124,6 @@ class DynamicLossScaler:
         self.scale = float(cfg.init_scale)
         self._good_steps = 0
         self._hysteresis = cfg.hysteresis  # overflows still tolerated before backing off
-        self.skipped_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
@@ -144,8 +143,7 @@ class DynamicLossScaler:
         return bool(found_inf.item() == 0)
 
     def update(self, finite: bool) -> None:
-        if not finite:
-            self.skipped_steps += 1
+        """After a step whose verdict was `finite` (the step counts its skips: `StepState`)."""
         if not self.cfg.dynamic:
             return
         if finite:
@@ -166,11 +164,9 @@ class DynamicLossScaler:
             "scale": self.scale,
             "good_steps": self._good_steps,
             "hysteresis": self._hysteresis,
-            "skipped": self.skipped_steps,
         }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
         self._hysteresis = int(state.get("hysteresis", self.cfg.hysteresis))
-        self.skipped_steps = int(state.get("skipped", 0))
