@@ -1,15 +1,19 @@
-"""`shardwise env`: what a bug report needs (versions, devices, backends, CPU and memory)."""
+"""`shardwise env`: what a bug report needs (versions, devices, backends, CPU and memory, and the
+cluster scheduler detected with the launch settings it gives)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 
+from ..config.tree import ConfigError
 from ..version import __version__
+from .scheduler import detect
 
 
 def environment() -> dict[str, str]:
-    """What a bug report needs: versions, devices, backends, CPU and memory."""
+    """What a bug report needs: versions, devices, backends, CPU and memory, the scheduler."""
     import platform
     from importlib import metadata
 
@@ -47,7 +51,19 @@ def environment() -> dict[str, str]:
         info["memory"] = f"{pages * size / 2**30:.1f} GiB"
     except (ValueError, OSError, AttributeError):
         info["memory"] = "unknown"
+    info["scheduler"] = scheduler_line(os.environ)
     return info
+
+
+def scheduler_line(environ: Mapping[str, str]) -> str:
+    """The cluster scheduler detected and what `shardwise launch` would derive from it, in a line."""
+    try:
+        found = detect(environ)
+    except ConfigError as err:
+        return f"error: {err}"
+    if found is None:
+        return "none detected (SLURM, Kubernetes PyTorchJob, torchrun's PET_* variables)"
+    return found.describe()
 
 
 def run_env(_ns: argparse.Namespace) -> int:

@@ -7,13 +7,15 @@ one resolved config as a file path in SHARDWISE_CONFIG.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -56,7 +58,7 @@ def torchrun_argv(
 
 
 def run_torchrun(argv: Sequence[str], config_path: str, *, stop_signal: str = "SIGTERM",
-                 stop_timeout_s: float = 30) -> int:
+                 stop_timeout_s: float = 30, after_save: Callable[[int], int] | None = None) -> int:
     """Run torchrun's elastic agent in this process; return the script's exit code.
 
     The agent starts the workers. On SIGTERM, SIGINT (Ctrl-C), SIGHUP or SIGQUIT it sends the
@@ -65,6 +67,10 @@ def run_torchrun(argv: Sequence[str], config_path: str, *, stop_signal: str = "S
     (torchrun's shutdown). Further signals meanwhile are ignored: cutting the wait short would
     kill a save. The line it prints says what the workers saved (their run record), or that
     nothing could be saved. A failed worker's exit code comes back as it was (128 + N for signal N).
+    When the workers stopped after a checkpoint (exit 75, the launcher signalled or not),
+    `after_save(code)` gives the exit status instead (the SLURM requeue). A signal once the agent
+    has returned changes nothing: the status is decided (`ignore_stop_signals` keeps it so through
+    the interpreter's exit).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -81,25 +87,71 @@ def run_torchrun(argv: Sequence[str], config_path: str, *, stop_signal: str = "S
     if getattr(args, "shutdown_timeout", 0) is None:
         args.shutdown_timeout = math.ceil(stop_timeout_s)
     stop = _Stop(signal.Signals[stop_signal])
+    saved, code = False, 0
     try:
         # the agent installs this handler for every signal it stops on
         with terminate_handler(stop.handler):
             run(args)
     except ChildFailedError as err:
+        stop.closed = True
         for line in describe_failures(err.failures):
             print(f"shardwise launch: {line}", file=sys.stderr, flush=True)
         code = err.get_first_failure()[1].exitcode
-        return code if code > 0 else 128 - code
+        code = code if code > 0 else 128 - code
+        saved = all(f.exitcode == PREEMPTED_EXIT for f in err.failures.values())
     except SignalException as err:
+        stop.closed = True
         first = stop.first or int(err.sigval)
-        print(f"shardwise launch: {describe_stop(first, stop.repeats, read_run_record(record))}",
-              file=sys.stderr, flush=True)
-        return 128 + first
+        rows = read_run_record(record)
+        print(f"shardwise launch: {describe_stop(first, stop.repeats, rows)}", file=sys.stderr, flush=True)
+        code, saved = 128 + first, _saved_at_stop(rows)
     except KeyboardInterrupt:  # Ctrl-C before the workers started
-        return 128 + signal.SIGINT
+        code = 128 + signal.SIGINT
     finally:
+        stop.closed = True
         Path(record).unlink(missing_ok=True)
-    return 0
+    return after_save(code) if saved and after_save is not None else code
+
+
+def ignore_stop_signals() -> None:
+    """Ignore the launcher's stop signals from now on: its exit status is decided. (Python's
+    finalization puts the default action back on every signal it handled, so a repeated SIGTERM
+    during the interpreter's exit would otherwise end the process by the signal, status -15,
+    instead of the status it chose.)"""
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def requeue_slurm(job: str, code: int) -> int:
+    """After the workers saved and exited 75 in a SLURM job: `scontrol requeue JOB`, said in one
+    line; the exit status `code` stays when it worked, else PREEMPTED_EXIT (75: a cluster with
+    `RequeueExit=75` requeues on it) with a line saying why."""
+    why = ""
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60,
+                              check=False)
+        said = (done.stderr or done.stdout).strip().splitlines()
+        if done.returncode != 0:
+            why = f"scontrol requeue {job} failed with exit code {done.returncode}" + (
+                f": {said[-1]}" if said else "")
+    except FileNotFoundError:
+        why = "scontrol is not on PATH"
+    except (OSError, subprocess.TimeoutExpired) as err:
+        why = f"scontrol requeue {job}: {err}"
+    if why:
+        print(f"shardwise launch: SLURM job {job} not requeued: {why}; exiting {PREEMPTED_EXIT} (requeue it "
+              f"with `scontrol requeue {job}`, or submit the same script again: it resumes from the "
+              "checkpoint)", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    print(f"shardwise launch: requeued SLURM job {job} (scontrol requeue {job}); it runs the same script "
+          "again and resumes from the checkpoint just saved", file=sys.stderr, flush=True)
+    return code
+
+
+def _saved_at_stop(record: list[dict[str, Any]]) -> bool:
+    stops = [r for r in record if r.get("stop")]
+    return bool(stops and stops[-1].get("path"))
 
 
 class _Stop:
@@ -108,11 +160,12 @@ class _Stop:
 
     def __init__(self, death: signal.Signals) -> None:
         self.death, self.first, self.repeats = death, 0, 0
+        self.closed = False  # the agent has returned: the exit status is decided
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        if self.first:
+        if self.first or self.closed:
             self.repeats += 1
             return
         self.first = signum

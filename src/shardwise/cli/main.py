@@ -1,8 +1,9 @@
-"""The `shardwise` command: launch, config, plan, export, verify, report, env.
+"""The `shardwise` command: launch, config, plan, export, verify, report, env, slurm-script.
 
 Flags for the config tree are generated from its fields (their docstrings are the help), so the
 command line, the YAML file and `Engine(...)` keywords always name the same settings. `plan` is
-in `cli.plan`, `env` in `cli.env`.
+in `cli.plan`, `env` in `cli.env`; what a cluster scheduler gives `launch` is read by
+`cli.scheduler`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -23,6 +25,7 @@ from ..config.files import build, load_layers, merge, read_file, to_yaml, write_
 from ..config.tree import ConfigError, EngineConfig, LaunchConfig, check_train_batch
 from .env import environment, run_env
 from .plan import add_plan_parser, run_plan
+from .scheduler import Scheduler, derive, detect, slurm_script
 
 __all__ = ["build_parser", "entry", "environment", "main", "resolve"]
 
@@ -195,8 +198,22 @@ def _torchrun_extra(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> 
     return extra
 
 
+def _scheduler_settings(ns: argparse.Namespace,
+                        folded: dict[str, Any]) -> tuple[Scheduler | None, dict[str, Any]]:
+    """The cluster scheduler this launch runs under (None: none), and the launch settings it gives
+    that neither a flag nor the config file gives (those win)."""
+    scheduler = detect(os.environ)
+    if scheduler is None:
+        return None, {}
+    path = _config_path(ns)
+    from_file = load_layers(path)[0].get("launch", {}) if path else {}
+    explicit = {**(from_file if isinstance(from_file, dict) else {}),
+                **_flag_settings(ns).get("launch", {}), **folded}
+    return scheduler, derive(scheduler, explicit)
+
+
 def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
-    from .launch import run_torchrun, torchrun_argv
+    from .launch import requeue_slurm, run_torchrun, torchrun_argv
 
     folded: dict[str, Any] = {}
     for dest, field in _TORCHRUN_FOLDED.items():
@@ -212,7 +229,9 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
         folded[field] = value
     if getattr(ns, "standalone", _UNSET) is True:
         folded["num_nodes"] = 1
-    cfg, dropped = resolve(ns, {"launch": folded} if folded else None)
+    scheduler, derived = _scheduler_settings(ns, folded)
+    launch = {**derived, **folded}
+    cfg, dropped = resolve(ns, {"launch": launch} if launch else None)
     if dropped:
         print(f"shardwise: the DeepSpeed config's {', '.join(dropped)} have no effect here", file=sys.stderr)
     script = ns.training_script
@@ -224,6 +243,13 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
     if isinstance(cfg.micro_batch_size, int):
         check_train_batch(cfg, cfg.micro_batch_size, cfg.launch.num_processes * cfg.launch.num_nodes)
     argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, torchrun))
+    after_save = None
+    if scheduler is not None:
+        print(f"shardwise launch: {scheduler.describe(derived)}; running torchrun {' '.join(argv)}",
+              file=sys.stderr, flush=True)
+        job = scheduler.requeue_id
+        if job and cfg.launch.node_rank == 0:  # one requeue per job: node 0's launcher asks for it
+            after_save = functools.partial(requeue_slurm, job)
     fd, path = tempfile.mkstemp(prefix="shardwise-", suffix=".yaml")
     os.close(fd)
     try:
@@ -231,7 +257,8 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
         # stopped, the workers get up to preempt_grace_s to reach a boundary, then their save's
         # collectives time out after collective_timeout_s: the launcher waits that long for them
         return run_torchrun(argv, path, stop_signal=(cfg.preempt_signals or ("SIGTERM",))[0],
-                            stop_timeout_s=cfg.preempt_grace_s + cfg.collective_timeout_s)
+                            stop_timeout_s=cfg.preempt_grace_s + cfg.collective_timeout_s,
+                            **({"after_save": after_save} if after_save else {}))
     finally:
         Path(path).unlink(missing_ok=True)
 
@@ -395,8 +422,36 @@ def _build() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                          help="plot a run's metrics.jsonl (loss, tokens/s, MFU, memory) into report.png")
     rep.add_argument("run_dir",
                      help="the folder a log_with='jsonl' run wrote (<project_dir>/logs/<run name>)")
-    sub.add_parser("env", help="versions, devices and backends, for a bug report")
+    sub.add_parser("env", help="versions, devices and backends, and the cluster scheduler detected, "
+                               "for a bug report")
+    _slurm_parser(sub)
     return parser, torchrun
+
+
+def _slurm_parser(sub: Any) -> None:
+    p = sub.add_parser("slurm-script",
+                       help="print an sbatch script that runs SCRIPT under shardwise launch, warned before "
+                            "the time limit and requeued after a preempted stop")
+    p.add_argument("script", nargs="?", default="train.py", help="the training script (default train.py)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    p.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8; 0: CPU processes)")
+    p.add_argument("--cpus-per-task", type=int, default=None,
+                   help="CPUs per node's task (on CPU: the processes per node; default 2 there)")
+    p.add_argument("--time", default="24:00:00", help="the time limit (default 24:00:00)")
+    p.add_argument("--job-name", default="shardwise", help="the job's name (default shardwise)")
+    p.add_argument("--config", default=None,
+                   help=f"the config file the launch reads (default: ./{DEFAULT_CONFIG} if present)")
+    p.add_argument("--signal-lead-s", type=int, default=120,
+                   help="seconds before the time limit that SIGTERM comes (default 120): one step, one "
+                        "save and a margin")
+
+
+def _cmd_slurm_script(ns: argparse.Namespace) -> int:
+    print(slurm_script(ns.script, ns.script_args, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
+                       cpus_per_task=ns.cpus_per_task, time=ns.time, job_name=ns.job_name,
+                       signal_lead_s=ns.signal_lead_s, config=ns.config), end="")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -419,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_plan(ns)
         if ns.command == "verify":
             return _cmd_verify(ns)
+        if ns.command == "slurm-script":
+            return _cmd_slurm_script(ns)
         if ns.command == "report":
             from ..runtime.report import report
 
@@ -440,4 +497,8 @@ def _checkpoint_error() -> type[Exception]:
 
 def entry() -> None:
     """The console script `shardwise`."""
-    sys.exit(main())
+    from .launch import ignore_stop_signals
+
+    code = main()
+    ignore_stop_signals()  # the status is decided: a repeated SIGTERM during the exit must not change it
+    sys.exit(code)
