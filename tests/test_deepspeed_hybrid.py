@@ -28,20 +28,20 @@ REFUSAL = ("is not supported by backend='deepspeed': DeepSpeed 0.19 removed MiCS
 def test_a_group_below_the_world_is_refused_on_deepspeed(strategy: str, group: int | str) -> None:
     cfg = EngineConfig(backend="deepspeed", strategy=strategy, shard_group_size=group)
     with pytest.raises(ConfigError) as err:
-        check_shard_group(cfg, world_size=4, local_world_size=2)  # 2 nodes of 2
+        check_shard_group(cfg.sharding, world_size=4, local_world_size=2)  # 2 nodes of 2
     assert str(err.value) == f"shard_group_size={group!r} (groups of 2 of 4 processes) {REFUSAL}"
 
 
 @pytest.mark.parametrize("group", [None, 4, "node"])
 def test_a_group_of_all_processes_is_plain_zero_on_deepspeed(group: int | str | None) -> None:
     cfg = EngineConfig(backend="deepspeed", strategy="zero3", shard_group_size=group)
-    check_shard_group(cfg, world_size=4, local_world_size=4)  # one node: "node" is everyone
+    check_shard_group(cfg.sharding, world_size=4, local_world_size=4)  # one node: "node" is everyone
 
 
 def test_a_group_that_does_not_divide_the_world_is_refused_first() -> None:
     cfg = EngineConfig(backend="deepspeed", strategy="zero3", shard_group_size=3)
     with pytest.raises(ConfigError, match="shard_group_size=3 does not divide the 4 processes"):
-        check_shard_group(cfg, world_size=4, local_world_size=4)
+        check_shard_group(cfg.sharding, world_size=4, local_world_size=4)
 
 
 def test_deepspeed_json_mics_keys_never_reach_deepspeed(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -55,7 +55,7 @@ def test_deepspeed_json_mics_keys_never_reach_deepspeed(tmp_path) -> None:  # ty
         "stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True,
         "zero_hpz_partition_size": 2, "overlap_comm": False}}))
     cfg = EngineConfig(backend="deepspeed", strategy="zero3", deepspeed_config=str(path))
-    zero = deepspeed_config(cfg, device=torch.device("cpu"), numel=100)["zero_optimization"]
+    zero = deepspeed_config(cfg.sharding, device=torch.device("cpu"), numel=100)["zero_optimization"]
     assert zero["overlap_comm"] is False and zero["zero_hpz_partition_size"] == 2  # DeepSpeed's own tuning
     assert not {"mics_shard_size", "mics_hierarchical_params_gather"} & set(zero)  # ours: shard_group_size
 

@@ -354,3 +354,14 @@ def test_a_plain_loop_checkpoints_by_policy_and_stops_on_preemption(tmp_path: Pa
         spawn(_plain_loop, 2, str(tmp_path))
     steps = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*") if (p / "meta.json").is_file())
     assert steps == ["step_2", "step_3"]
+
+
+def test_the_launchers_failure_line_carries_the_workers_error(tmp_path: Path) -> None:
+    """A worker that raises (no `@record` in the script): the launcher's line names it with the
+    error's last line, and no run lock is left behind."""
+    run = _run(_config(tmp_path, strategy="ddp", collective_timeout_s=15), tmp_path, fault="raise:2:1",
+               timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "shardwise launch: rank 1 (local rank 1, pid " in run.stderr
+    assert ") exited with code 1: ValueError: bad batch in step 2" in run.stderr, run.stderr[-3000:]
+    assert not (tmp_path / "checkpoints" / ".shardwise.lock").exists()

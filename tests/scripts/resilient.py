@@ -10,6 +10,7 @@ the end, the gathered weights to <folder>/final.pt.
   kill:STEP:RANK   on the first attempt, RANK SIGKILLs itself after optimizer step STEP
   hang:STEP:RANK   RANK sleeps forever inside optimizer step STEP (before its backward)
   slow:SECONDS     every step sleeps (so a test can send a signal at a chosen step)
+  raise:STEP:RANK  RANK raises a ValueError inside optimizer step STEP
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
                     time.sleep(10**6)
                 if kind == "slow":
                     time.sleep(at)
+                if kind == "raise" and step == at and engine.process_index == who:
+                    raise ValueError(f"bad batch in step {step}")
                 loss = W.lm_loss(model, ids)
                 engine.backward(loss)
                 opt.step()

@@ -18,7 +18,12 @@ from shardwise.checkpoint.naming import NumberedFolders, StepFolders
 from shardwise.checkpoint.run_record import RUN_RECORD_ENV, append, read_run_record
 from shardwise.checkpoint.storage import CheckpointError
 from shardwise.config import EngineConfig
-from shardwise.config.tree import CheckpointSection, SupervisionSection
+from shardwise.config.tree import (
+    BlocksSection,
+    CheckpointSection,
+    ObservationSection,
+    SupervisionSection,
+)
 from shardwise.distributed.mesh import ParallelDims
 from shardwise.engine.boundary import StepBoundary
 
@@ -137,3 +142,13 @@ def test_components_get_their_own_section_from_the_flat_keys() -> None:
                        collective_timeout_s=60.0)
     assert cfg.checkpointing == CheckpointSection("ck", 5, None, 2, True, "never")
     assert cfg.supervision == SupervisionSection(("SIGUSR1",), 9.0, 60.0)
+    cfg = EngineConfig(strategy="zero3", offload="optimizer", precision="bf16", shard_group_size="node",
+                       wrap="Block", max_grad_norm=1.0, activation_checkpointing=True, compile=True,
+                       compile_backend="aot_eager", log_with="jsonl", log_every_steps=3, project_dir="p")
+    sharding = cfg.sharding
+    assert (sharding.strategy, sharding.offload, sharding.precision, sharding.shard_group_size, sharding.wrap,
+            sharding.max_grad_norm) == ("zero3", "optimizer", "bf16", "node", ("Block",), 1.0)
+    assert cfg.blocks == BlocksSection(("Block",), "full", None, True, "aot_eager", None, False, None)
+    assert cfg.observation == ObservationSection(("jsonl",), 3, None, None, None, "p")
+    with pytest.raises(AttributeError):  # a section is a read-only view: the flat keys stay the source
+        cfg.sharding.strategy = "ddp"  # type: ignore[misc]

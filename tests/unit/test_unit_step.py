@@ -79,6 +79,8 @@ def test_the_step_state_round_trips_through_a_checkpoint() -> None:
     older = StepState(grad_accum_steps=2)  # a checkpoint that kept the count in the loss scaler's state
     older.load_state_dict({"micro_step": 1, "step": 3, "scaler": {"scale": 8.0, "skipped": 2}})
     assert older.skipped_steps == 2
+    older.load_state_dict({"micro_step": 1, "step": 3, "scaler": None})  # fp32: no scaler state at all
+    assert older.skipped_steps == 0
 
 
 class _Runner:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..distributed.arrival import alone, arrived_together
+from ..engine import Engine
 
 
 def save_together(calls: dict[int, int], step: int, world: int, rank: int, wait_s: float,
@@ -42,7 +43,7 @@ def save_together(calls: dict[int, int], step: int, world: int, rank: int, wait_
 
 
 @contextlib.contextmanager
-def world_of_one(engine: Any) -> Iterator[None]:
+def world_of_one(engine: Engine) -> Iterator[None]:
     """Inside, `engine` is process 0 of one and its checkpoint code runs no collective
     (`distributed.arrival.alone`): a lone process writes a complete single-process checkpoint.
     Only for replicated state (ddp); the process group itself is untouched."""

@@ -206,6 +206,51 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardingSection:
+    """The strategy's part of the tree (`EngineConfig.sharding`): what is sharded and how, the
+    precision and its loss scale, the host step, and a DeepSpeed JSON's own keys."""
+
+    strategy: StrategyName = "ddp"
+    backend: BackendName = "torch"
+    precision: PrecisionName = "fp32"
+    offload: OffloadName = "none"
+    shard_group_size: int | Node | None = None
+    wrap: tuple[str | type, ...] = ()
+    max_grad_norm: float | None = None
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    offload_bucket_numel: int = 2**24
+    host_kernel: HostKernelName = "torch"
+    deepspeed_config: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksSection:
+    """What the session does to each block before sharding (`EngineConfig.blocks`): the block
+    list, activation checkpointing and compilation."""
+
+    wrap: tuple[str | type, ...] = ()
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int | None = None
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None
+    compile_fullgraph: bool = False
+    compile_dynamic: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationSection:
+    """The observer's part of the tree (`EngineConfig.observation`): trackers, records, progress."""
+
+    log_with: tuple[str, ...] = ()
+    log_every_steps: int = 10
+    progress: bool | None = None
+    peak_tflops: float | None = None
+    flops_per_token: float | None = None
+    project_dir: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointSection:
     """The checkpoint manager's part of the tree (`EngineConfig.checkpointing`): where
     checkpoints go, how many stay, when the policy writes them, how, and where a run resumes."""
@@ -348,6 +393,26 @@ class EngineConfig:
     """How `shardwise launch` starts the workers."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
+
+    @property
+    def sharding(self) -> ShardingSection:
+        """The strategy's settings as one section (the flat keys users write stay the source)."""
+        return ShardingSection(self.strategy, self.backend, self.precision, self.offload,
+                               self.shard_group_size, self.wrap, self.max_grad_norm, self.loss_scale,
+                               self.offload_bucket_numel, self.host_kernel, self.deepspeed_config)
+
+    @property
+    def blocks(self) -> BlocksSection:
+        """Per-block transforms (activation checkpointing, compile) as one section."""
+        return BlocksSection(self.wrap, str(self.activation_checkpointing),
+                             self.activation_checkpointing_every, self.compile, self.compile_backend,
+                             self.compile_mode, self.compile_fullgraph, self.compile_dynamic)
+
+    @property
+    def observation(self) -> ObservationSection:
+        """Metrics, trackers and progress settings as one section."""
+        return ObservationSection(self.log_with, self.log_every_steps, self.progress, self.peak_tflops,
+                                  self.flops_per_token, self.project_dir)
 
     @property
     def checkpointing(self) -> CheckpointSection:

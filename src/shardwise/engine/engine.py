@@ -84,7 +84,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         # strategy="auto" is chosen at the first prepare, from the model and its batch
         self._session: Session | None = None
         if not is_auto(cfg.strategy):
-            self._session = Session(cfg, make_strategy(cfg, self._info))
+            self._session = self._new_session(cfg)
         self.plan: Any = None  # strategy="auto": the plan the choice came from
         if cfg.seed is not None:  # only a seed the user gave: a script's own set_seed() stands
             set_seed(cfg.seed)
@@ -103,7 +103,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self.optimizer: PreparedOptimizer | None = None  # built from config.optimizer, if any
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
         self._supervisor = Supervisor(cfg.supervision, cfg.checkpointing, self._info)  # preemption, timeouts
-        self._observer = Observer(cfg, self._info)  # metrics, trackers, progress
+        self._observer = Observer(cfg.observation, self._info)  # metrics, trackers, progress
         # between two optimizer steps, in this order (`shardwise.engine.boundary`)
         self._boundary_hooks = boundary.StepBoundary()
         self._boundary_hooks.add("observation", lambda step: self._observer.at_boundary(step, self._probe))
@@ -112,6 +112,11 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restarts:
             say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
+
+    def _new_session(self, cfg: EngineConfig) -> Session:
+        """A session on the strategy `cfg` describes; each part gets its own section."""
+        return Session(cfg.blocks, make_strategy(cfg.sharding, self._info),
+                       grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
 
     @property
     def config(self) -> EngineConfig:
@@ -196,7 +201,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             from ..plan.auto import choose
 
             self._config, self.plan = choose(self.config, self._info, of["model"], of["dataloader"])
-            self._session = Session(self.config, make_strategy(self.config, self._info))
+            self._session = self._new_session(self.config)
         session = self._session
         session.init_rng = self._init_rng
         for model in of["model"]:
@@ -477,7 +482,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._checkpoints.wait()  # a checkpoint being written (checkpoint_async) completes, its copy is freed
         if self._session is not None:  # a later prepare keeps the strategy launched or chosen (planner: once)
             self._session.release()
-            self._session = Session(self.config, make_strategy(self.config, self._info))
+            self._session = self._new_session(self.config)
         self._loaders.reset()
         self._emas.clear()
         gc.collect()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.tree import EngineConfig
+from ..config.tree import BlocksSection
 from ..distributed.internals import is_fake
 from ..strategies import Strategy, apply_activation_checkpointing, find_blocks
 from ..strategies.base import EmptyModel
@@ -62,10 +62,12 @@ def _no_kv_cache(model: nn.Module) -> None:
 class Session:
     """One strategy, what was prepared on it, and the step they share."""
 
-    def __init__(self, config: EngineConfig, strategy: Strategy) -> None:
-        self.config = config
+    def __init__(self, blocks: BlocksSection, strategy: Strategy, *, grad_accum_steps: int,
+                 max_grad_norm: float | None) -> None:
+        self.blocks = blocks  # what is done to each block before sharding
+        self.max_grad_norm = max_grad_norm
         self.strategy = strategy
-        self.step_state = StepState(config.grad_accum_steps)
+        self.step_state = StepState(grad_accum_steps)
         self.models: list[nn.Module] = []
         self.optimizers: list[PreparedOptimizer] = []
         self.schedulers: list[PreparedScheduler] = []
@@ -86,8 +88,8 @@ class Session:
         return self.step_state.grad_accum_steps
 
     def set_grad_accum(self, steps: int) -> None:
-        """Change the micro-steps per optimizer step (`Engine.set_grad_accum` calls this; the
-        session's config keeps the value it was made with, which nothing here reads)."""
+        """Change the micro-steps per optimizer step (`Engine.set_grad_accum` calls this; the step
+        state is its one holder)."""
         self.step_state.grad_accum_steps = steps
 
     # -- prepare ----------------------------------------------------------------------------
@@ -126,7 +128,7 @@ class Session:
     def _transform_blocks(self, model: nn.Module) -> None:
         """Activation checkpointing and compilation, per block, before sharding: each replaces
         the block's own `forward` (its module tree and parameter names stay as they are)."""
-        cfg = self.config
+        cfg = self.blocks
         mode, compiling = str(cfg.activation_checkpointing), cfg.compile
         if mode == "none" and not compiling:
             return
@@ -213,7 +215,7 @@ class Session:
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """An optimizer already bound to prepared parameters, with its runner."""
         prepared = PreparedOptimizer(optimizer, self.strategy.make_runner(optimizer), strategy=self.strategy,
-                                     state=self.step_state, max_grad_norm=self.config.max_grad_norm)
+                                     state=self.step_state, max_grad_norm=self.max_grad_norm)
         self.optimizers.append(prepared)
         return prepared
 

@@ -89,6 +89,7 @@ class StepState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_step, self.optimizer_steps = int(state["micro_step"]), int(state["step"])
         # (checkpoints before 2026-12-02 kept the count in the loss scaler's state)
-        self.skipped_steps = int(state.get("skipped_steps", state.get("scaler", {}).get("skipped", 0)))
+        older = (state.get("scaler") or {}).get("skipped", 0)  # (None: no loss scaler)
+        self.skipped_steps = int(state.get("skipped_steps", older))
         self._stepped.clear()
         self.items.reset()

@@ -59,8 +59,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..config.files import make_config
 from ..config.tree import OffloadSpec
 from ..distributed.internals import is_sharded, local_tensor
+from ..distributed.world import init_distributed
+from ..engine.session import Session
+from ..strategies import make_strategy
 from .candidate import Candidate
 from .counter import ROLES, SegmentPeak, StepMarks, StorageCounter, replay, resize_seen, step_views
 from .fakes import (
@@ -217,7 +221,7 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
     return _results(job, counter, prepared, stepped, staging)
 
 
-def _checkpoint_bytes(session: Any, prep: _Prepared) -> float:
+def _checkpoint_bytes(session: Session, prep: _Prepared) -> float:
     """Bytes of the state a checkpoint of this rank holds: the local tensors of the state dict
     `checkpoint.save` builds (the strategy's model state and the runner's checkpoint state, which
     for zero1 is gathered whole), each storage once; what `checkpoint_async` copies to the host."""
@@ -234,13 +238,9 @@ def _checkpoint_bytes(session: Any, prep: _Prepared) -> float:
     return float(total)
 
 
-def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.ExitStack) -> Any:
+def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.ExitStack) -> Session:
     """Step 1: the `Session` that `Engine.prepare` builds, on a fake world of `job.world_size`
     ranks (made outside the fake mode), then the fake mode and the patches the trace runs under."""
-    from ..config.files import make_config
-    from ..distributed.world import init_distributed
-    from ..engine.session import Session
-    from ..strategies import make_strategy
 
     cand = job.candidate
     cfg = make_config(strategy=cand.strategy, offload=cand.offload, cpu=True,
@@ -251,7 +251,8 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
                       grad_accum_steps=job.grad_accum_steps, shard_group_size=cand.shard_group_size)
     stack.enter_context(kept_rng())
     stack.enter_context(fake_world(job.world_size))
-    session = Session(cfg, make_strategy(cfg, init_distributed(force_cpu=True)))
+    session = Session(cfg.blocks, make_strategy(cfg.sharding, init_distributed(force_cpu=True)),
+                      grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
     stack.enter_context(fake_mode())
     stack.enter_context(patched(torch.UntypedStorage, "resize_", resize_seen(counter)))
     stack.enter_context(no_ddp_shape_check())
@@ -283,7 +284,8 @@ def _copy_offloaded(counter: StorageCounter, stack: contextlib.ExitStack) -> Non
     stack.enter_context(patched(blocks, "to_device", to_device))
 
 
-def _prepare(job: TraceJob, session: Any, counter: StorageCounter, stack: contextlib.ExitStack) -> _Prepared:
+def _prepare(job: TraceJob, session: Session, counter: StorageCounter,
+             stack: contextlib.ExitStack) -> _Prepared:
     """Step 2: build the fake model, start counting, and prepare model and optimizer with the
     candidate's strategy; every parameter, buffer and optimizer tensor gets its role."""
     from ..strategies import find_blocks
@@ -307,7 +309,7 @@ def _prepare(job: TraceJob, session: Any, counter: StorageCounter, stack: contex
     return _Prepared(model, optimizer, blocks, sharded, sharded_ids, n_full)
 
 
-def _train(job: TraceJob, session: Any, prep: _Prepared, counter: StorageCounter) -> _Stepped:
+def _train(job: TraceJob, session: Session, prep: _Prepared, counter: StorageCounter) -> _Stepped:
     """Step 3: one optimizer step (of `grad_accum_steps` micro-steps) at each batch size,
     marking the segments and the positions `counter.step_views` reads."""
     marks: dict[str, int] = {}
@@ -337,7 +339,7 @@ class _Loop:
     fwd_at = 0  # log position once its forward returned
 
 
-def _micro_step(job: TraceJob, session: Any, prep: _Prepared, counter: StorageCounter, live: _Loop,
+def _micro_step(job: TraceJob, session: Session, prep: _Prepared, counter: StorageCounter, live: _Loop,
                 batch_size: int) -> None:
     """Batch, forward, loss, backward, optimizer step and zero_grad, each in its own phase."""
     model, optimizer = prep.model, prep.optimizer

@@ -78,6 +78,17 @@ def is_timeout(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in str(err) for m in _TIMEOUT_MARKERS)
 
 
+def _tell_the_launcher(err: BaseException) -> None:
+    """Write `err` to torchrun's error file for this worker (TORCHELASTIC_ERROR_FILE), as its
+    `@record` decorator would: `shardwise launch` reads the message's last line."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    with contextlib.suppress(Exception):  # (a report, never a second failure)
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+
+
 class _Process:
     """What this process has seen (signals, its launcher), shared by every Engine in it: the
     handlers and the watch thread are installed once per process."""
@@ -116,13 +127,17 @@ class _Process:
             sys.excepthook = self._excepthook
 
     def _excepthook(self, kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
-        """An uncaught collective timeout ends the process with its one line; others as before."""
+        """An uncaught collective timeout ends the process with its one line; others as before.
+        Under a launcher the error also goes to torchrun's error file, whose last line the
+        launcher's failure line carries (a script needs no `@record` for it)."""
         if isinstance(err, CollectiveTimeout) or is_timeout(err):
             supervisor = None if isinstance(err, CollectiveTimeout) else self.supervisor
             message = str(err) if supervisor is None else supervisor.describe_timeout()
             print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
+            _tell_the_launcher(CollectiveTimeout(message))
             runlock.release_all()  # os._exit skips atexit, where the run lock goes
             os._exit(1)
+        _tell_the_launcher(err)
         (self.previous_hook or sys.__excepthook__)(kind, err, tb)
 
     def _start_watch(self) -> None:

@@ -6,7 +6,7 @@ its implementation on each backend.
 
 from __future__ import annotations
 
-from ..config.tree import STRATEGY_TABLE, EngineConfig
+from ..config.tree import STRATEGY_TABLE, ShardingSection
 from ..distributed.world import DistInfo
 from .base import OptimizerRunner, StepResult, Strategy
 from .blocks import apply_activation_checkpointing, find_blocks
@@ -14,7 +14,7 @@ from .ddp import DDPStrategy
 from .fsdp import FSDPStrategy, apply_fsdp
 
 
-def make_strategy(cfg: EngineConfig, info: DistInfo) -> Strategy:
+def make_strategy(cfg: ShardingSection, info: DistInfo) -> Strategy:
     """The strategy `cfg.strategy` names on the backend `cfg.backend` names (both validated)."""
     stage = STRATEGY_TABLE[cfg.strategy].stage
     if cfg.backend == "deepspeed":

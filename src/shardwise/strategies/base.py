@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.tree import EngineConfig, resolve_shard_group
+from ..config.tree import ShardingSection, resolve_shard_group
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
@@ -173,7 +173,7 @@ class Strategy(ABC):
     shards: bool = True
     """The strategy shards state over a dp_shard dimension (ddp: False, its dims are replicas only)."""
 
-    def __init__(self, cfg: EngineConfig, info: DistInfo) -> None:
+    def __init__(self, cfg: ShardingSection, info: DistInfo) -> None:
         self.cfg = cfg
         self.info = info
         # resolved (and a size that does not divide the world refused) before any model is touched

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config.tree import EngineConfig, offload_spec
+from ..config.tree import ShardingSection, offload_spec
 from ..distributed.world import DistInfo
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .frozen import for_inference
@@ -41,7 +41,7 @@ def _say_ignored(value: int | str) -> None:
 class DDPStrategy(Strategy):
     """Replicated model; `shard_optimizer` turns ddp into zero1."""
 
-    def __init__(self, cfg: EngineConfig, info: DistInfo, *, shard_optimizer: bool) -> None:
+    def __init__(self, cfg: ShardingSection, info: DistInfo, *, shard_optimizer: bool) -> None:
         self.shard_optimizer = self.shards = shard_optimizer
         super().__init__(cfg, info)
         if shard_optimizer:  # zero1: the mesh whose shard group splits the optimizer state

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..config.tree import EngineConfig, offload_spec
+from ..config.tree import ShardingSection, offload_spec
 from ..distributed.internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
 from ..distributed.mesh import mesh_groups
 from ..distributed.world import DistInfo
@@ -156,7 +156,7 @@ def _model_no_sync(model: nn.Module) -> Iterator[None]:
 class FSDPStrategy(Strategy):
     """ZeRO stage 2 or 3 on FSDP2."""
 
-    def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
+    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int) -> None:
         super().__init__(cfg, info)
         self.stage = stage
         # 1-D over every process, or hybrid's 2-D (dp_replicate, dp_shard): `distributed.mesh`

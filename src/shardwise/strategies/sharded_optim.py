@@ -39,14 +39,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config.tree import EngineConfig, HostKernelName
+from ..config.tree import HostKernelName, ShardingSection
 from ..distributed.internals import local_tensor, mark_stepped
 from ..distributed.world import DistInfo
 from .base import InPlaceRunner, OptimizerRunner, zero_step
 from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, step_on_host, threads, use_fused
 
 
-def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: EngineConfig, info: DistInfo, *,
+def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: ShardingSection, info: DistInfo, *,
                      partition: Literal["flat", "local"] | None, host: bool = False,
                      offloaded: bool = False, dtensors: bool = False,
                      group: dist.ProcessGroup | None = None) -> OptimizerRunner:

@@ -17,7 +17,7 @@ import torch
 from ...config.tree import (
     STRATEGY_TABLE,
     ConfigError,
-    EngineConfig,
+    ShardingSection,
     check_strategy,
     offload_spec,
     resolve_shard_group,
@@ -49,7 +49,7 @@ def import_deepspeed(device: torch.device) -> Any:
     return deepspeed
 
 
-def check_shard_group(cfg: EngineConfig, world_size: int, local_world_size: int) -> None:
+def check_shard_group(cfg: ShardingSection, world_size: int, local_world_size: int) -> None:
     """Refuse, in one line, a sharding group smaller than the world on DeepSpeed (pure).
 
     Hybrid sharding on DeepSpeed was MiCS (`mics_shard_size`: parameters, gradients and optimizer
@@ -70,7 +70,7 @@ def check_shard_group(cfg: EngineConfig, world_size: int, local_world_size: int)
         )
 
 
-def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> dict[str, Any]:
+def deepspeed_config(cfg: ShardingSection, *, device: torch.device, numel: int) -> dict[str, Any]:
     """The DeepSpeed config dict for our config (pure: no deepspeed import).
 
     `numel` (the model's parameter count) caps the bucket sizes: DeepSpeed's defaults (5e8
@@ -114,7 +114,7 @@ def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> 
     return out | _precision_keys(cfg)
 
 
-def _precision_keys(cfg: EngineConfig) -> dict[str, Any]:
+def _precision_keys(cfg: ShardingSection) -> dict[str, Any]:
     """DeepSpeed's section for our precision: bf16 autocast, fp16 with its loss scaler, fp32 none."""
     if cfg.precision == "bf16":
         # fp32 weights and autocast compute; no module reduces in bf16 (an empty safe list)

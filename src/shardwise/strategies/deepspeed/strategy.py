@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...config.tree import EngineConfig, offload_spec
+from ...config.tree import ShardingSection, offload_spec
 from ...distributed.world import DistInfo
 from ...weights.adapters import unwrapped
 from ...weights.loading import Reader
@@ -141,7 +141,7 @@ def _engine_forward(model: DeepSpeedModel, fn: Any, *args: Any, **kwargs: Any) -
 class DeepSpeedStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 with DeepSpeed's offload, one DeepSpeed engine per model."""
 
-    def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
+    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int) -> None:
         deepspeed_config(cfg, device=info.device, numel=1)  # refuse a bad combination up front
         check_shard_group(cfg, info.world_size, info.local_world_size)  # ... and a hybrid group
         super().__init__(cfg, info)
