@@ -152,3 +152,46 @@ def test_components_get_their_own_section_from_the_flat_keys() -> None:
     assert cfg.observation == ObservationSection(("jsonl",), 3, None, None, None, "p")
     with pytest.raises(AttributeError):  # a section is a read-only view: the flat keys stay the source
         cfg.sharding.strategy = "ddp"  # type: ignore[misc]
+
+
+# -- the boundary's agreement: issued without waiting, read one boundary later -----------------------
+class _Work:
+    def wait(self) -> bool:
+        return True
+
+
+def test_the_agreement_is_read_at_the_next_boundary_and_a_stale_due_is_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes (the other raising nothing): what this one raises at a boundary is decided
+    on at the next one; a clock's `due` raised before the policy's save is not saved again."""
+    import signal
+
+    import torch
+
+    from shardwise.distributed.world import DistInfo
+    from shardwise.runtime import supervision as S
+
+    issued: list[list[float]] = []
+
+    def all_reduce(t: torch.Tensor, op: object = None, async_op: bool = False) -> _Work:
+        issued.append(t.tolist())  # (MAX with a process that raised nothing: the same flags)
+        return _Work()
+
+    monkeypatch.setattr(S.dist, "all_reduce", all_reduce)
+    info = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+    sup = S.Supervisor(SupervisionSection(preempt_signals=()), CheckpointSection(every_seconds=1e9), info)
+    assert sup.at_boundary(0, write_failed=False) == S.BoundaryDecision()
+    monkeypatch.setattr(S.PROCESS, "preempted", int(signal.SIGUSR1))
+    assert sup.at_boundary(1, write_failed=False).stop is None  # raised here, decided at the next
+    assert sup.at_boundary(2, write_failed=False).stop == "SIGUSR1"
+    assert [row[0] for row in issued] == [0.0, 1.0, 1.0]
+    monkeypatch.setattr(S.PROCESS, "preempted", 0)
+    monkeypatch.setattr(sup, "_time_due", lambda: True)
+    assert sup.at_boundary(3, write_failed=False).save is None  # due raised at 3 ...
+    assert sup.at_boundary(4, write_failed=False).save == "every seconds"  # ... saved at 4
+    sup.saved_by_policy(4)
+    monkeypatch.setattr(sup, "_time_due", lambda: False)
+    assert sup.at_boundary(5, write_failed=False).save is None  # 4's own due: stale after the save
+    assert sup.at_boundary(6, write_failed=True).failed is False
+    assert sup.at_boundary(7, write_failed=False).failed is True
+    assert sup.settle()[1] == 7 and sup.settle()[1] == -1

@@ -363,10 +363,12 @@ class EngineConfig:
     `shardwise launch --max-restarts`, after an earlier attempt saved one, none is an error).
     required: no checkpoint is an error. never: load nothing (start at step 0) and say so."""
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
-    """Signals that make the run checkpoint at the next step boundary and exit with code 75."""
+    """Signals that make the run checkpoint at a step boundary (the second after the signal, the
+    same on every process) and exit with code 75."""
     preempt_grace_s: float = 25.0
     """A process that reaches no step boundary within this many seconds of such a signal (or of
-    its launcher's death) exits without a checkpoint."""
+    its launcher's death, or of the last boundary since: the stop comes at the second boundary
+    after the signal) exits without a checkpoint."""
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
     of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""

@@ -59,7 +59,7 @@ def act(decision: BoundaryDecision, step: int, *, checkpoints: CheckpointManager
         stop(step, decision.stop, checkpoints=checkpoints, supervisor=supervisor, save=save, info=info)
     if decision.save is not None:
         save(decision.save)
-        supervisor.saved_by_policy()
+        supervisor.saved_by_policy(step)
 
 
 def stop(step: int, reason: str, *, checkpoints: CheckpointManager, supervisor: Supervisor,

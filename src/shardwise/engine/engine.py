@@ -499,6 +499,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if policy and step > 0 and not self._checkpoints.has_saved(step):  # (resumed at its last step: saved)
             self._policy_save("the end of training")  # every process is here: its collectives are safe
         self._checkpoints.close()  # the last save is complete before the process group goes
+        self._supervisor.settle()  # the boundary's agreement in flight, before the process group goes
         self._observer.close(self.step if self._session is not None else 0, self._probe)
         if dist.is_initialized():
             dist.barrier()

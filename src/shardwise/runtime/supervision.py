@@ -13,7 +13,9 @@ checkpoint manager:
               preemption signal arrived (on any process), the launcher is gone,
               checkpoint_every_seconds has passed (process 0's clock), a checkpoint written in
               the background failed (`checkpoint_async`: then every process raises its
-              CheckpointError);
+              CheckpointError). It is issued without waiting and read at the next boundary, so
+              an event takes effect at the second boundary after it (every process at the same
+              one), and reaching a boundary restarts the preempt_grace_s clock;
   decision    save (every checkpoint_every_steps steps or when the time is due); stop (on
               preemption or a gone launcher: the engine saves the step unless it is saved
               already, waits until it is complete, and `leave` exits with PREEMPTED_EXIT, 75,
@@ -225,6 +227,8 @@ class Supervisor:
         self.last_save = time.monotonic()  # the clock of checkpoint_every_seconds
         self.step_in_progress = 0
         self._progress = 0  # heartbeats sent: every process sends the same sequence
+        self._pending: tuple[torch.Tensor, int, Any] | None = None  # the agreement in flight
+        self._saved_at = -1  # the step of the last checkpoint by policy
         PROCESS.install(section.preempt_signals, section.preempt_grace_s, info.rank)
         PROCESS.supervisor = self
         self._store: Any = None
@@ -235,24 +239,57 @@ class Supervisor:
 
     # -- the boundary -----------------------------------------------------------------------
     def at_boundary(self, step: int, *, write_failed: bool) -> BoundaryDecision:
-        """After optimizer step `step`: heartbeat, then one agreement of every process on what
-        to do (`decide`). `write_failed`: this process's background write failed."""
+        """After optimizer step `step`: heartbeat, then every process's decision (`decide`) from
+        the flags all of them raised by the previous boundary. `write_failed`: this process's
+        background write failed.
+
+        Communication: the agreement is one all-reduce (MAX) of four flags, issued here without
+        waiting and read at the next boundary: the training's own collectives never wait behind
+        it, and every process reads the same flags at the same boundary. So a signal, the
+        clock's checkpoint or a failed background write takes effect at the second boundary
+        after it happened (one step later than a waiting agreement would)."""
         self.step_in_progress = step + 1
         PROCESS.stepping = True
         self.heartbeat("at the start")
-        flags = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone),
-                              float(self._time_due()), float(write_failed)])
+        if PROCESS.preempted or PROCESS.launcher_gone:
+            PROCESS.since = time.monotonic()  # alive: preempt_grace_s counts again, to the stop's boundary
+        mine = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone),
+                             float(self._time_due()), float(write_failed)])
         if self.info.world_size > 1:
-            with self.timeouts():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags, issued = self._agreed(mine, step)
+        else:
+            flags, issued = mine, step  # a world of one agrees with itself at once
         stop, gone, due, failed = (bool(x) for x in flags.tolist())
+        due = due and issued > self._saved_at  # a due raised before the last policy save is stale
         signalled = PROCESS.why() if PROCESS.preempted else "a signal to another process"
         return decide(step, stop=stop, gone=gone, due=due, failed=failed, every=self.policy.every_steps,
                       signalled=signalled)
 
-    def saved_by_policy(self) -> None:
-        """A checkpoint by policy was written: checkpoint_every_seconds counts from now."""
+    def _agreed(self, mine: torch.Tensor, step: int) -> tuple[torch.Tensor, int]:
+        """The flags every process issued at the previous boundary (and that boundary's step;
+        none at the first), after issuing this process's `mine` for the next one."""
+        flags, issued = torch.zeros(4), -1
+        if self._pending is not None:
+            flags, issued = self.settle()
+        with self.timeouts():
+            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending = (mine, step, work)
+        return flags, issued
+
+    def settle(self) -> tuple[torch.Tensor, int]:
+        """Wait for the agreement in flight (before the process group goes); its flags and step."""
+        if self._pending is None:
+            return torch.zeros(4), -1
+        flags, issued, work = self._pending
+        self._pending = None
+        with self.timeouts():
+            work.wait()
+        return flags, issued
+
+    def saved_by_policy(self, step: int) -> None:
+        """A checkpoint by policy was written at `step`: checkpoint_every_seconds counts from now."""
         self.last_save = time.monotonic()
+        self._saved_at = step
 
     def stopping(self) -> None:
         """The stop's checkpoint is being written: the grace watch waits for it."""
