@@ -374,7 +374,7 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
     (_fsdp_yaml("HYBRID_SHARD", processes=8, dp_replicate_size=2, dp_shard_size=2),
      "dp_replicate_size=2 x dp_shard_size=2 must equal the 8 processes"),
     (_fsdp_yaml(None, dp_replicate_size=2, dp_shard_size=2, tp_size=2),
-     "parallelism_config: tp_size=2: tensor parallelism is not supported"),
+     "parallelism_config: tp_size=2: tensor parallelism is not supported through Accelerate's"),
     (_fsdp_yaml(None, dp_shard_size=2, cp_size=2), "cp_size=2: context parallelism is not supported"),
     (_fsdp_yaml(None, dp_replicate_size=0, dp_shard_size=4), "dp_replicate_size: expected an integer >= 1"),
     (_fsdp_yaml(None, dp_shard_size="two"), "dp_shard_size: expected a number"),  # type: ignore[arg-type]

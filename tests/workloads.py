@@ -70,6 +70,13 @@ def build(name: str) -> nn.Module:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
         )
         return GPT2LMHeadModel(cfg)
+    if name == "llama":  # its own tensor-parallel plan (base_model_tp_plan); 4 heads, 2 key/value heads
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                            tie_word_embeddings=False)
+        return LlamaForCausalLM(llama)
     raise ValueError(name)
 
 

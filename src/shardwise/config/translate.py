@@ -384,6 +384,10 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
         return value
 
     for name, what in _PARALLELISM_UNSUPPORTED.items():
+        if size(name) > 1 and name == "tp_size":
+            raise ConfigError(f"{source}: tp_size={size(name)}: tensor parallelism is not supported through "
+                              "Accelerate's parallelism_config yet; set it to 1 and give shardwise's "
+                              f"tensor_parallel_size: {size(name)} (with zero2 or zero3) instead")
         if size(name) > 1:
             raise ConfigError(f"{source}: {name}={size(name)}: {what} parallelism is not supported by "
                               "shardwise; set it to 1 (data parallelism: dp_replicate_size, dp_shard_size)")

@@ -221,6 +221,8 @@ class ShardingSection:
     offload_bucket_numel: int = 2**24
     host_kernel: HostKernelName = "torch"
     deepspeed_config: str | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_plan: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +297,15 @@ class EngineConfig:
     many consecutive ranks and replicate across groups, all-reducing gradients across groups once
     per optimizer step. None: all processes (one group); "node": the processes of one node
     (LOCAL_WORLD_SIZE). Must divide the world size; ddp has nothing to shard and ignores it."""
+    tensor_parallel_size: int = 1
+    """Processes that split each layer of the model between them (tensor parallelism, innermost
+    on the mesh: consecutive ranks, so within a node); they see the same batch, and the data is
+    split over world / tensor_parallel_size data-parallel ranks. With zero2/zero3 (torch backend):
+    the layers are split first, then sharded over the data-parallel ranks. The model needs a plan
+    (a transformers model's own, or tensor_parallel_plan)."""
+    tensor_parallel_plan: dict[str, str] | None = None
+    """Module path (`*` matches one name) -> how it is split: colwise, rowwise,
+    colwise_gather_output, embedding_rowwise, replicate (None: the model's own plan)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; gradients are communicated only on the last one."""
     max_grad_norm: float | None = None
@@ -401,7 +412,8 @@ class EngineConfig:
         """The strategy's settings as one section (the flat keys users write stay the source)."""
         return ShardingSection(self.strategy, self.backend, self.precision, self.offload,
                                self.shard_group_size, self.wrap, self.max_grad_norm, self.loss_scale,
-                               self.offload_bucket_numel, self.host_kernel, self.deepspeed_config)
+                               self.offload_bucket_numel, self.host_kernel, self.deepspeed_config,
+                               self.tensor_parallel_size, self.tensor_parallel_plan)
 
     @property
     def blocks(self) -> BlocksSection:
@@ -454,6 +466,33 @@ def _check_sharding(cfg: EngineConfig) -> None:
         raise ConfigError(f"shard_group_size={group!r} must be an integer >= 1, 'node' (the processes "
                           "of one node) or None (all processes)")
     _choice("host_kernel", cfg.host_kernel, get_args(HostKernelName))
+    _check_tensor_parallel(cfg)
+
+
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicate")
+
+
+def _check_tensor_parallel(cfg: EngineConfig) -> None:
+    """tensor_parallel_size: an integer >= 1; above 1, what it composes with in this version."""
+    tp = cfg.tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
+    plan = cfg.tensor_parallel_plan
+    valid = isinstance(plan, dict) and all(isinstance(k, str) and v in TP_STYLES for k, v in plan.items())
+    if plan is not None and not valid:
+        raise ConfigError(f"tensor_parallel_plan={plan!r} must map module paths to one of "
+                          f"{', '.join(TP_STYLES)}")
+    if tp == 1:
+        return
+    if cfg.backend != "torch":
+        raise ConfigError(f"tensor_parallel_size={tp} with backend: {cfg.backend}: DeepSpeed's AutoTP is not "
+                          "wired into shardwise; use backend: torch (FSDP2 with DTensor tensor parallelism)")
+    if cfg.strategy not in ("zero2", "zero3"):
+        raise ConfigError(f"tensor_parallel_size={tp} composes with strategy zero2 or zero3 in this version, "
+                          f"not {cfg.strategy}; use zero2 (sharded gradients and optimizer state) instead")
+    if cfg.offload != "none":
+        raise ConfigError(f"tensor_parallel_size={tp} with offload: {cfg.offload} is not supported yet; use "
+                          "offload: none")
 
 
 def _check_loop(cfg: EngineConfig) -> None:

@@ -9,7 +9,7 @@ pads to the longest, gathers, and trims.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,8 +40,9 @@ def _describe(meta: torch.Tensor) -> str:
     return f"{dtype} {tuple(shape)}"
 
 
-def gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Every process's `t`, concatenated along dim 0 (a collective; lengths may differ)."""
+def gather_one(t: torch.Tensor, world: int, keep: Sequence[int] | None = None) -> torch.Tensor:
+    """Every process's `t`, concatenated along dim 0 (a collective; lengths may differ); `keep`:
+    only these processes' parts (one per tensor-parallel group, whose processes hold the same)."""
     t = t.detach()
     if t.dim() == 0:
         t = t[None]
@@ -66,15 +67,21 @@ def gather_one(t: torch.Tensor, world: int) -> torch.Tensor:
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous())
-    return torch.cat([p[:k] for p, k in zip(parts, lengths, strict=True)])
+    ranks = range(world) if keep is None else keep
+    return torch.cat([parts[r][: lengths[r]] for r in ranks])
 
 
-def reduce_one(t: torch.Tensor, reduction: str, world: int) -> torch.Tensor:
-    """`t` summed (or averaged, or its max or min) over every process (a collective)."""
+def reduce_one(t: torch.Tensor, reduction: str, world: int, copies: int = 1) -> torch.Tensor:
+    """`t` summed (or averaged, or its max or min) over every process (a collective); `copies`:
+    processes holding each value (a tensor-parallel group's), counted once in a sum."""
     out = t.detach().clone()
     if world > 1:
         dist.all_reduce(out, op=_REDUCTIONS[reduction])
-    return out / world if reduction == "mean" else out
+    if reduction == "mean":
+        return out / world
+    if reduction == "sum" and copies > 1:
+        return out // copies if not out.is_floating_point() else out / copies
+    return out
 
 
 def check_reduction(reduction: str) -> None:

@@ -6,10 +6,12 @@ dimension; their product is the world size. Today's dimensions are data parallel
   dp_shard      the processes a ZeRO strategy shards parameters, gradients or optimizer state over.
 ddp is dp_replicate = W; zero1-3 are dp_shard = W, or with hybrid sharding (shard_group_size G)
 dp_replicate = W/G x dp_shard = G, ranks laid out with dp_shard innermost (consecutive ranks
-shard together, within a node). Tensor, context and expert parallelism are new entries here
-(innermost, so they stay within a node). Loaders split data over the data-parallel ranks
-(`dp_rank`, `dp_size`), which equal the process rank and count while every dimension is data
-parallel.
+shard together, within a node), and
+  tp            tensor parallelism (`tensor_parallel_size`), innermost: the tp consecutive ranks of
+                a node split each planned layer (`strategies.tensor_parallel`) and see the same
+                batch.
+Context and expert parallelism are new entries here. Loaders split data over the data-parallel
+ranks (`dp_rank`, `dp_size`: the process rank and count divided by tp).
 """
 
 from __future__ import annotations
@@ -30,24 +32,30 @@ class ParallelDims:
     dp_shard: int
     world_size: int
     device_type: str = "cpu"
+    tp: int = 1
+    """tensor parallel: the innermost dimension (consecutive ranks, within a node)"""
 
     def __post_init__(self) -> None:
-        if self.dp_replicate < 1 or self.dp_shard < 1 or self.dp_replicate * self.dp_shard != self.world_size:
-            raise ValueError(f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} does not make the "
-                             f"world of {self.world_size} processes")
+        sizes = (self.dp_replicate, self.dp_shard, self.tp)
+        if min(sizes) < 1 or self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+            raise ValueError(f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                             f"does not make the world of {self.world_size} processes")
 
     @classmethod
-    def for_strategy(cls, *, shards: bool, group: int, world_size: int, device_type: str) -> ParallelDims:
-        """A strategy's layout: `shards` (zero1-3) over groups of `group` processes, or ddp's replicas."""
+    def for_strategy(cls, *, shards: bool, group: int, world_size: int, device_type: str,
+                     tp: int = 1) -> ParallelDims:
+        """A strategy's layout: `shards` (zero1-3) over groups of `group` data-parallel ranks, or
+        ddp's replicas; `tp` processes of each data-parallel rank split its layers."""
+        dp = world_size // tp
         if not shards:
-            return cls(world_size, 1, world_size, device_type)
-        return cls(world_size // group, group, world_size, device_type)
+            return cls(dp, 1, world_size, device_type, tp)
+        return cls(dp // group, group, world_size, device_type, tp)
 
     @property
     def names(self) -> tuple[str, ...]:
         """The dimensions of more than one process, outermost first (the mesh's dimension names)."""
-        return tuple(n for n, size in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard))
-                     if size > 1)
+        sizes = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
+        return tuple(n for n, size in sizes if size > 1)
 
     @property
     def dp_size(self) -> int:
@@ -55,14 +63,35 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        """This process's data-parallel rank (which share of the batch it takes)."""
-        return rank  # every dimension is data parallel (a tp/cp dimension divides here)
+        """This process's data-parallel rank (which share of the batch it takes): the processes
+        of one tp group (consecutive ranks) take the same one."""
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    @functools.cached_property
+    def full_mesh(self) -> DeviceMesh:
+        """The 3-D mesh ("dp_replicate", "dp_shard", "tp") of a run with tensor parallelism
+        (built at first use, collectively)."""
+        return init_device_mesh(self.device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
 
     @functools.cached_property
     def mesh(self) -> DeviceMesh:
-        """The sharding mesh (built at first use, collectively): 1-D over every process when one
-        group shards over all, else hybrid's 2-D ("dp_replicate", "dp_shard")."""
-        return device_mesh(torch.device(self.device_type), self.dp_shard)
+        """The data-parallel sharding mesh (built at first use, collectively): 1-D over the
+        data-parallel ranks when one group shards over all, else hybrid's 2-D ("dp_replicate",
+        "dp_shard"); with tensor parallelism, those dimensions of `full_mesh`."""
+        if self.tp == 1:
+            return device_mesh(torch.device(self.device_type), self.dp_shard)
+        if self.dp_replicate > 1:
+            return self.full_mesh["dp_replicate", "dp_shard"]
+        return self.full_mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of this process's tensor-parallel group."""
+        return self.full_mesh["tp"]
 
     def groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         """(shard group, replicate group): the processes this one shards with, and those holding

@@ -383,8 +383,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     # -- collectives ------------------------------------------------------------------------
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
+        keep = self._dp_leaders()
         with self._supervisor.timeouts():
-            return map_tensors(data, lambda t: gather_one(t, self.num_processes))
+            return map_tensors(data, lambda t: gather_one(t, self.num_processes, keep))
 
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the samples repeated to even out the last batch of the loader."""
@@ -400,8 +401,15 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """Sum, mean, max or min of tensors across processes."""
         check_reduction(reduction)
+        copies = self._session.strategy.dims.tp if self._session is not None else 1
         with self._supervisor.timeouts():
-            return map_tensors(data, lambda t: reduce_one(t, reduction, self.num_processes))
+            return map_tensors(data, lambda t: reduce_one(t, reduction, self.num_processes, copies))
+
+    def _dp_leaders(self) -> list[int] | None:
+        """With tensor parallelism, one process per tp group (they hold the same data): the
+        processes whose parts `gather` keeps (None: every process)."""
+        tp = self._session.strategy.dims.tp if self._session is not None else 1
+        return None if tp == 1 else list(range(0, self.num_processes, tp))
 
     # -- checkpoints ------------------------------------------------------------------------
     @property

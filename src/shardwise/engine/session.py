@@ -107,7 +107,10 @@ class Session:
             for name, p in m.named_parameters():
                 names[id(p)] = (len(self.models) + k, name)
         prepared: dict[int, Any] = {}
-        for model in models:
+        for model in models:  # in torchtitan's order: tensor parallel, AC, compile, data-parallel sharding
+            if not is_empty(model):
+                self._agree_weights(model)  # every process starts from process 0's weights
+            self.strategy.parallelize(model)
             self._transform_blocks(model)
             prepared[id(model)] = self._prepare_model(model)
         new_params = [dict(self.strategy.unwrap(m).named_parameters()) for m in self.models]
@@ -151,8 +154,6 @@ class Session:
         empty = None
         if is_empty(model):  # built on the meta device: the strategy allocates it as it lays it out
             empty = EmptyModel(empty_places(model), self._agreed_rng(), frozenset(found))
-        else:
-            self._agree_weights(model)
         wrapped = self.strategy.setup_model(model, empty)
         self.strategy.precision.apply_to(self.strategy.unwrap(wrapped))  # low-dtype compute, fp32 weights
         self.models.append(wrapped)

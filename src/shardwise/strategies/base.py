@@ -24,13 +24,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.tree import ShardingSection, resolve_shard_group
+from ..config.tree import ConfigError, ShardingSection, resolve_shard_group
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
 from ..weights.materialize import Places, allocate, materialize
 from .host_step import DeepSpeedAdam, threads
 from .precision import Precision
+from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel, clip_over_meshes, model_plan
 
 
 @dataclass(frozen=True)
@@ -177,16 +178,30 @@ class Strategy(ABC):
         self.cfg = cfg
         self.info = info
         # resolved (and a size that does not divide the world refused) before any model is touched
+        self.tp = check_tensor_parallel(cfg.tensor_parallel_size, info.world_size, info.local_world_size)
         self.shard_group_size = self.sharding_group()
         self.dims = ParallelDims.for_strategy(shards=self.shards, group=self.shard_group_size,
-                                              world_size=info.world_size, device_type=info.device.type)
+                                              world_size=info.world_size, device_type=info.device.type,
+                                              tp=self.tp)
         self.precision = self.make_precision()
 
     def sharding_group(self) -> int:
-        """Processes per sharding group: `shard_group_size` resolved at this run's world size
-        (`config.resolve_shard_group`, which refuses one that does not divide it)."""
+        """Data-parallel ranks per sharding group: `shard_group_size` resolved at this run's
+        data-parallel size (the world over tensor_parallel_size; `config.resolve_shard_group`,
+        which refuses one that does not divide it)."""
         info = self.info
-        return resolve_shard_group(self.cfg.shard_group_size, info.world_size, info.local_world_size)
+        return resolve_shard_group(self.cfg.shard_group_size, info.world_size // self.tp,
+                                   max(1, info.local_world_size // self.tp))
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Tensor parallelism, first of all transforms (then activation checkpointing, compile,
+        and the data-parallel sharding): the planned layers split over the tp mesh, in place."""
+        if self.tp == 1:
+            return
+        if any(p.is_meta for p in model.parameters()):
+            raise ConfigError(f"tensor_parallel_size={self.tp} with a model built under init_empty() is not "
+                              "supported yet: build it normally (or load it with from_pretrained) first")
+        apply_tensor_parallel(model, model_plan(model, self.cfg.tensor_parallel_plan), self.dims.tp_mesh)
 
     def process_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         """(shard group, replicate group): the processes this one shards parameters, gradients or
@@ -286,9 +301,12 @@ class Strategy(ABC):
                        norm_type: float) -> torch.Tensor:
         """Clip the gradients of `parameters` in place; return their global (unsharded) norm."""
         params = [p for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        full = getattr(norm, "full_tensor", None)  # FSDP2: the norm of DTensor shards
-        return full() if full is not None else norm
+        meshes = {id(getattr(p, "device_mesh", None)) for p in params}
+        if len(meshes) <= 1:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+            full = getattr(norm, "full_tensor", None)  # FSDP2: the norm of DTensor shards
+            return full() if full is not None else norm
+        return clip_over_meshes(params, max_norm, norm_type)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """The model's weights keyed by parameter name, whole or as DTensor shards (for DCP)."""

@@ -1,0 +1,159 @@
+"""Tensor parallelism composed with ZeRO, against one plain process (fp32).
+
+A tiny transformers Llama (its own `base_model_tp_plan`: q/k/v and gate/up colwise, o and down
+rowwise; embeddings, norms and the head whole) trained under `tensor_parallel_size: 2`:
+  2 processes   tp 2 (one data-parallel rank) with zero2 and zero3: losses and clipped gradient
+                norms within 1e-5, final weights within 1e-5 of one process on the same batches;
+                each rank holds exactly its plan's share of the parameters (the planned weights
+                halved, the rest whole); the checkpoint saved under tp 2 loads under zero3 without
+                tp (and back) bit-identical;
+  4 processes   dp 2 x tp 2 with zero2, zero3 and hybrid zero3 (2 replicas of groups of one dp
+                rank) (FSDP2 over the dp mesh, the tp pairs split each
+                layer): the same checks against one process with the global batch; `gather` and a
+                summing `reduce` count each data-parallel rank once (a tp pair holds the same data).
+Tolerances: TP changes the order of the sums inside a matmul (each rank sums half the inner
+dimension, then the all-reduce adds the halves), a few ulps per step in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import workloads as W
+from spawn import spawn
+from torch.utils.data import DataLoader
+
+BATCH, STEPS = 2, 4
+PLANNED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _prepared(engine: Any, dp: int) -> tuple[Any, Any, Any]:
+    """The tiny Llama, its AdamW and a loader of STEPS global batches of dp * BATCH, prepared."""
+    model = W.build("llama")
+    opt = W.make_optimizer(model)
+    data = W.Tokens(dp * BATCH * STEPS)
+    return engine.prepare(model, opt, DataLoader(data, batch_size=BATCH, shuffle=True))
+
+
+def _train(engine: Any, dp: int) -> dict[str, Any]:
+    """STEPS optimizer steps of the tiny Llama on `engine`; dp data-parallel ranks share a global
+    batch of dp * BATCH (the processes of a tp group take the same one)."""
+    model, opt, loader = _prepared(engine, dp)
+    losses, norms = [], []
+    for ids in loader:
+        loss = W.lm_loss(model, ids)
+        engine.backward(loss)
+        losses.append(engine.reduce(loss.detach(), "mean").item())
+        norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "local": local,
+            "model": model, "opt": opt, "batches": len(loader)}
+
+
+def _two(folder: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import shardwise
+
+    out: dict[str, Any] = {}
+    for strategy in ("zero2", "zero3"):
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                                  checkpoint_dir=f"{folder}/{strategy}")
+        run = _train(engine, dp=1)
+        if strategy == "zero3":
+            engine.save_state()
+        out[strategy] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+        engine.free_memory()
+    # the tp 2 checkpoint into zero3 without tp, and that one back into tp 2
+    plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/zero3")
+    model, _opt, _loader = _prepared(plain, dp=2)
+    out["into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    plain.save_state(f"{folder}/from_zero3")
+    back = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, tensor_parallel_size=2)
+    model, _opt, _loader = _prepared(back, dp=1)
+    out["into_tp"] = {"step": back.load_state(f"{folder}/from_zero3"), "state": back.get_state_dict(model)}
+    out["rank"] = dist.get_rank()
+    return out
+
+
+def _four() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import shardwise
+
+    out: dict[str, Any] = {}
+    for case in ("zero2", "zero3", "zero3 hybrid"):  # hybrid: groups of 1 dp rank, 2 replicas, x tp 2
+        strategy, group = case.split()[0], 1 if case.endswith("hybrid") else None
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                                  shard_group_size=group)
+        run = _train(engine, dp=2)
+        out[case] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+        # the processes of a tp pair hold the same data: gathered and summed once
+        dp_rank = torch.tensor([dist.get_rank() // 2])
+        out[case]["gathered"] = engine.gather(dp_rank).tolist()
+        out[case]["summed"] = engine.reduce(torch.tensor([1.0, 2.0]), "sum").tolist()
+        out[case]["mean"] = engine.reduce(dp_rank.float(), "mean").tolist()
+        engine.free_memory()
+    return out
+
+
+def _reference(dp: int) -> dict[str, Any]:
+    return W.reference("llama", world=dp, batch=BATCH, accum=1, steps=STEPS, clip=1.0)
+
+
+def _share(dp_shard: int) -> int:
+    """Parameters one rank holds: planned weights split over tp 2, then every parameter over the
+    dp_shard ranks (FSDP2 pads a shard to equal size: counted as it is laid out)."""
+    model = W.build("llama")
+    planned = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in PLANNED)
+    return (planned // 2 + sum(p.numel() for p in model.parameters()) - planned) // dp_shard
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn(_two, 2, str(tmp_path_factory.mktemp("tp2")))
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_tp2_matches_one_process(two: list[dict[str, Any]], strategy: str) -> None:
+    ref = _reference(dp=1)
+    assert W.max_diff(two[0][strategy]["state"], ref["state"]) < 1e-5  # (gathered on process 0)
+    for rank in two:
+        run = rank[strategy]
+        assert run["batches"] == STEPS  # both tp ranks took every batch: one data-parallel rank
+        assert W.close(run["losses"], ref["losses"]) < 1e-5
+        assert W.close(run["norms"], ref["norms"]) < 1e-5
+        assert run["local"] == _share(1)  # the plan's share: planned weights halved, the rest whole
+
+
+def test_a_tp_checkpoint_resumes_without_tp_and_back(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        assert rank["into_zero3"]["step"] == STEPS and rank["into_tp"]["step"] == STEPS
+    trained = two[0]["zero3"]["state"]  # (gathered on process 0)
+    assert W.max_diff(two[0]["into_zero3"]["state"], trained) == 0.0
+    assert W.max_diff(two[0]["into_tp"]["state"], trained) == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3 hybrid"])
+def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]) -> None:
+    ref = _reference(dp=2)
+    for rank in four:
+        run = rank[strategy]
+        assert run["batches"] == STEPS
+        assert W.close(run["losses"], ref["losses"]) < 1e-5
+        assert W.close(run["norms"], ref["norms"]) < 1e-5
+    assert W.max_diff(four[0][strategy]["state"], ref["state"]) < 1e-5
+    for rank in four:  # metrics count data-parallel ranks, not processes
+        assert rank[strategy]["gathered"] == [0, 1]
+        assert rank[strategy]["summed"] == [2.0, 4.0] and rank[strategy]["mean"] == [0.5]
+    assert four[0]["zero3"]["local"] <= _share(2) + 64  # 1/2 of the tp share on each dp rank (+ padding)
+    assert four[0]["zero3 hybrid"]["local"] == _share(1)  # groups of one dp rank: the tp share whole
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return spawn(_four, 4)

@@ -1,0 +1,70 @@
+"""Tensor parallelism's plans and refusals, in one process (`shardwise.strategies.tensor_parallel`,
+the config's checks of `tensor_parallel_size`)."""
+
+from __future__ import annotations
+
+import pytest
+import workloads as W
+from torch import nn
+
+from shardwise.config import EngineConfig
+from shardwise.config.tree import ConfigError
+from shardwise.distributed.mesh import ParallelDims
+from shardwise.strategies.tensor_parallel import _check_sizes, _matches, check_tensor_parallel, model_plan
+
+
+def test_a_transformers_model_brings_its_plan_under_its_base_prefix() -> None:
+    plan = model_plan(W.build("llama"), None)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise" and len(plan) == 7
+    assert model_plan(W.build("llama"), {"model.layers.*.mlp.up_proj": "colwise"}) == {
+        "model.layers.*.mlp.up_proj": "colwise"}  # the user's wins
+    assert model_plan(W.build("tiny"), None) == {}  # no plan: refused at prepare
+
+
+def test_a_plan_pattern_matches_every_layer_and_must_name_something() -> None:
+    model = W.build("llama")
+    found = _matches({"model.layers.*.mlp.up_proj": "colwise"}, model)
+    assert found == {"model.layers.0.mlp.up_proj": "colwise", "model.layers.1.mlp.up_proj": "colwise"}
+    with pytest.raises(ConfigError, match=r"'layers\.\*\.mlp\.up' names no module of LlamaForCausalLM"):
+        _matches({"layers.*.mlp.up": "colwise"}, model)
+
+
+def test_heads_and_split_dimensions_must_divide() -> None:
+    model = W.build("llama")  # 4 heads, 2 key/value heads, hidden 32, intermediate 64
+    modules = _matches(model_plan(model, None), model)
+    _check_sizes(model, modules, 2)
+    with pytest.raises(ConfigError, match="does not divide LlamaForCausalLM's num_key_value_heads=2"):
+        _check_sizes(model, modules, 4)
+    lone = nn.Sequential(nn.Linear(6, 9))
+    with pytest.raises(ConfigError, match=r"does not divide 0's \(9, 6\) weight \(colwise: dimension 0\)"):
+        _check_sizes(lone, {"0": "colwise"}, 2)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"strategy": "ddp"}, "composes with strategy zero2 or zero3 in this version, not ddp"),
+    ({"strategy": "zero1"}, "not zero1"),
+    ({"strategy": "zero3", "backend": "deepspeed"}, "DeepSpeed's AutoTP is not wired into shardwise"),
+    ({"strategy": "zero3", "offload": "optimizer"}, "with offload: optimizer is not supported yet"),
+    ({"strategy": "zero3", "tensor_parallel_plan": {"x": "sideways"}}, "must map module paths to one of"),
+])
+def test_what_tensor_parallelism_does_not_compose_with_is_refused_in_one_line(settings: dict,
+                                                                             message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(tensor_parallel_size=2, **settings)
+
+
+def test_tp_must_divide_the_world_and_stay_within_a_node() -> None:
+    assert check_tensor_parallel(2, 8, 4) == 2
+    with pytest.raises(ConfigError, match="does not divide the 6 processes of this run"):
+        check_tensor_parallel(4, 6, 6)
+    with pytest.raises(ConfigError, match="would cross nodes"):
+        check_tensor_parallel(4, 12, 6)
+
+
+def test_the_mesh_puts_tp_innermost_and_splits_data_over_dp_ranks() -> None:
+    dims = ParallelDims.for_strategy(shards=True, group=2, world_size=8, device_type="cpu", tp=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 2)
+    assert dims.names == ("dp_replicate", "dp_shard", "tp") and dims.dp_size == 4
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # a tp pair: one batch
+    assert [dims.tp_rank(r) for r in range(4)] == [0, 1, 0, 1]
