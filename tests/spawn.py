@@ -3,6 +3,7 @@ worker errors re-raised in the test process with their traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -64,6 +65,24 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
 # Python traceback) on this machine when many short runs follow each other.
 _RENDEZVOUS_FLAKES = ("EADDRINUSE", "address already in use", "DistNetworkError", "-6]")
 GLOO_ABORT = "terminate called without an active exception"
+
+
+def wait_for_launchers(procs: list[subprocess.Popen[str]],
+                       timeout: float) -> tuple[list[int | None], list[str]]:
+    """Each launcher's exit code and output, all within `timeout` seconds; past it, each
+    launcher's whole session (it and the workers it started: start them with
+    start_new_session=True) is killed and its output says so."""
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
+            outs.append(f"timed out after {timeout} s\n" + (p.communicate()[0] or ""))
+    return [p.returncode for p in procs], outs
 
 
 def run_command(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

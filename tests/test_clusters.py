@@ -15,7 +15,6 @@ but a scheduler's environment and the script (the config file holds no launch se
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -30,7 +29,7 @@ import pytest
 import torch
 import workloads as W
 import yaml
-from spawn import GLOO_ABORT, free_port
+from spawn import GLOO_ABORT, free_port, wait_for_launchers
 
 HERE = Path(__file__).resolve().parent
 MULTINODE = HERE / "test_multinode.py"
@@ -85,17 +84,7 @@ def _two_nodes(kind: str, folder: Path) -> tuple[list[int | None], list[str]]:
         procs.append(subprocess.Popen([sys.executable, "-m", "shardwise", "launch", str(MULTINODE), "--out",
                                        str(folder)], cwd=folder, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:  # each launcher leads its own session: it and its workers
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(q.pid, signal.SIGKILL)
-            outs.append(f"timed out after {LAUNCH_TIMEOUT_S} s\n" + (p.communicate()[0] or ""))
-    return [p.returncode for p in procs], outs
+    return wait_for_launchers(procs, LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("kind", ["slurm", "pytorchjob"])

@@ -15,12 +15,9 @@ This file is also the training script the launchers run (`python tests/test_mult
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads as W
-from spawn import GLOO_ABORT, free_port
+from spawn import GLOO_ABORT, free_port, wait_for_launchers
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = {"batch": 2, "accum": 2, "steps": 4}
@@ -92,17 +89,7 @@ def _launch(out: Path) -> tuple[list[int | None], list[str]]:
                "--seed", str(W.SEED), "--cpu", str(Path(__file__).resolve()), "--out", str(out)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:  # the sessions started above (each launcher is its session's leader)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(q.pid, signal.SIGKILL)
-            outs.append(f"timed out after {LAUNCH_TIMEOUT_S} s\n" + (p.communicate()[0] or ""))
-    return [p.returncode for p in procs], outs
+    return wait_for_launchers(procs, LAUNCH_TIMEOUT_S)
 
 
 def test_two_nodes_shard_within_each_node_and_match_one_process(tmp_path: Path) -> None:
