@@ -200,7 +200,10 @@ def test_parallelism_config_becomes_the_shard_group() -> None:
     kwargs = {"parallelism_config": ParallelismConfig(dp_shard_size=4)}
     read_parallelism(kwargs, 4)
     assert kwargs == {"shard_group_size": None}  # one group of all: the default
+    kwargs = {"parallelism_config": ParallelismConfig(dp_shard_size=2, tp_size=2)}
+    read_parallelism(kwargs, 4)
+    assert kwargs == {"shard_group_size": None, "tensor_parallel_size": 2}  # 2 dp ranks x tp 2
     for bad, world in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), 2),
-                       (ParallelismConfig(dp_shard_size=2, tp_size=2), 4)):
+                       (ParallelismConfig(dp_shard_size=2, tp_size=2), 8)):
         with pytest.raises(ConfigError, match="parallelism_config"):
             read_parallelism({"parallelism_config": bad}, world)

@@ -348,6 +348,20 @@ def test_accelerate_parallelism_config_sets_the_group(strategy: str | None, size
     assert out.shard_group_size == want[1]
 
 
+def test_accelerate_tp_size_becomes_tensor_parallel_size() -> None:
+    """`parallelism_config_tp_size` (Accelerate's YAML) and `ParallelismConfig(tp_size=...)` fields:
+    tensor parallelism inside, the rest data parallel (their product: the processes)."""
+    from shardwise.config.translate import from_accelerate, from_parallelism, parallelism_tp
+
+    settings, dropped = from_accelerate(_fsdp_yaml(None, dp_shard_size=2, tp_size=2))
+    assert (settings["strategy"], settings.get("shard_group_size"), settings["tensor_parallel_size"]) == (
+        "zero3", None, 2) and dropped == []
+    cfg = shardwise.EngineConfig(**{k: v for k, v in settings.items() if k != "launch"})
+    assert cfg.tensor_parallel_size == 2
+    assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, 8) == 2
+    assert parallelism_tp({"parallelism_config_tp_size": 4}) == 4 and parallelism_tp({"tp_size": None}) == 1
+
+
 def test_accelerate_hybrid_file_round_trips_through_the_cli(tmp_path: Path) -> None:
     import yaml
 
@@ -372,9 +386,9 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
 
 @pytest.mark.parametrize(("acc", "message"), [
     (_fsdp_yaml("HYBRID_SHARD", processes=8, dp_replicate_size=2, dp_shard_size=2),
-     "dp_replicate_size=2 x dp_shard_size=2 must equal the 8 processes"),
+     "dp_replicate_size=2 x dp_shard_size=2 x tp_size=1 must equal the 8 processes"),
     (_fsdp_yaml(None, dp_replicate_size=2, dp_shard_size=2, tp_size=2),
-     "parallelism_config: tp_size=2: tensor parallelism is not supported through Accelerate's"),
+     "dp_replicate_size=2 x dp_shard_size=2 x tp_size=2 must equal the 4 processes"),
     (_fsdp_yaml(None, dp_shard_size=2, cp_size=2), "cp_size=2: context parallelism is not supported"),
     (_fsdp_yaml(None, dp_replicate_size=0, dp_shard_size=4), "dp_replicate_size: expected an integer >= 1"),
     (_fsdp_yaml(None, dp_shard_size="two"), "dp_shard_size: expected a number"),  # type: ignore[arg-type]

@@ -108,7 +108,8 @@ def test_accelerates_processes_must_divide_among_its_machines() -> None:
 def test_parallelism_sizes_give_the_hybrid_group() -> None:
     assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 4}, 8) == 4
     assert from_parallelism({"dp_shard_size": 8}, 8) == "all"
-    with pytest.raises(ConfigError, match="tensor"):
+    assert from_parallelism({"dp_shard_size": 4, "tp_size": 2}, 8) == "all"  # tp inside, dp around it
+    with pytest.raises(ConfigError, match="x tp_size=2 must equal the 8 processes"):
         from_parallelism({"tp_size": 2}, 8)
 
 

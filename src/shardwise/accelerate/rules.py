@@ -48,14 +48,14 @@ def read_dynamo(kwargs: dict[str, Any]) -> None:
 
 
 def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
-    """`Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size, dp_shard_size))` (popped
-    from `kwargs`) -> the engine's `shard_group_size` (hybrid sharding: groups of dp_shard_size);
-    tensor, context and sequence parallelism, and sizes whose product is not the process count,
-    are refused in one line (`config.translate.from_parallelism`)."""
+    """`Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size, dp_shard_size, tp_size))`
+    (popped from `kwargs`) -> the engine's `shard_group_size` (hybrid sharding: groups of
+    dp_shard_size) and `tensor_parallel_size`; context and sequence parallelism, and sizes whose
+    product is not the process count, are refused in one line (`config.translate.from_parallelism`)."""
     config = kwargs.pop("parallelism_config", None)
     if config is None:
         return
-    from ..config.translate import from_parallelism
+    from ..config.translate import from_parallelism, parallelism_tp
 
     if dataclasses.is_dataclass(config):
         sizes = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
@@ -64,6 +64,8 @@ def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
     group = from_parallelism(sizes, world_size, "Accelerator(parallelism_config=...)")
     if group is not None:  # "all": shard across every process, the engine's default
         kwargs.setdefault("shard_group_size", None if group == "all" else group)
+    if parallelism_tp(sizes) > 1:
+        kwargs.setdefault("tensor_parallel_size", parallelism_tp(sizes))
 
 
 def refuse_unsupported(kwargs: dict[str, Any], *, device_placement: bool) -> None:

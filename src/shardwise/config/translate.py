@@ -351,6 +351,9 @@ def _acc_parallelism(acc: Mapping[str, Any], kind: str, total: int, source: str,
     """`parallelism_config`: its sizes decide the hybrid group, over HYBRID_SHARD's node default."""
     where = f"{source}: parallelism_config"
     group = from_parallelism(acc["parallelism_config"], total if "num_processes" in acc else None, where)
+    tp = parallelism_tp(acc["parallelism_config"])
+    if tp > 1:
+        out["tensor_parallel_size"] = tp
     if group is not None and kind != "FSDP":
         raise ConfigError(f"{where}: dp_shard_size > 1 shards the model, which Accelerate does under "
                           f"distributed_type FSDP only (found {kind})")
@@ -360,7 +363,7 @@ def _acc_parallelism(acc: Mapping[str, Any], kind: str, total: int, source: str,
             out["shard_group_size"] = group
 
 
-_PARALLELISM_UNSUPPORTED = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}
+_PARALLELISM_UNSUPPORTED = {"cp_size": "context", "sp_size": "sequence"}
 
 
 def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
@@ -371,9 +374,10 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     `sizes` holds its fields by name (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) or
     as an Accelerate YAML's `parallelism_config` section spells them (`parallelism_config_`
     before each). `dp_shard_size` processes shard the model and `dp_replicate_size` groups of
-    them hold replicas, so the group is `dp_shard_size`; their product must be the process count
-    (`num_processes`, when known). tensor, context and sequence parallelism are refused; the
-    keys that only tune those (backends, strategies) mean nothing while their size is 1.
+    them hold replicas, so the group is `dp_shard_size`; with `tp_size` (tensor parallelism:
+    `parallelism_tp`) their product must be the process count (`num_processes`, when known).
+    Context and sequence parallelism are refused; the keys that only tune those (backends,
+    strategies) mean nothing while their size is 1.
     """
     plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
 
@@ -384,23 +388,27 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
         return value
 
     for name, what in _PARALLELISM_UNSUPPORTED.items():
-        if size(name) > 1 and name == "tp_size":
-            raise ConfigError(f"{source}: tp_size={size(name)}: tensor parallelism is not supported through "
-                              "Accelerate's parallelism_config yet; set it to 1 and give shardwise's "
-                              f"tensor_parallel_size: {size(name)} (with zero2 or zero3) instead")
         if size(name) > 1:
             raise ConfigError(f"{source}: {name}={size(name)}: {what} parallelism is not supported by "
                               "shardwise; set it to 1 (data parallelism: dp_replicate_size, dp_shard_size)")
-    replicas, shard = size("dp_replicate_size"), size("dp_shard_size")
+    replicas, shard, tp = size("dp_replicate_size"), size("dp_shard_size"), size("tp_size")
+    asked = replicas * shard * tp > 1  # (all 1: nothing asked for, as Accelerate's defaults)
+    if asked and num_processes is not None and replicas * shard * tp != num_processes:
+        raise ConfigError(f"{source}: dp_replicate_size={replicas} x dp_shard_size={shard} x tp_size={tp} "
+                          f"must equal the {num_processes} processes (num_processes)")
     if replicas == shard == 1:
         return None
     if shard == 1:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
                           "parallelism, which Accelerate refuses here too; use strategy ddp instead")
-    if num_processes is not None and replicas * shard != num_processes:
-        raise ConfigError(f"{source}: dp_replicate_size={replicas} x dp_shard_size={shard} must equal "
-                          f"the {num_processes} processes (num_processes)")
     return shard if replicas > 1 else "all"
+
+
+def parallelism_tp(sizes: Mapping[str, Any]) -> int:
+    """Accelerate's `tp_size` (or a YAML's `parallelism_config_tp_size`) -> tensor_parallel_size
+    (checked with the other sizes by `from_parallelism`)."""
+    plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
+    return int(plain.get("tp_size", 1))
 
 
 _FSDP_HYBRID = ("4", "5", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
