@@ -6,7 +6,9 @@ rowwise; embeddings, norms and the head whole) trained under `tensor_parallel_si
                 norms within 1e-5, final weights within 1e-5 of one process on the same batches;
                 each rank holds exactly its plan's share of the parameters (the planned weights
                 halved, the rest whole); the checkpoint saved under tp 2 loads under zero3 without
-                tp (and back) bit-identical;
+                tp (and back) bit-identical; `save_model` writes what transformers'
+                `from_pretrained` loads in a plain process, and `load_model` reads it back into
+                tp shards, bit-identical;
   4 processes   dp 2 x tp 2 with zero2, zero3 and hybrid zero3 (2 replicas of groups of one dp
                 rank) (FSDP2 over the dp mesh, the tp pairs split each
                 layer): the same checks against one process with the global batch; `gather` and a
@@ -17,6 +19,7 @@ dimension, then the all-reduce adds the halves), a few ulps per step in fp32.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,6 +69,7 @@ def _two(folder: str) -> dict[str, Any]:
         run = _train(engine, dp=1)
         if strategy == "zero3":
             engine.save_state()
+            engine.save_model(run["model"], f"{folder}/export")  # whole tensors, as transformers loads
         out[strategy] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
         engine.free_memory()
     # the tp 2 checkpoint into zero3 without tp, and that one back into tp 2
@@ -76,6 +80,10 @@ def _two(folder: str) -> dict[str, Any]:
     back = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, tensor_parallel_size=2)
     model, _opt, _loader = _prepared(back, dp=1)
     out["into_tp"] = {"step": back.load_state(f"{folder}/from_zero3"), "state": back.get_state_dict(model)}
+    # the exported weights straight into tp shards of a freshly built model
+    model, _opt, _loader = _prepared(back, dp=1)
+    back.load_model(model, f"{folder}/export")
+    out["loaded"] = back.get_state_dict(model)
     out["rank"] = dist.get_rank()
     return out
 
@@ -114,8 +122,13 @@ def _share(dp_shard: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(_two, 2, str(tmp_path_factory.mktemp("tp2")))
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp2")
+
+
+@pytest.fixture(scope="module")
+def two(folder: Path) -> list[dict[str, Any]]:
+    return spawn(_two, 2, str(folder))
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
@@ -136,6 +149,16 @@ def test_a_tp_checkpoint_resumes_without_tp_and_back(two: list[dict[str, Any]]) 
     trained = two[0]["zero3"]["state"]  # (gathered on process 0)
     assert W.max_diff(two[0]["into_zero3"]["state"], trained) == 0.0
     assert W.max_diff(two[0]["into_tp"]["state"], trained) == 0.0
+
+
+def test_exported_weights_load_in_transformers_and_into_tp_shards(two: list[dict[str, Any]],
+                                                                   folder: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    trained = two[0]["zero3"]["state"]
+    plain = LlamaForCausalLM.from_pretrained(folder / "export")  # one plain process
+    assert W.max_diff(dict(plain.state_dict()), trained) == 0.0
+    assert W.max_diff(two[0]["loaded"], trained) == 0.0  # load_model into a tp 2 model's shards
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3 hybrid"])
