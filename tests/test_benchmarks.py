@@ -160,3 +160,27 @@ def test_step_hooks_times_every_hook_the_engine_adds(tmp_path: Path) -> None:
     hooks = {"boundary: observation", "boundary: supervision", "boundary: compile watch"}
     assert set(plain) == set(accumulate) == {"heartbeats", "step_ms_median", *hooks}
     assert all(v > 0 for v in [*accumulate.values(), *plain.values()])
+
+
+def test_tensor_parallel_benchmark_measures_memory_and_collectives(tmp_path: Path) -> None:
+    """benchmarks/tensor_parallel.py at 4 processes on a small Llama, 1 step: every case ran;
+    per-rank parameters order as the layouts say (zero3 a quarter of ddp; tp splits only the
+    planned layers, so dp2 x tp2 and tp4 hold more than zero3, less than ddp); tensor parallelism
+    adds all-reduces of activations (more calls than zero3's gradient reductions)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "tensor_parallel.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script),
+         "--steps", "1", "--hidden", "128", "--layers", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.iterdir()
+    results = json.loads(path.read_text())["results"]
+    assert set(results) == {"ddp", "zero3", "dp2 x tp2", "tp4"}
+    params = {case: r["mib"]["params"] for case, r in results.items()}
+    assert params["zero3"] < params["dp2 x tp2"] < params["tp4"] < params["ddp"]
+    assert abs(params["zero3"] * 4 - params["ddp"]) < 0.05
+    zero3_reductions = results["zero3"]["collective_calls"]["all_reduce"]
+    assert results["tp4"]["collective_calls"]["all_reduce"] > zero3_reductions
+    assert "all_gather" not in results["tp4"]["collective_calls"]  # one dp rank: nothing to gather
+    assert all(r["step_s"] > 0 for r in results.values())
