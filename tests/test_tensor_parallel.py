@@ -63,7 +63,7 @@ def _two(folder: str) -> dict[str, Any]:
     import shardwise
 
     out: dict[str, Any] = {}
-    for strategy in ("zero2", "zero3"):
+    for strategy in ("ddp", "zero2", "zero3"):
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
                                   checkpoint_dir=f"{folder}/{strategy}")
         run = _train(engine, dp=1)
@@ -94,7 +94,7 @@ def _four() -> dict[str, Any]:
     import shardwise
 
     out: dict[str, Any] = {}
-    for case in ("zero2", "zero3", "zero3 hybrid"):  # hybrid: groups of 1 dp rank, 2 replicas, x tp 2
+    for case in ("ddp", "zero2", "zero3", "zero3 hybrid"):  # hybrid: groups of 1 dp rank, 2 replicas, x tp 2
         strategy, group = case.split()[0], 1 if case.endswith("hybrid") else None
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
                                   shard_group_size=group)
@@ -131,7 +131,7 @@ def two(folder: Path) -> list[dict[str, Any]]:
     return spawn(_two, 2, str(folder))
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_tp2_matches_one_process(two: list[dict[str, Any]], strategy: str) -> None:
     ref = _reference(dp=1)
     assert W.max_diff(two[0][strategy]["state"], ref["state"]) < 1e-5  # (gathered on process 0)
@@ -161,7 +161,7 @@ def test_exported_weights_load_in_transformers_and_into_tp_shards(two: list[dict
     assert W.max_diff(two[0]["loaded"], trained) == 0.0  # load_model into a tp 2 model's shards
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3 hybrid"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "zero3 hybrid"])
 def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]) -> None:
     ref = _reference(dp=2)
     for rank in four:
@@ -175,6 +175,7 @@ def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]
         assert rank[strategy]["summed"] == [2.0, 4.0] and rank[strategy]["mean"] == [0.5]
     assert four[0]["zero3"]["local"] <= _share(2) + 64  # 1/2 of the tp share on each dp rank (+ padding)
     assert four[0]["zero3 hybrid"]["local"] == _share(1)  # groups of one dp rank: the tp share whole
+    assert four[0]["ddp"]["local"] == _share(1)  # ddp: every dp rank a replica of its tp share
 
 
 @pytest.fixture(scope="module")

@@ -395,9 +395,10 @@ class Accelerator(ProcessHelpers):
         return self._state_hooks.add(self._state_hooks.load, hook)
 
     def _replicated(self) -> bool:
-        """Every process holds the whole model and optimizer state (ddp, or one process)."""
-        return self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
-                                         DistributedType.MULTI_GPU)
+        """Every process holds the whole model and optimizer state (ddp, or one process; not
+        with tensor parallelism, whose processes each hold a share of every split layer)."""
+        return self.config.tensor_parallel_size == 1 and self.distributed_type in (
+            DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
     def _save_together(self) -> bool:
         """False when this process alone called save_state (refused where the state is sharded)."""

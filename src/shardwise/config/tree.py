@@ -300,9 +300,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Processes that split each layer of the model between them (tensor parallelism, innermost
     on the mesh: consecutive ranks, so within a node); they see the same batch, and the data is
-    split over world / tensor_parallel_size data-parallel ranks. With zero2/zero3 (torch backend):
-    the layers are split first, then sharded over the data-parallel ranks. The model needs a plan
-    (a transformers model's own, or tensor_parallel_plan)."""
+    split over world / tensor_parallel_size data-parallel ranks. With ddp, zero2 or zero3 (torch
+    backend): the layers are split first, then replicated or sharded over the data-parallel
+    ranks. The model needs a plan (a transformers model's own, or tensor_parallel_plan)."""
     tensor_parallel_plan: dict[str, str] | None = None
     """Module path (`*` matches one name) -> how it is split: colwise, rowwise,
     colwise_gather_output, embedding_rowwise, replicate (None: the model's own plan)."""
@@ -487,9 +487,10 @@ def _check_tensor_parallel(cfg: EngineConfig) -> None:
     if cfg.backend != "torch":
         raise ConfigError(f"tensor_parallel_size={tp} with backend: {cfg.backend}: DeepSpeed's AutoTP is not "
                           "wired into shardwise; use backend: torch (FSDP2 with DTensor tensor parallelism)")
-    if cfg.strategy not in ("zero2", "zero3"):
-        raise ConfigError(f"tensor_parallel_size={tp} composes with strategy zero2 or zero3 in this version, "
-                          f"not {cfg.strategy}; use zero2 (sharded gradients and optimizer state) instead")
+    if cfg.strategy not in ("ddp", "zero2", "zero3"):
+        raise ConfigError(f"tensor_parallel_size={tp} composes with strategy ddp, zero2 or zero3 in this "
+                          f"version, not {cfg.strategy}; use zero2 (sharded gradients and optimizer state) "
+                          "instead")
     if cfg.offload != "none":
         raise ConfigError(f"tensor_parallel_size={tp} with offload: {cfg.offload} is not supported yet; use "
                           "offload: none")

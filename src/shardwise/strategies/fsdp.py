@@ -154,13 +154,21 @@ def _model_no_sync(model: nn.Module) -> Iterator[None]:
 
 
 class FSDPStrategy(Strategy):
-    """ZeRO stage 2 or 3 on FSDP2."""
+    """ZeRO stage 2 or 3 on FSDP2; with `replicas_only`, ddp under tensor parallelism: every
+    data-parallel rank holds its tp share whole (FSDP2 over groups of one dp rank: DDP's memory,
+    its gradients all-reduced across the replicas), since torch's DDP takes no DTensor parameters."""
 
-    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int) -> None:
+    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int,
+                 replicas_only: bool = False) -> None:
+        self.replicas_only = replicas_only
         super().__init__(cfg, info)
         self.stage = stage
         # 1-D over every process, or hybrid's 2-D (dp_replicate, dp_shard): `distributed.mesh`
         self.mesh: DeviceMesh = self.dims.mesh
+
+    def sharding_group(self) -> int:
+        """ddp under tensor parallelism: groups of one data-parallel rank (nothing sharded)."""
+        return 1 if self.replicas_only else super().sharding_group()
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         """Shard `model` in FSDP2 units; under zero2 a model prepared for inference only is a
