@@ -67,3 +67,27 @@ def test_the_mesh_puts_tp_innermost_and_splits_data_over_dp_ranks() -> None:
     assert dims.names == ("dp_replicate", "dp_shard", "tp") and dims.dp_size == 4
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # a tp pair: one batch
     assert [dims.tp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_throughput_counts_a_tp_groups_batch_once() -> None:
+    """The processes of a tp group see the same batch: samples and tokens per second count it once
+    (the loss, a mean over the processes' equal losses, stays)."""
+    import torch
+
+    from shardwise.distributed.world import DistInfo
+    from shardwise.runtime.metrics import Meter
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    records = []
+    for copies in (1, 2):
+        meter = Meter(info, 1, peak=None, flops_per_token=None, copies=copies)
+        meter.on_batch(torch.zeros(4, 8, dtype=torch.long))  # 4 samples of 8 tokens
+        meter.on_backward(torch.tensor(2.0))
+        meter.due(1)
+        records.append(meter.record(1, None, {}))
+    one, two = records
+    assert two["loss"] == one["loss"] == 2.0
+    # samples per second x seconds per step (one step): the samples each record counted
+    assert abs(one["samples_per_s"] * one["step_time_s"] - 4) < 1e-9
+    assert abs(two["samples_per_s"] * two["step_time_s"] - 2) < 1e-9
+    assert abs(two["tokens_per_s"] / two["samples_per_s"] - 8) < 1e-9

@@ -97,9 +97,11 @@ class Meter:
     """Counts what passes through the engine and makes a record every `every` steps."""
 
     def __init__(
-        self, info: DistInfo, every: int, *, peak: float | None, flops_per_token: float | None
+        self, info: DistInfo, every: int, *, peak: float | None, flops_per_token: float | None,
+        copies: int = 1,
     ) -> None:
         self.info, self.every = info, every
+        self.copies = copies  # processes that see each batch (a tensor-parallel group): counted once
         self.peak = peak if peak is not None else peak_tflops(info.device)
         self.flops_per_token = flops_per_token  # None: from the model at prepare
         self._loss = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -152,6 +154,7 @@ class Meter:
         else:
             table = mine.cpu().unsqueeze(0)
         loss_sum, losses, samples, tokens = (float(table[:, i].sum()) for i in range(4))
+        samples, tokens = samples / self.copies, tokens / self.copies  # (the loss: a mean, unchanged)
         steps = max(1, self.steps_since_record)
         out: dict[str, Any] = {"step": step, **extra}
         out["loss"] = loss_sum / losses if losses else None
