@@ -72,6 +72,16 @@ def _two(folder: str) -> dict[str, Any]:
             engine.save_model(run["model"], f"{folder}/export")  # whole tensors, as transformers loads
         out[strategy] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
         engine.free_memory()
+    # a user's plan that splits the embedding and the head too (transformers' full Llama plan)
+    from shardwise.strategies.tensor_parallel import model_plan
+
+    plan = {**model_plan(W.build("llama"), None), "model.embed_tokens": "embedding_rowwise",
+            "lm_head": "colwise_gather_output"}
+    engine = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                              tensor_parallel_plan=plan)
+    run = _train(engine, dp=1)
+    out["full plan"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+    engine.free_memory()
     # the tp 2 checkpoint into zero3 without tp, and that one back into tp 2
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/zero3")
     model, _opt, _loader = _prepared(plain, dp=2)
@@ -141,6 +151,18 @@ def test_tp2_matches_one_process(two: list[dict[str, Any]], strategy: str) -> No
         assert W.close(run["losses"], ref["losses"]) < 1e-5
         assert W.close(run["norms"], ref["norms"]) < 1e-5
         assert run["local"] == _share(1)  # the plan's share: planned weights halved, the rest whole
+
+
+def test_a_users_plan_splitting_embedding_and_head_matches_one_process(two: list[dict[str, Any]]) -> None:
+    ref = _reference(dp=1)
+    for rank in two:
+        run = rank["full plan"]
+        assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
+        model = W.build("llama")
+        norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+        whole = sum(p.numel() for p in model.parameters())
+        assert run["local"] == (whole - norms) // 2 + norms  # all but the norms split: embedding, head too
+    assert W.max_diff(two[0]["full plan"]["state"], ref["state"]) < 1e-5
 
 
 def test_a_tp_checkpoint_resumes_without_tp_and_back(two: list[dict[str, Any]]) -> None:
