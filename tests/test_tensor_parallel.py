@@ -46,15 +46,16 @@ def _train(engine: Any, dp: int) -> dict[str, Any]:
     model, opt, loader = _prepared(engine, dp)
     losses, norms = [], []
     for ids in loader:
-        loss = W.lm_loss(model, ids)
-        engine.backward(loss)
+        with engine.loss_parallel():  # (a head planned colwise_loss_parallel: split logits)
+            loss = W.lm_loss(model, ids)
+            engine.backward(loss)
         losses.append(engine.reduce(loss.detach(), "mean").item())
         norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "local": local,
-            "model": model, "opt": opt, "batches": len(loader)}
+            "model": model, "opt": opt, "batches": len(loader), "loss_type": type(loss).__name__}
 
 
 def _two(folder: str) -> dict[str, Any]:
@@ -81,6 +82,12 @@ def _two(folder: str) -> dict[str, Any]:
                               tensor_parallel_plan=plan)
     run = _train(engine, dp=1)
     out["full plan"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+    engine.free_memory()
+    # loss parallelism: the head's logits split over the vocabulary, the loss computed on them
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                              tensor_parallel_plan={**plan, "lm_head": "colwise_loss_parallel"})
+    run = _train(engine, dp=1)
+    out["loss parallel"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches", "loss_type")}
     engine.free_memory()
     # the tp 2 checkpoint into zero3 without tp, and that one back into tp 2
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/zero3")
@@ -153,16 +160,22 @@ def test_tp2_matches_one_process(two: list[dict[str, Any]], strategy: str) -> No
         assert run["local"] == _share(1)  # the plan's share: planned weights halved, the rest whole
 
 
-def test_a_users_plan_splitting_embedding_and_head_matches_one_process(two: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("case", ["full plan", "loss parallel"])
+def test_a_users_plan_splitting_embedding_and_head_matches_one_process(two: list[dict[str, Any]],
+                                                                      case: str) -> None:
+    """transformers' full Llama plan (embedding and head split too); and with loss parallelism,
+    the logits never whole on a rank: the cross-entropy runs on the split logits."""
     ref = _reference(dp=1)
     for rank in two:
-        run = rank["full plan"]
+        run = rank[case]
         assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
         model = W.build("llama")
         norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
         whole = sum(p.numel() for p in model.parameters())
         assert run["local"] == (whole - norms) // 2 + norms  # all but the norms split: embedding, head too
-    assert W.max_diff(two[0]["full plan"]["state"], ref["state"]) < 1e-5
+    assert W.max_diff(two[0][case]["state"], ref["state"]) < 1e-5
+    if case == "loss parallel":  # the loss came from split logits: a DTensor
+        assert {rank[case]["loss_type"] for rank in two} == {"DTensor"}
 
 
 def test_a_tp_checkpoint_resumes_without_tp_and_back(two: list[dict[str, Any]]) -> None:

@@ -307,7 +307,8 @@ class EngineConfig:
     ranks. The model needs a plan (a transformers model's own, or tensor_parallel_plan)."""
     tensor_parallel_plan: dict[str, str] | None = None
     """Module path (`*` matches one name) -> how it is split: colwise, rowwise,
-    colwise_gather_output, embedding_rowwise, replicate (None: the model's own plan)."""
+    colwise_gather_output, colwise_loss_parallel (the head's logits left split: compute the loss
+    under `engine.loss_parallel()`), embedding_rowwise, replicate (None: the model's own plan)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; gradients are communicated only on the last one."""
     max_grad_norm: float | None = None
@@ -471,7 +472,8 @@ def _check_sharding(cfg: EngineConfig) -> None:
     _check_tensor_parallel(cfg)
 
 
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicate")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_loss_parallel", "embedding_rowwise",
+             "replicate")
 
 
 def _check_tensor_parallel(cfg: EngineConfig) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 _MAX_DIMS = 8
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -38,6 +39,14 @@ def _describe(meta: torch.Tensor) -> str:
     shape = (n, *(int(d) for d in meta[3 : 3 + max(ndim - 1, 0)]))
     dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "?"
     return f"{dtype} {tuple(shape)}"
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective over its mesh when it is split; a replicated one's
+    local copy), or `t` itself: what the collectives here take."""
+    if isinstance(t, DTensor):
+        return t.full_tensor() if any(not p.is_replicate() for p in t.placements) else t.to_local()
+    return t
 
 
 def gather_one(t: torch.Tensor, world: int, keep: Sequence[int] | None = None) -> torch.Tensor:

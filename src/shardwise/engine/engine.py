@@ -28,10 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ..checkpoint.manager import CheckpointManager
 from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
-from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one
+from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one, whole
 from ..distributed.world import init_distributed, new_background_group
 from ..runtime.memory import MemoryReport, tensor_memory
 from ..runtime.observe import Observer, TrackerVerbs
@@ -353,7 +354,8 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if loader is not None:  # a new training pass
             self._observer.epoch = loader.iteration if loader.epoch is None else loader.epoch
             self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
-        self._observer.on_backward(per_item(loss, kwargs.get("num_items")))  # num_items: a mean per item
+        # num_items: a mean per item; a loss-parallel loss is a DTensor, replicated: its local value
+        self._observer.on_backward(per_item(whole(loss), kwargs.get("num_items")))
         with self._supervisor.timeouts():
             self.session.backward(loss, **kwargs)
 
@@ -376,6 +378,14 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._observer.on_clip(norm)
         return norm
 
+    def loss_parallel(self) -> contextlib.AbstractContextManager[Any]:
+        """With tensor parallelism and a head planned `colwise_loss_parallel` (its logits split
+        over the vocabulary, never whole on one rank): compute the loss and call `backward`
+        inside this context (torch's `loss_parallel`: cross-entropy on the split logits). Without
+        tensor parallelism it does nothing."""
+        tp = self._session.strategy.dims.tp if self._session is not None else 1
+        return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The compute-dtype context of this run (prepared models already run inside it)."""
         return self.session.strategy.precision.autocast()
@@ -385,7 +395,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
         keep = self._dp_leaders()
         with self._supervisor.timeouts():
-            return map_tensors(data, lambda t: gather_one(t, self.num_processes, keep))
+            return map_tensors(data, lambda t: gather_one(whole(t), self.num_processes, keep))
 
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the samples repeated to even out the last batch of the loader."""
@@ -403,7 +413,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         check_reduction(reduction)
         copies = self._session.strategy.dims.tp if self._session is not None else 1
         with self._supervisor.timeouts():
-            return map_tensors(data, lambda t: reduce_one(t, reduction, self.num_processes, copies))
+            return map_tensors(data, lambda t: reduce_one(whole(t), reduction, self.num_processes, copies))
 
     def _dp_leaders(self) -> list[int] | None:
         """With tensor parallelism, one process per tp group (they hold the same data): the

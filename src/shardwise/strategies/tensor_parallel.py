@@ -49,6 +49,8 @@ def _style(name: str) -> ParallelStyle | None:
         return RowwiseParallel()
     if name == "colwise_gather_output":
         return ColwiseParallel(output_layouts=Replicate())
+    if name == "colwise_loss_parallel":  # logits stay split over the vocabulary (`Engine.loss_parallel`)
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if name == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "replicate":
