@@ -188,7 +188,8 @@ def test_a_hung_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> Non
     assert "shardwise launch: rank 0 (local rank 0" in err  # the launcher names who failed
     assert newest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
     assert len(verify(tmp_path / "checkpoints" / "step_1")) >= 5
-    leftover = subprocess.run(["pgrep", "-f", str(SCRIPT)], check=False, capture_output=True, text=True)
+    leftover = subprocess.run(["pgrep", "-f", f"{SCRIPT} {tmp_path}"], check=False, capture_output=True,
+                              text=True)
     assert leftover.stdout.strip() == "", leftover.stdout  # no process left behind
 
 
