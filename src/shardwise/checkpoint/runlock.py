@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .run_record import attempt
 from .storage import agree, one_line
 
 log = logging.getLogger("shardwise")
@@ -63,11 +64,7 @@ def _me() -> dict[str, Any]:
     pid = os.getpid()
     return {"host": socket.gethostname(), "pid": pid, "start_ticks": _start_ticks(pid), "boot_id": _boot_id(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "job": os.environ.get("TORCHELASTIC_RUN_ID", ""), "attempt": _attempt()}
-
-
-def _attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+            "job": os.environ.get("TORCHELASTIC_RUN_ID", ""), "attempt": attempt()}
 
 
 def _same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -85,7 +82,7 @@ def _dead(info: dict[str, Any]) -> bool:
     now names a process started at another time."""
     job = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if job not in ("", "none") and info.get("job") == job and isinstance(info.get("attempt"), int):
-        return bool(info["attempt"] < _attempt())
+        return bool(info["attempt"] < attempt())
     if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
         return False
     if info.get("boot_id") and info["boot_id"] != _boot_id():

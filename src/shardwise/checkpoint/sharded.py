@@ -258,10 +258,10 @@ def save(parts: Parts, target: Path, *, writer: BackgroundWriter | None = None,
         log.info("%s: saved synchronously: a save by one process alone has no group for a background "
                  "writer", target)
         background = False
-    bg_group = group() if background and group is not None else None  # a collective: every process is here
+    bg_group = group() if group is not None and background else None  # a collective: every process is here
     try:
         _begin(parts, target)
-        snap = _snapshot(parts, None if not background else writer)
+        snap = _snapshot(parts, writer if background else None)
         if not background:
             report = _write(parts, target, stage, snap, start, None, None)
     except BaseException:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..checkpoint import run_record
 from ..checkpoint.manager import CheckpointManager
 from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
 from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one, whole
@@ -110,7 +111,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._boundary_hooks.add("observation", lambda step: self._observer.at_boundary(step, self._probe))
         self._boundary_hooks.add("supervision", self._supervise)
         self._boundary_hooks.add("compile watch", lambda step: compile_boundary(step, self._info))
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        restarts = run_record.attempt()
         if restarts:
             say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
 
@@ -383,8 +384,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         over the vocabulary, never whole on one rank): compute the loss and call `backward`
         inside this context (torch's `loss_parallel`: cross-entropy on the split logits). Without
         tensor parallelism it does nothing."""
-        tp = self._session.strategy.dims.tp if self._session is not None else 1
-        return loss_parallel() if tp > 1 else contextlib.nullcontext()
+        return loss_parallel() if self._tp > 1 else contextlib.nullcontext()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The compute-dtype context of this run (prepared models already run inside it)."""
@@ -411,15 +411,19 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """Sum, mean, max or min of tensors across processes."""
         check_reduction(reduction)
-        copies = self._session.strategy.dims.tp if self._session is not None else 1
+        copies = self._tp
         with self._supervisor.timeouts():
             return map_tensors(data, lambda t: reduce_one(whole(t), reduction, self.num_processes, copies))
+
+    @property
+    def _tp(self) -> int:
+        """Processes per tensor-parallel group: they hold the same data (1 before a strategy)."""
+        return self._session.strategy.dims.tp if self._session is not None else 1
 
     def _dp_leaders(self) -> list[int] | None:
         """With tensor parallelism, one process per tp group (they hold the same data): the
         processes whose parts `gather` keeps (None: every process)."""
-        tp = self._session.strategy.dims.tp if self._session is not None else 1
-        return None if tp == 1 else list(range(0, self.num_processes, tp))
+        return None if self._tp == 1 else list(range(0, self.num_processes, self._tp))
 
     # -- checkpoints ------------------------------------------------------------------------
     @property

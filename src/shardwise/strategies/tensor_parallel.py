@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -122,13 +121,6 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
     _check_sizes(model, modules, tp)
     parallelize_module(model, mesh, {p: s for p, s in styles.items() if s is not None})
     return modules
-
-
-def is_tensor_parallel(param: Any) -> bool:
-    """A parameter split over a tp mesh dimension (a DTensor with a Shard placement on "tp")."""
-    mesh = getattr(param, "device_mesh", None)
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return "tp" in names and any(isinstance(p, Shard) for p in getattr(param, "placements", ()))
 
 
 def check_tensor_parallel(tp: int, world: int, local_world: int) -> int:
