@@ -24,16 +24,23 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, time, d) -> (batch, time, d)."""
-        b, t, d = x.shape
-        # (b, t, 3d) -> three (b, heads, t, d / heads)
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        b, t, _ = x.shape
+        # (b, t, 3 * heads * head_dim) -> three (b, heads, t, head_dim); under tensor parallelism
+        # qkv holds this rank's heads only (and `heads` counts them), so no width is assumed
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
         x = x + self.proj(y)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """GPT-2 shaped over `vocab` token ids (256 for bytes), `block` positions long."""
+
+    # How shardwise splits it under `tensor_parallel_size` (read from the model): the fused
+    # query/key/value projection per third by heads, the MLP's first layer by columns, the
+    # projections back by rows; embeddings, norms and the tied head stay whole.
+    tensor_parallel_plan = {"blocks.*.qkv": "colwise_qkv", "blocks.*.proj": "rowwise",
+                            "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
     def __init__(
         self, vocab: int = 4096, d: int = 256, layers: int = 4, heads: int = 4, block: int = 128

@@ -13,6 +13,9 @@ rowwise; embeddings, norms and the head whole) trained under `tensor_parallel_si
                 rank) (FSDP2 over the dp mesh, the tp pairs split each
                 layer): the same checks against one process with the global batch; `gather` and a
                 summing `reduce` count each data-parallel rank once (a tp pair holds the same data).
+GPT-2 on its built-in plan (the fused query/key/value Conv1D split per third by heads): tp 2 with
+ddp and zero3 at 2 processes and dp 2 x tp 2 with zero2 at 4, the same checks; its tp checkpoint
+into zero3 without tp and its export into transformers, bit-identical.
 Tolerances: TP changes the order of the sums inside a matmul (each rank sums half the inner
 dimension, then the all-reduce adds the halves), a few ulps per step in fp32.
 """
@@ -32,18 +35,18 @@ BATCH, STEPS = 2, 4
 PLANNED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _prepared(engine: Any, dp: int) -> tuple[Any, Any, Any]:
-    """The tiny Llama, its AdamW and a loader of STEPS global batches of dp * BATCH, prepared."""
-    model = W.build("llama")
+def _prepared(engine: Any, dp: int, name: str = "llama") -> tuple[Any, Any, Any]:
+    """The tiny Llama (or GPT-2), its AdamW and a loader of STEPS global batches of dp * BATCH, prepared."""
+    model = W.build(name)
     opt = W.make_optimizer(model)
     data = W.Tokens(dp * BATCH * STEPS)
     return engine.prepare(model, opt, DataLoader(data, batch_size=BATCH, shuffle=True))
 
 
-def _train(engine: Any, dp: int) -> dict[str, Any]:
-    """STEPS optimizer steps of the tiny Llama on `engine`; dp data-parallel ranks share a global
-    batch of dp * BATCH (the processes of a tp group take the same one)."""
-    model, opt, loader = _prepared(engine, dp)
+def _train(engine: Any, dp: int, name: str = "llama") -> dict[str, Any]:
+    """STEPS optimizer steps of the tiny Llama (or GPT-2) on `engine`; dp data-parallel ranks share a
+    global batch of dp * BATCH (the processes of a tp group take the same one)."""
+    model, opt, loader = _prepared(engine, dp, name)
     losses, norms = [], []
     for ids in loader:
         with engine.loss_parallel():  # (a head planned colwise_loss_parallel: split logits)
@@ -102,6 +105,33 @@ def _two(folder: str) -> dict[str, Any]:
     back.load_model(model, f"{folder}/export")
     out["loaded"] = back.get_state_dict(model)
     out["rank"] = dist.get_rank()
+    out.update(_gpt2(folder))
+    return out
+
+
+def _gpt2(folder: str) -> dict[str, Any]:
+    """GPT-2 on its built-in plan (fused c_attn split per third by heads, Conv1D weights): tp 2
+    with ddp and zero3, its checkpoint into zero3 without tp, its export."""
+    import shardwise
+
+    out: dict[str, Any] = {}
+    for strategy in ("ddp", "zero3"):
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                                  checkpoint_dir=f"{folder}/gpt2_{strategy}")
+        run = _train(engine, dp=1, name="gpt2")
+        if strategy == "zero3":
+            engine.save_state()
+            engine.save_model(run["model"], f"{folder}/gpt2_export")
+        out[f"gpt2 {strategy}"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+        engine.free_memory()
+    # the project's own GPT (examples/gpt.py), on the plan it carries (fused qkv: colwise_qkv)
+    engine = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, tensor_parallel_size=2)
+    run = _train(engine, dp=1, name="gpt")
+    out["gpt zero2"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+    engine.free_memory()
+    plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/gpt2_zero3")
+    model, _opt, _loader = _prepared(plain, dp=2, name="gpt2")
+    out["gpt2 into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
     return out
 
 
@@ -111,11 +141,13 @@ def _four() -> dict[str, Any]:
     import shardwise
 
     out: dict[str, Any] = {}
-    for case in ("ddp", "zero2", "zero3", "zero3 hybrid"):  # hybrid: groups of 1 dp rank, 2 replicas, x tp 2
-        strategy, group = case.split()[0], 1 if case.endswith("hybrid") else None
+    # hybrid: groups of 1 dp rank, 2 replicas, x tp 2
+    for case in ("ddp", "zero2", "zero3", "zero3 hybrid", "gpt2 zero2"):
+        name = "gpt2" if case.startswith("gpt2") else "llama"
+        strategy, group = case.split()[-1 if name == "gpt2" else 0], 1 if case.endswith("hybrid") else None
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
                                   shard_group_size=group)
-        run = _train(engine, dp=2)
+        run = _train(engine, dp=2, name=name)
         out[case] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
         # the processes of a tp pair hold the same data: gathered and summed once
         dp_rank = torch.tensor([dist.get_rank() // 2])
@@ -126,8 +158,8 @@ def _four() -> dict[str, Any]:
     return out
 
 
-def _reference(dp: int) -> dict[str, Any]:
-    return W.reference("llama", world=dp, batch=BATCH, accum=1, steps=STEPS, clip=1.0)
+def _reference(dp: int, name: str = "llama") -> dict[str, Any]:
+    return W.reference(name, world=dp, batch=BATCH, accum=1, steps=STEPS, clip=1.0)
 
 
 def _share(dp_shard: int) -> int:
@@ -196,9 +228,9 @@ def test_exported_weights_load_in_transformers_and_into_tp_shards(two: list[dict
     assert W.max_diff(two[0]["loaded"], trained) == 0.0  # load_model into a tp 2 model's shards
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "zero3 hybrid"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "zero3 hybrid", "gpt2 zero2"])
 def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]) -> None:
-    ref = _reference(dp=2)
+    ref = _reference(dp=2, name=strategy.split()[0] if strategy.startswith("gpt2") else "llama")
     for rank in four:
         run = rank[strategy]
         assert run["batches"] == STEPS
@@ -216,3 +248,51 @@ def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]
 @pytest.fixture(scope="module")
 def four() -> list[dict[str, Any]]:
     return spawn(_four, 4)
+
+
+def _gpt2_share() -> int:
+    """GPT-2's parameters on one tp rank of its built-in plan: the c_attn and c_fc weights, c_fc's
+    bias and the two c_proj weights halved; embeddings, norms, c_attn's fused bias and the c_proj
+    biases whole."""
+    model = W.build("gpt2")
+    split = sum(p.numel() for n, p in model.named_parameters()
+                if n.endswith(("c_attn.weight", "c_fc.weight", "c_fc.bias", "c_proj.weight")))
+    return split // 2 + sum(p.numel() for p in model.parameters()) - split
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_gpt2_on_its_built_in_plan_matches_one_process(two: list[dict[str, Any]], strategy: str) -> None:
+    """GPT-2's fused query/key/value Conv1D split per third by heads: exact against one process."""
+    ref = _reference(dp=1, name="gpt2")
+    for rank in two:
+        run = rank[f"gpt2 {strategy}"]
+        assert run["batches"] == STEPS
+        assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
+        assert run["local"] == _gpt2_share()
+    assert W.max_diff(two[0][f"gpt2 {strategy}"]["state"], ref["state"]) < 1e-5
+
+
+def test_gpt2_tp_checkpoint_and_export(two: list[dict[str, Any]], folder: Path) -> None:
+    """The GPT-2 tp 2 checkpoint resumes under zero3 without tp bit-identical (the fused weight's
+    global layout is the model's own), and its export loads in transformers."""
+    from transformers import GPT2LMHeadModel
+
+    trained = two[0]["gpt2 zero3"]["state"]
+    for rank in two:
+        assert rank["gpt2 into_zero3"]["step"] == STEPS
+    assert W.max_diff(two[0]["gpt2 into_zero3"]["state"], trained) == 0.0
+    plain = GPT2LMHeadModel.from_pretrained(folder / "gpt2_export")
+    assert W.max_diff(dict(plain.state_dict()), trained) == 0.0
+
+
+def test_the_projects_own_gpt_on_the_plan_it_carries_matches_one_process(two: list[dict[str, Any]]) -> None:
+    """examples/gpt.py's `tensor_parallel_plan` (its fused qkv Linear split per third by heads)."""
+    ref = _reference(dp=1, name="gpt")
+    model = W.build("gpt")
+    split = sum(p.numel() for n, p in model.named_parameters()
+                if n.endswith(("qkv.weight", "proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")))
+    for rank in two:
+        run = rank["gpt zero2"]
+        assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
+        assert run["local"] == split // 2 + sum(p.numel() for p in model.parameters()) - split
+    assert W.max_diff(two[0]["gpt zero2"]["state"], ref["state"]) < 1e-5

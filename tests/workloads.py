@@ -8,6 +8,7 @@ one plain process with batch W*B over that permutation sees the same global batc
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,14 @@ def build(name: str) -> nn.Module:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
         )
         return GPT2LMHeadModel(cfg)
+    if name == "gpt":  # examples/gpt.py: a plain-torch GPT carrying its own tensor-parallel plan
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from gpt import GPT
+
+        return GPT(vocab=VOCAB, d=32, layers=2, heads=2, block=SEQ)
     if name == "llama":  # its own tensor-parallel plan (base_model_tp_plan); 4 heads, 2 key/value heads
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -81,7 +90,8 @@ def build(name: str) -> nn.Module:
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids)
+    takes_keyword = "input_ids" in inspect.signature(model.forward).parameters  # (examples/gpt.py: ids)
+    out = model(input_ids=ids) if takes_keyword else model(ids)
     logits = out.logits if hasattr(out, "logits") else out
     return nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1)

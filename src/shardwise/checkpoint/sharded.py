@@ -57,8 +57,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from ..distributed.arrival import is_alone
+from ..distributed.internals import is_strided_shard
 from ..version import __version__
 from ..weights.export import find_aliases, hf_config_json
 from .background import BackgroundWriter, stage as stage_copy
@@ -160,12 +162,54 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _dcp_state(parts: Parts) -> dict[str, Any]:
+    """The tensors DCP writes or loads: every model's and optimizer's state, in this run's layout."""
     state: dict[str, Any] = {}
     for i, model in enumerate(parts.models):
         state[f"model{i}"] = parts.strategy.model_state(model)
     for j, runner in enumerate(parts.runners):
         state[f"optim{j}"] = runner.checkpoint_state(parts.models[parts.optimizer_models[j]])
     return state
+
+
+# -- layouts DCP can describe ------------------------------------------------------------------
+def _strided_last(t: DTensor) -> list[Placement] | None:
+    """Placements DCP can describe for `t`, when its own cannot be: a dimension split last by a
+    `_StridedShard` (tensor parallelism's fused query/key/value: each rank holds three separate
+    runs of columns, not one block) becomes a plain `Shard`. None: `t` is fine as it is (FSDP's
+    `_StridedShard` over a tp `Shard` of the same dimension still gives each rank one block)."""
+    last: dict[int, Placement] = {}
+    for p in t.placements:
+        if isinstance(p, Shard) or is_strided_shard(p):
+            last[p.dim] = p  # type: ignore[attr-defined]
+    strided = {d for d, p in last.items() if is_strided_shard(p)}
+    if not strided:
+        return None
+    return [Shard(p.dim) if is_strided_shard(p) and p.dim in strided else p  # type: ignore[attr-defined]
+            for p in t.placements]
+
+
+def _describable(obj: Any) -> Any:
+    """`obj` (a state dict, nested) with every DTensor DCP cannot describe redistributed to one it
+    can (`_strided_last`; a copy: one tensor's extra all-gather at a time)."""
+    if isinstance(obj, DTensor):
+        placements = _strided_last(obj)
+        return obj if placements is None else obj.redistribute(obj.device_mesh, placements)
+    if isinstance(obj, dict):
+        return {k: _describable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_describable(v) for v in obj]
+    return obj
+
+
+def _in_layout(loaded: Any, template: Any) -> Any:
+    """`loaded` (from `_describable(template)`) back in `template`'s placements."""
+    if isinstance(template, DTensor) and isinstance(loaded, DTensor) and loaded is not template:
+        return loaded.redistribute(template.device_mesh, template.placements)
+    if isinstance(template, dict) and isinstance(loaded, dict):
+        return {k: _in_layout(v, template.get(k)) for k, v in loaded.items()}
+    if isinstance(template, list) and isinstance(loaded, list):
+        return [_in_layout(v, t) for v, t in zip(loaded, template)]
+    return loaded
 
 
 class _RecordingWriter(FileSystemWriter):
@@ -306,7 +350,7 @@ def _begin(parts: Parts, target: Path) -> None:
 def _snapshot(parts: Parts, writer: BackgroundWriter | None) -> _Snapshot:
     """The state to write, now. With `writer`: copied into fresh host memory (`background.stage`,
     its pinned buffers on CUDA), the loop state too, so training may go on while it is written."""
-    state = _dcp_state(parts)  # (zero1: gathers its optimizer state, a collective)
+    state = _describable(_dcp_state(parts))  # (zero1: gathers its optimizer state, a collective)
     # meta.json's model entries and config.json texts: process 0 alone writes them (`_finish`)
     mine = parts.unwrapped if parts.rank == 0 else []
     configs = [hf_config_json(module) for module in mine]
@@ -434,10 +478,13 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     if len(meta["optimizers"]) != len(parts.runners):
         raise CheckpointError(f"{folder}: holds {len(meta['optimizers'])} optimizer(s), "
                               f"{len(parts.runners)} prepared")
-    state = _dcp_state(parts)  # templates in this run's layout; DCP reshards into them
-    check_models(meta, [_model_meta(m, state[f"model{i}"]) for i, m in enumerate(parts.unwrapped)], folder)
+    templates = _dcp_state(parts)  # in this run's layout; DCP reshards into them
+    metas = [_model_meta(m, templates[f"model{i}"]) for i, m in enumerate(parts.unwrapped)]
+    check_models(meta, metas, folder)
+    state = _describable(templates)
     try:
         dcp.load(state, storage_reader=SafeReader(str(folder)))
+        state = _in_layout(state, templates)
     except CheckpointError:
         raise
     except DCP_FAILURES as err:

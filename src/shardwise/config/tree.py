@@ -473,7 +473,7 @@ def _check_sharding(cfg: EngineConfig) -> None:
 
 
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_loss_parallel", "embedding_rowwise",
-             "replicate")
+             "colwise_qkv", "replicate")
 
 
 def _check_tensor_parallel(cfg: EngineConfig) -> None:

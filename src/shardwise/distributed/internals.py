@@ -10,6 +10,8 @@ Tensors
 - `DTensor._local_tensor`: the rank's shard of a DTensor without an autograd node
   (`DTensor.to_local()` records one when grad mode is on).
 - `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`: where a shard sits.
+- `torch.distributed.tensor.placement_types._StridedShard`: a dimension split in runs (tensor
+  parallelism's fused query/key/value: each rank's third of each of q, k, v), not one block.
 - `torch._subclasses.fake_tensor.is_fake`: a FakeTensor (or a wrapper of one) in the planner's trace.
 - `Tensor._base`: the tensor a view was made from.
 - `torch.utils._pytree.tree_map`: torch's own nested-container walk.
@@ -28,6 +30,7 @@ Optimizers (`torch.optim.optimizer`)
 
 Process groups and the launcher
 - `torch.distributed.distributed_c10d._get_default_store`: the default group's TCP store.
+- `torch.distributed.distributed_c10d._world.pg_map`: the process groups this process is a member of.
 - `torch.distributed.elastic.multiprocessing.api._terminate_process_handler`: the function
   torchrun's agent installs for every signal it stops on.
 - `torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter`: FSDP2's pluggable reduce-scatter
@@ -50,8 +53,9 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.distributed import Store
-from torch.distributed.tensor import DTensor
+from torch.distributed import ProcessGroup, Store
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor.placement_types import _StridedShard
 
 try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a private module
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
@@ -62,9 +66,9 @@ Hook = Callable[..., Any]
 
 __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
-    "is_fake", "is_sharded", "local_tensor", "mark_stepped", "no_grad_trunc_normal", "shard_box",
-    "step_post_hooks", "step_pre_hooks", "storage_ref", "terminate_handler", "tree_map", "version_of",
-    "view_base",
+    "is_fake", "is_sharded", "is_strided_shard", "local_tensor", "mark_stepped", "member_groups",
+    "no_grad_trunc_normal", "shard_box", "step_post_hooks", "step_pre_hooks", "storage_ref",
+    "strided_shard", "terminate_handler", "tree_map", "version_of", "view_base",
 ]
 
 
@@ -157,7 +161,25 @@ def allow_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
         optimizer._step_supports_amp_scaling = True
 
 
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """Dimension `dim` split into `split_factor` runs, each run split over the mesh dimension: a
+    rank holds its part of every run (the runs of a fused q/k/v: split_factor 3)."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided_shard(p: Placement) -> bool:
+    """`p` is a `strided_shard` (not a `Shard` subclass in every torch)."""
+    return isinstance(p, _StridedShard)
+
+
 # -- process groups and the launcher -------------------------------------------------------------
+def member_groups() -> list[ProcessGroup]:
+    """Every process group this process is a member of (the default one included)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
+
+
 def default_store() -> Store:
     """The default process group's key-value store (a `torch.distributed.Store`); raises when
     there is no default group."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .internals import member_groups
+
 
 @dataclass(frozen=True, slots=True)
 class DistInfo:
@@ -99,6 +101,40 @@ def new_background_group() -> dist.ProcessGroup:
     made = dist.new_group(backend="gloo", timeout=_TIMEOUT[0])
     assert isinstance(made, dist.ProcessGroup)  # every process is a member
     return made
+
+
+def leave_process_groups() -> None:
+    """Every process, at the end of training: a last barrier on each gloo group, then every group
+    goes.
+
+    gloo runs a group's collectives on threads of its own. The thread that ran one drops its
+    reference a moment after `wait` returned, and when that is the last one the collective's
+    tensors are freed there; freeing a tensor whose Python object is gone takes the GIL. A thread
+    still descheduled when the interpreter begins to finalize gets the GIL only to be ended inside
+    C++, and the process aborts ("terminate called without an active exception", SIGABRT) after a
+    run that had finished. A barrier holds the collectives still in flight when it was issued
+    (weakly: they are freed with it), and `_FINAL_BARRIERS` holds the barriers to the end of the
+    process, so everything gloo's threads ran last is freed by this thread, at the interpreter's
+    own teardown, never by theirs."""
+    if not dist.is_initialized():
+        return
+    handles = [dist.barrier(group=group, async_op=True) for group in _gloo_groups()]
+    for handle in handles:
+        handle.wait()
+    _FINAL_BARRIERS.extend(handles)
+    dist.destroy_process_group()
+
+
+_FINAL_BARRIERS: list[dist.Work] = []  # kept to the end of the process (see leave_process_groups)
+
+
+def _gloo_groups() -> list[dist.ProcessGroup]:
+    """Every group this process belongs to whose collectives run on gloo (the default group first);
+    the default group alone when its device collectives are NCCL's."""
+    groups = member_groups()
+    default = dist.group.WORLD
+    gloo = [g for g in groups if g is not default and dist.get_backend(g) == "gloo"]
+    return [default, *gloo] if default is not None else gloo
 
 
 def _attempt_store(rank: int, world_size: int) -> dist.Store:

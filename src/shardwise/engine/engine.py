@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -34,7 +33,7 @@ from ..checkpoint import run_record
 from ..checkpoint.manager import CheckpointManager
 from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
 from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one, whole
-from ..distributed.world import init_distributed, new_background_group
+from ..distributed.world import init_distributed, leave_process_groups, new_background_group
 from ..runtime.memory import MemoryReport, tensor_memory
 from ..runtime.observe import Observer, TrackerVerbs
 from ..runtime.supervision import Supervisor, say
@@ -523,6 +522,4 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._checkpoints.close()  # the last save is complete before the process group goes
         self._supervisor.settle()  # the boundary's agreement in flight, before the process group goes
         self._observer.close(self.step if self._session is not None else 0, self._probe)
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        leave_process_groups()  # (a barrier first: every process is done with every collective)
