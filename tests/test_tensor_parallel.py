@@ -132,6 +132,30 @@ def _gpt2(folder: str) -> dict[str, Any]:
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/gpt2_zero3")
     model, _opt, _loader = _prepared(plain, dp=2, name="gpt2")
     out["gpt2 into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    out.update(_empty(folder))
+    return out
+
+
+def _empty(folder: str) -> dict[str, Any]:
+    """Models built under init_empty() and split by tp 2: every planned weight initialized from the
+    constructor's own draws, this rank's part only; from_pretrained reads each rank's part of the
+    export straight into its tp shards."""
+    from transformers import GPT2LMHeadModel
+
+    import shardwise
+
+    out: dict[str, Any] = {}
+    for name in ("llama", "gpt2", "gpt"):
+        for strategy in ("ddp", "zero3"):
+            engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2)
+            with engine.init_empty():
+                model = W.build(name)
+            model = engine.prepare(model)
+            out[f"empty {name} {strategy}"] = engine.get_state_dict(model)
+            engine.free_memory()
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2)
+    model = engine.prepare(engine.from_pretrained(GPT2LMHeadModel, f"{folder}/gpt2_export"))
+    out["gpt2 from_pretrained"] = engine.get_state_dict(model)
     return out
 
 
@@ -296,3 +320,14 @@ def test_the_projects_own_gpt_on_the_plan_it_carries_matches_one_process(two: li
         assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
         assert run["local"] == split // 2 + sum(p.numel() for p in model.parameters()) - split
     assert W.max_diff(two[0]["gpt zero2"]["state"], ref["state"]) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt"])
+def test_init_empty_under_tp_gives_a_normal_builds_weights(two: list[dict[str, Any]], name: str) -> None:
+    built = W.build(name).state_dict()
+    for strategy in ("ddp", "zero3"):
+        assert W.max_diff(two[0][f"empty {name} {strategy}"], dict(built)) == 0.0, strategy
+
+
+def test_from_pretrained_reads_the_export_into_tp_shards(two: list[dict[str, Any]]) -> None:
+    assert W.max_diff(two[0]["gpt2 from_pretrained"], two[0]["gpt2 zero3"]["state"]) == 0.0

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup, Store
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a private module
@@ -66,8 +66,8 @@ Hook = Callable[..., Any]
 
 __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
-    "is_fake", "is_sharded", "is_strided_shard", "local_tensor", "mark_stepped", "member_groups",
-    "no_grad_trunc_normal", "shard_box", "step_post_hooks", "step_pre_hooks", "storage_ref",
+    "is_fake", "is_sharded", "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
+    "member_groups", "no_grad_trunc_normal", "shard_box", "step_post_hooks", "step_pre_hooks", "storage_ref",
     "strided_shard", "terminate_handler", "tree_map", "version_of", "view_base",
 ]
 
@@ -90,6 +90,16 @@ def shard_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return tuple(shape), tuple(offset)
+
+
+def local_part(full: torch.Tensor, t: DTensor) -> torch.Tensor:
+    """This rank's part of `full` (the whole value) as `t` lays it out, without communication: its
+    `shard_box`, or for a strided split (runs of a dimension: not one box) `t`'s own split of it."""
+    if not any(is_strided_shard(p) for p in t.placements):
+        shape, offset = shard_box(t)
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    whole = full.to(local_tensor(t).device)
+    return local_tensor(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None))
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -24,11 +24,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.tree import ConfigError, ShardingSection, resolve_shard_group
+from ..config.tree import ShardingSection, resolve_shard_group
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
 from ..weights.materialize import Places, allocate, materialize
+from ..weights.record import recipes_kept
 from .host_step import DeepSpeedAdam, threads
 from .precision import Precision
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel, clip_over_meshes, model_plan
@@ -198,10 +199,8 @@ class Strategy(ABC):
         and the data-parallel sharding): the planned layers split over the tp mesh, in place."""
         if self.tp == 1:
             return
-        if any(p.is_meta for p in model.parameters()):
-            raise ConfigError(f"tensor_parallel_size={self.tp} with a model built under init_empty() is not "
-                              "supported yet: build it normally (or load it with from_pretrained) first")
-        apply_tensor_parallel(model, model_plan(model, self.cfg.tensor_parallel_plan), self.dims.tp_mesh)
+        with recipes_kept(model):  # (an init_empty() model: its split parameters keep their init)
+            apply_tensor_parallel(model, model_plan(model, self.cfg.tensor_parallel_plan), self.dims.tp_mesh)
 
     def process_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         """(shard group, replicate group): the processes this one shards parameters, gradients or

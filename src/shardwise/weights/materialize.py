@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..config.tree import ConfigError
-from ..distributed.internals import local_tensor, shard_box
+from ..distributed.internals import local_part, local_tensor
 from .record import InitRecipe, Recorder, recipe_of
 
 SliceWriter = Callable[[torch.Tensor, torch.Tensor], None]  # (prepared tensor, full value) -> store its slice
@@ -223,10 +223,8 @@ def write_slice(target: torch.Tensor, full: torch.Tensor) -> None:
     """Store a full value into a prepared tensor: its local shard for a DTensor, else all."""
     with torch.no_grad():
         if isinstance(target, DTensor):
-            shape, offset = shard_box(target)
             local = local_tensor(target)
-            index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-            local.copy_(full[index].reshape(local.shape))
+            local.copy_(local_part(full, target).reshape(local.shape))
         else:
             target.copy_(full)
 

@@ -28,6 +28,7 @@ cannot carry (one that reads another meta tensor) makes the parameter unreplayab
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -128,6 +129,21 @@ class InitRecipe:
 
 def recipe_of(param: torch.Tensor) -> InitRecipe | None:
     return getattr(param, ATTR, None)
+
+
+@contextlib.contextmanager
+def recipes_kept(model: nn.Module) -> Iterator[None]:
+    """Inside, a transform may replace `model`'s meta parameters with new ones (tensor
+    parallelism's DTensors): each new one takes over the recipe of the one it replaced (by module
+    and name), so the replay still gives it the value a normal build would."""
+    before = {(id(m), n): r for m in model.modules() for n, p in m._parameters.items()
+              if p is not None and (r := recipe_of(p)) is not None}
+    yield
+    for m in model.modules():
+        for n, p in m._parameters.items():
+            recipe = before.get((id(m), n))
+            if p is not None and recipe is not None and recipe_of(p) is None:
+                setattr(p, ATTR, recipe)
 
 
 def _name(func: Callable[..., Any]) -> str:
