@@ -159,18 +159,24 @@ def _empty(folder: str) -> dict[str, Any]:
     return out
 
 
-def _four() -> dict[str, Any]:
+# case -> (model, strategy, offload, shard_group_size); hybrid: groups of 1 dp rank, 2 replicas, x tp 2
+FOUR = {"ddp": ("llama", "ddp", "none", None), "zero1": ("llama", "zero1", "none", None),
+        "zero1 offload": ("llama", "zero1", "optimizer", None), "zero2": ("llama", "zero2", "none", None),
+        "zero2 offload": ("llama", "zero2", "optimizer", None), "zero3": ("llama", "zero3", "none", None),
+        "zero3 offload params": ("llama", "zero3", "params", None),
+        "zero3 hybrid": ("llama", "zero3", "none", 1), "gpt2 zero2": ("gpt2", "zero2", "none", None)}
+
+
+def _four(folder: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import shardwise
 
     out: dict[str, Any] = {}
-    # hybrid: groups of 1 dp rank, 2 replicas, x tp 2
-    for case in ("ddp", "zero2", "zero3", "zero3 hybrid", "gpt2 zero2"):
-        name = "gpt2" if case.startswith("gpt2") else "llama"
-        strategy, group = case.split()[-1 if name == "gpt2" else 0], 1 if case.endswith("hybrid") else None
-        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
-                                  shard_group_size=group)
+    for case, (name, strategy, offload, group) in FOUR.items():
+        engine = shardwise.Engine(strategy=strategy, offload=offload, cpu=True, seed=W.SEED,
+                                  tensor_parallel_size=2, shard_group_size=group,
+                                  checkpoint_dir=f"{folder}/four_{case.replace(' ', '_')}")
         run = _train(engine, dp=2, name=name)
         out[case] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
         # the processes of a tp pair hold the same data: gathered and summed once
@@ -178,7 +184,14 @@ def _four() -> dict[str, Any]:
         out[case]["gathered"] = engine.gather(dp_rank).tolist()
         out[case]["summed"] = engine.reduce(torch.tensor([1.0, 2.0]), "sum").tolist()
         out[case]["mean"] = engine.reduce(dp_rank.float(), "mean").tolist()
+        if case == "zero1":
+            engine.save_state()
         engine.free_memory()
+    # zero1 under dp 2 x tp 2 (its optimizer state split over the replicas of each tp rank) into
+    # zero3 without tp at 4
+    plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/four_zero1")
+    model, _opt, _loader = _prepared(plain, dp=4)
+    out["zero1 into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
     return out
 
 
@@ -252,9 +265,9 @@ def test_exported_weights_load_in_transformers_and_into_tp_shards(two: list[dict
     assert W.max_diff(two[0]["loaded"], trained) == 0.0  # load_model into a tp 2 model's shards
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "zero3 hybrid", "gpt2 zero2"])
+@pytest.mark.parametrize("strategy", list(FOUR))
 def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]) -> None:
-    ref = _reference(dp=2, name=strategy.split()[0] if strategy.startswith("gpt2") else "llama")
+    ref = _reference(dp=2, name=FOUR[strategy][0])
     for rank in four:
         run = rank[strategy]
         assert run["batches"] == STEPS
@@ -267,11 +280,18 @@ def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]
     assert four[0]["zero3"]["local"] <= _share(2) + 64  # 1/2 of the tp share on each dp rank (+ padding)
     assert four[0]["zero3 hybrid"]["local"] == _share(1)  # groups of one dp rank: the tp share whole
     assert four[0]["ddp"]["local"] == _share(1)  # ddp: every dp rank a replica of its tp share
+    assert four[0]["zero1"]["local"] == _share(1)  # zero1 too (its optimizer state split instead)
+
+
+def test_a_zero1_tp_checkpoint_resumes_under_zero3_without_tp(four: list[dict[str, Any]]) -> None:
+    for rank in four:
+        assert rank["zero1 into_zero3"]["step"] == STEPS
+    assert W.max_diff(four[0]["zero1 into_zero3"]["state"], four[0]["zero1"]["state"]) == 0.0
 
 
 @pytest.fixture(scope="module")
-def four() -> list[dict[str, Any]]:
-    return spawn(_four, 4)
+def four(folder: Path) -> list[dict[str, Any]]:
+    return spawn(_four, 4, str(folder))
 
 
 def _gpt2_share() -> int:

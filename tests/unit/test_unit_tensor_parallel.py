@@ -42,15 +42,22 @@ def test_heads_and_split_dimensions_must_divide() -> None:
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"strategy": "zero1"}, "composes with strategy ddp, zero2 or zero3 in this version, not zero1"),
     ({"strategy": "zero3", "backend": "deepspeed"}, "DeepSpeed's AutoTP is not wired into shardwise"),
-    ({"strategy": "zero3", "offload": "optimizer"}, "with offload: optimizer is not supported yet"),
     ({"strategy": "zero3", "tensor_parallel_plan": {"x": "sideways"}}, "must map module paths to one of"),
 ])
 def test_what_tensor_parallelism_does_not_compose_with_is_refused_in_one_line(settings: dict,
                                                                              message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(tensor_parallel_size=2, **settings)
+
+
+@pytest.mark.parametrize(("strategy", "offload"), [
+    ("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"),
+    ("zero1", "optimizer"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "params"),
+])
+def test_every_strategy_and_offload_compose_with_tensor_parallelism(strategy: str, offload: str) -> None:
+    cfg = EngineConfig(tensor_parallel_size=2, strategy=strategy, offload=offload)
+    assert (cfg.tensor_parallel_size, cfg.strategy, cfg.offload) == (2, strategy, offload)
 
 
 def test_tp_must_divide_the_world_and_stay_within_a_node() -> None:

@@ -477,7 +477,7 @@ TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_loss_parall
 
 
 def _check_tensor_parallel(cfg: EngineConfig) -> None:
-    """tensor_parallel_size: an integer >= 1; above 1, what it composes with in this version."""
+    """tensor_parallel_size: an integer >= 1; above 1, the torch backend (every strategy and offload)."""
     tp = cfg.tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
@@ -491,13 +491,6 @@ def _check_tensor_parallel(cfg: EngineConfig) -> None:
     if cfg.backend != "torch":
         raise ConfigError(f"tensor_parallel_size={tp} with backend: {cfg.backend}: DeepSpeed's AutoTP is not "
                           "wired into shardwise; use backend: torch (FSDP2 with DTensor tensor parallelism)")
-    if cfg.strategy not in ("ddp", "zero2", "zero3"):
-        raise ConfigError(f"tensor_parallel_size={tp} composes with strategy ddp, zero2 or zero3 in this "
-                          f"version, not {cfg.strategy}; use zero2 (sharded gradients and optimizer state) "
-                          "instead")
-    if cfg.offload != "none":
-        raise ConfigError(f"tensor_parallel_size={tp} with offload: {cfg.offload} is not supported yet; use "
-                          "offload: none")
 
 
 def _check_loop(cfg: EngineConfig) -> None:

@@ -156,11 +156,14 @@ def _model_no_sync(model: nn.Module) -> Iterator[None]:
 class FSDPStrategy(Strategy):
     """ZeRO stage 2 or 3 on FSDP2; with `replicas_only`, ddp under tensor parallelism: every
     data-parallel rank holds its tp share whole (FSDP2 over groups of one dp rank: DDP's memory,
-    its gradients all-reduced across the replicas), since torch's DDP takes no DTensor parameters."""
+    its gradients all-reduced across the replicas), since torch's DDP takes no DTensor parameters;
+    and with `shard_optimizer` too, zero1 under tensor parallelism: each data-parallel rank steps
+    1/dp of its tp share's elements, then one all-gather among the replicas (`sharded_optim`)."""
 
     def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int,
-                 replicas_only: bool = False) -> None:
+                 replicas_only: bool = False, shard_optimizer: bool = False) -> None:
         self.replicas_only = replicas_only
+        self.shard_optimizer = shard_optimizer
         super().__init__(cfg, info)
         self.stage = stage
         # 1-D over every process, or hybrid's 2-D (dp_replicate, dp_shard): `distributed.mesh`
@@ -222,6 +225,10 @@ class FSDPStrategy(Strategy):
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
         offload = offload_spec(self.cfg.offload)
+        if self.shard_optimizer:  # zero1 under tp: the replicas of this tp rank split the elements
+            _shard, replicas = self.process_groups()
+            return optimizer_runner(optimizer, self.cfg, self.info, partition="flat",
+                                    host=offload.optimizer_on_host, group=replicas)
         if offload.optimizer_on_host and not offload.params_on_host:
             # optimizer offload: fp32 host masters of this rank's shards step on the host
             return optimizer_runner(optimizer, self.cfg, self.info, partition="local", host=True)

@@ -100,6 +100,11 @@ class _FlatSpace:
     dtype: torch.dtype
 
 
+def _numel(p: torch.Tensor) -> int:
+    """The elements of `p` this rank holds (a tensor-parallel DTensor: its tp shard's)."""
+    return local_flat(p).numel()
+
+
 def _flat_spaces(params: list[torch.Tensor], world: int) -> list[_FlatSpace]:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
@@ -109,9 +114,19 @@ def _flat_spaces(params: list[torch.Tensor], world: int) -> list[_FlatSpace]:
         placed, offset = [], 0
         for p in ps:
             placed.append((p, offset))
-            offset += p.numel()
+            offset += _numel(p)
         spaces.append(_FlatSpace(placed, math.ceil(offset / world), dtype))
     return spaces
+
+
+def _like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state tensor laid out as its parameter: whole, or (tensor parallelism under zero1) this
+    rank's tp shard as a DTensor with the parameter's placements."""
+    if not isinstance(p, DTensor):
+        return flat.view(p.shape)
+    local = local_tensor(p)
+    return DTensor.from_local(flat.view(local.shape), p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 class ShardedOptimizer(OptimizerRunner):
@@ -177,7 +192,7 @@ class ShardedOptimizer(OptimizerRunner):
         for space in self._spaces:
             lo, hi = self.rank * space.chunk, (self.rank + 1) * space.chunk
             for p, off in space.params:
-                a, b = max(lo, off), min(hi, off + p.numel())
+                a, b = max(lo, off), min(hi, off + _numel(p))
                 if a < b:
                     ranges.append((group_of[id(p)], p, a - off, b - off))
         return ranges
@@ -298,15 +313,15 @@ class ShardedOptimizer(OptimizerRunner):
             full = torch.empty(space.chunk * self.world, dtype=space.dtype, device=self.device)
             mine = full[lo : lo + space.chunk]
             for p, off in space.params:
-                a, b = max(lo, off), min(lo + space.chunk, off + p.numel())
+                a, b = max(lo, off), min(lo + space.chunk, off + _numel(p))
                 if a < b:
                     mine[a - lo : b - lo].copy_(local_flat(p)[a - off : b - off])
-            total = space.params[-1][1] + space.params[-1][0].numel()
+            total = space.params[-1][1] + _numel(space.params[-1][0])
             if lo + space.chunk > total:  # the last rank's padding: defined bytes, never read back
                 mine[max(0, total - lo) :].zero_()
             _all_gather_flat(full, mine, group=self.group)
             for p, off in space.params:
-                local_flat(p).copy_(full[off : off + p.numel()])
+                local_flat(p).copy_(full[off : off + _numel(p)])
 
     # -- checkpoints ------------------------------------------------------------------------
     def _init_state(self) -> None:
@@ -350,7 +365,7 @@ class ShardedOptimizer(OptimizerRunner):
                     full = self._gather_space(space, key)
                     for p, off in space.params:
                         entry = state.setdefault(names[id(p)], {k: _clone(v) for k, v in scalars.items()})
-                        entry[key] = full[off : off + p.numel()].view(p.shape)
+                        entry[key] = _like(full[off : off + _numel(p)], p)
         groups = [
             {**_hyper(g), "params": [names[id(p)] for p in g["params"]]} for g in self.optimizer.param_groups
         ]
