@@ -83,6 +83,15 @@ def test_deepspeed_fp16_brings_its_loss_scaling_and_zero_clipping_switches_it_of
     assert out["max_grad_norm"] is None
 
 
+def test_deepspeed_autotp_size_is_tensor_parallel_size() -> None:
+    out, dropped = from_deepspeed({"zero_optimization": {"stage": 2},
+                                   "tensor_parallel": {"autotp_size": 4, "tp_overlap_comm": True}})
+    assert out == {"strategy": "zero2", "tensor_parallel_size": 4}
+    assert dropped == ["tensor_parallel.tp_overlap_comm"]
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.autotp_size: expected an integer >= 1"):
+        from_deepspeed({"tensor_parallel": {"autotp_size": 0}})
+
+
 def test_a_bad_deepspeed_stage_is_named() -> None:
     with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
         from_deepspeed({"zero_optimization": {"stage": 4}})

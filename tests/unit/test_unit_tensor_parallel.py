@@ -42,7 +42,7 @@ def test_heads_and_split_dimensions_must_divide() -> None:
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"strategy": "zero3", "backend": "deepspeed"}, "DeepSpeed's AutoTP is not wired into shardwise"),
+    ({"strategy": "zero3", "backend": "deepspeed"}, "DeepSpeed trains AutoTP only up to ZeRO-2; use zero2"),
     ({"strategy": "zero3", "tensor_parallel_plan": {"x": "sideways"}}, "must map module paths to one of"),
 ])
 def test_what_tensor_parallelism_does_not_compose_with_is_refused_in_one_line(settings: dict,
@@ -51,13 +51,16 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_in_one_line(se
         EngineConfig(tensor_parallel_size=2, **settings)
 
 
-@pytest.mark.parametrize(("strategy", "offload"), [
-    ("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"),
-    ("zero1", "optimizer"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "params"),
-])
-def test_every_strategy_and_offload_compose_with_tensor_parallelism(strategy: str, offload: str) -> None:
-    cfg = EngineConfig(tensor_parallel_size=2, strategy=strategy, offload=offload)
+@pytest.mark.parametrize(("strategy", "offload", "backend"), [
+    (strategy, offload, "torch") for strategy, offload in [
+        ("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"),
+        ("zero1", "optimizer"), ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "params")]
+] + [("zero1", "none", "deepspeed"), ("zero2", "none", "deepspeed"), ("zero2", "optimizer", "deepspeed")])
+def test_every_strategy_and_offload_compose_with_tensor_parallelism(strategy: str, offload: str,
+                                                                    backend: str) -> None:
+    cfg = EngineConfig(tensor_parallel_size=2, strategy=strategy, offload=offload, backend=backend)
     assert (cfg.tensor_parallel_size, cfg.strategy, cfg.offload) == (2, strategy, offload)
+    assert cfg.backend == backend
 
 
 def test_tp_must_divide_the_world_and_stay_within_a_node() -> None:

@@ -79,9 +79,22 @@ def from_deepspeed(ds: Mapping[str, Any], source: str = "deepspeed JSON") -> tup
         elif key in ("optimizer", "scheduler"):
             out[key], more = (_ds_optimizer if key == "optimizer" else _ds_scheduler)(value, where)
             dropped += more
+        elif key == "tensor_parallel":
+            out.update(_ds_tensor_parallel(value, where, dropped))
         else:
             dropped.append(key)
     return out, dropped
+
+
+def _ds_tensor_parallel(value: Any, where: str, dropped: list[str]) -> dict[str, Any]:
+    """`tensor_parallel.autotp_size` (DeepSpeed's AutoTP) -> tensor_parallel_size."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected an object, found {value!r}")
+    size = value.get("autotp_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"{where}.autotp_size: expected an integer >= 1, found {size!r}")
+    dropped += [f"tensor_parallel.{sub}" for sub in value if sub != "autotp_size"]
+    return {"tensor_parallel_size": size} if size > 1 else {}
 
 
 # numbers a DeepSpeed JSON holds -> our key (accumulation and clipping are translated above)

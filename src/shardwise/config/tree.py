@@ -488,9 +488,10 @@ def _check_tensor_parallel(cfg: EngineConfig) -> None:
                           f"{', '.join(TP_STYLES)}")
     if tp == 1:
         return
-    if cfg.backend != "torch":
-        raise ConfigError(f"tensor_parallel_size={tp} with backend: {cfg.backend}: DeepSpeed's AutoTP is not "
-                          "wired into shardwise; use backend: torch (FSDP2 with DTensor tensor parallelism)")
+    if cfg.backend == "deepspeed" and STRATEGY_TABLE[cfg.strategy].shards_params:
+        raise ConfigError(f"tensor_parallel_size={tp} with backend: deepspeed and strategy: {cfg.strategy}: "
+                          "DeepSpeed trains AutoTP only up to ZeRO-2; use zero2, or backend: torch (every "
+                          "ZeRO stage composes with tensor parallelism there)")
 
 
 def _check_loop(cfg: EngineConfig) -> None:

@@ -27,6 +27,11 @@ Stages 1 and 2
 - `scaled_global_norm()`: the loss-scaled global gradient norm its step computes.
 - `_hp_optimizer_states_linked` / `_lazy_init_hp_params_optimizer_state()`: the per-parameter views
   of the optimizer state (`safe_get_full_optimizer_state` reads them), linked after a first step.
+AutoTP (`tensor_parallel.autotp_size`, `deepspeed.module_inject.layers`)
+- a split Linear's `LinearLayer` (output features split: weight and bias by dim 0) or
+  `LinearAllreduce` (input features: the weight by dim 1, the bias whole) with its `mp_group`,
+  `tp_index`, `is_tp_parallel` and `_partition_sizes` (each rank's share, uneven allowed), and
+  `_all_gather_shards(shard, sizes, dim)`: a whole tensor from every rank's part.
 Stage 3
 - `fp32_partitioned_groups_flat` / `sub_group_to_group_id`: this rank's fp32 partition of each
   sub-group, and the user's group each belongs to.
@@ -41,6 +46,7 @@ Stage 3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -165,3 +171,50 @@ def partition_numels(t: Any) -> tuple[int, int | None]:
     partition (None without hpZ)."""
     secondary = getattr(t, "ds_secondary_tensor", None)
     return int(t.ds_tensor.numel()), None if secondary is None else int(secondary.numel())
+
+
+# -- AutoTP -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TPSplit:
+    """How AutoTP split one parameter: along `dim` over the layer's tp group."""
+
+    layer: Any  # the AutoTP layer (a torch module of DeepSpeed's)
+    dim: int
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every tp rank's share along `dim` (uneven allowed)."""
+        return list(self.layer._partition_sizes)
+
+    def whole(self, part: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every tp rank's `part` (a collective of the tp group)."""
+        return cast(torch.Tensor, self.layer._all_gather_shards(part.contiguous(), self.sizes, self.dim))
+
+    def part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This tp rank's part of `whole`."""
+        sizes, index = self.sizes, int(self.layer.tp_index)
+        return whole.narrow(self.dim, sum(sizes[:index]), sizes[index])
+
+    def whole_shape(self, part_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(part_shape)
+        shape[self.dim] = sum(self.sizes)
+        return tuple(shape)
+
+
+def autotp_splits(module: torch.nn.Module) -> dict[int, TPSplit]:
+    """Every parameter AutoTP split in `module` (by id), with how; {} without AutoTP."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    out: dict[int, TPSplit] = {}
+    for m in module.modules():
+        if not getattr(m, "is_tp_parallel", False):
+            continue
+        if isinstance(m, LinearAllreduce):  # the input features split; the bias stays whole
+            out[id(m.weight)] = TPSplit(m, 1)
+        elif isinstance(m, LinearLayer):  # the output features: weight and bias alike
+            out.update((id(p), TPSplit(m, 0)) for p in m.parameters(recurse=False))
+        elif any(True for _ in m.parameters(recurse=False)):
+            raise NotImplementedError(f"AutoTP replaced a layer with {type(m).__name__}, whose split "
+                                      "shardwise does not read; use backend='torch' for tensor parallelism "
+                                      "of this model")
+    return out

@@ -8,6 +8,7 @@ checkpoint moves between backends, stages and world sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,12 +18,15 @@ from ..base import OptimizerRunner, zero_step
 from ..host_step import threads
 from . import internals as ds
 
+Relayout = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (parameter, tensor) -> tensor
+
 
 class DeepSpeedRunner(OptimizerRunner):
     """One prepared optimizer = one DeepSpeed engine's optimizer step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, ds_engine: Any,
-                 names: list[list[str]], *, stage: int) -> None:
+                 names: list[list[str]], *, stage: int, whole: Relayout = lambda p, v: v,
+                 part: Relayout = lambda p, v: v) -> None:
         self.optimizer = optimizer  # the user's; its groups now hold this rank's fp32 partitions
         self.module = module  # the user's module, which `ds_engine` holds
         self.ds_engine = ds_engine
@@ -30,6 +34,9 @@ class DeepSpeedRunner(OptimizerRunner):
         self.group_names = names  # parameter names per group, as the user made them
         self.clip = ds.clip_bound(ds_engine.optimizer)  # the config's bound (0: none)
         self._rescaled: tuple[float, float, float] | None = None  # loss scale kept, set, factor
+        # AutoTP: a state tensor of a split parameter whole (a collective of its tp group), and
+        # this rank's part of a whole one
+        self._whole, self._part = whole, part
 
     host_threads: int | None = None  # offload: the host step's threads
 
@@ -111,7 +118,8 @@ class DeepSpeedRunner(OptimizerRunner):
         keys = _state_keys(self.optimizer)
         for names, group in zip(self.group_names, self.optimizer.param_groups):
             for name in names:
-                entry = {k: safe_get_full_optimizer_state(params[name], k) for k in keys}
+                p = params[name]
+                entry = {k: self._whole(p, safe_get_full_optimizer_state(p, k)) for k in keys}
                 if step is not None and all(torch.is_tensor(v) for v in entry.values()):
                     state[name] = {"step": step.clone(), **{k: v.detach().cpu() for k, v in entry.items()}}
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(names)})
@@ -125,7 +133,8 @@ class DeepSpeedRunner(OptimizerRunner):
         for name, entry in state["state"].items():
             for key, value in entry.items():
                 if key != "step":
-                    safe_set_full_optimizer_state(params[name], value.to(torch.float32), key)
+                    p = params[name]
+                    safe_set_full_optimizer_state(p, self._part(p, value).to(torch.float32), key)
         steps = [e["step"] for e in state["state"].values() if "step" in e]
         for st in self.optimizer.state.values():
             if "step" in st and steps:

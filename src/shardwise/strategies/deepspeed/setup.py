@@ -111,6 +111,8 @@ def deepspeed_config(cfg: ShardingSection, *, device: torch.device, numel: int) 
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if cfg.tensor_parallel_size > 1:  # AutoTP: the Linear layers split at deepspeed.initialize
+        out["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel_size}
     return out | _precision_keys(cfg)
 
 

@@ -150,6 +150,11 @@ class DeepSpeedStrategy(Strategy):
         self._owner: dict[int, DeepSpeedModel] = {}  # parameter id -> model
         self._torch: Strategy | None = None  # lays out the models prepared for inference only
         self._inference: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... which are these
+        self._splits: dict[int, ds.TPSplit] = {}  # AutoTP (tensor_parallel_size): parameter id -> its split
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Tensor parallelism on DeepSpeed is its AutoTP, which splits the Linear layers when the
+        engine is built (`initialize`; `tensor_parallel.autotp_size` in its config)."""
 
     @property
     def frozen(self) -> Strategy:
@@ -202,6 +207,8 @@ class DeepSpeedStrategy(Strategy):
                 "torch; shardwise needs deepspeed>=0.18"
             )
         object.__setattr__(model, "ds_engine", engine)
+        self._splits.update(ds.autotp_splits(model.module))
+        self._owner.update((id(p), model) for p in model.module.parameters())  # (AutoTP's, if new)
         if self.stage == 3:
             # after DeepSpeed's own hooks: a no-grad forward has no backward to release for it
             engine.module.register_forward_hook(
@@ -242,7 +249,8 @@ class DeepSpeedStrategy(Strategy):
         names = {id(p): n for n, p in model.module.named_parameters()}
         group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         self.initialize(model, optimizer)
-        runner = DeepSpeedRunner(optimizer, model.module, model.ds_engine, group_names, stage=self.stage)
+        runner = DeepSpeedRunner(optimizer, model.module, model.ds_engine, group_names, stage=self.stage,
+                                 whole=self._whole, part=self._part)
         # with offload (or on a CPU device) the user's optimizer steps DeepSpeed's fp32 partitions on the host
         runner.host_threads, kernel = step_on_host(
             optimizer, self.info.device, self.info.local_world_size,
@@ -306,8 +314,9 @@ class DeepSpeedStrategy(Strategy):
         gathered: dict[int, torch.Tensor] = {}
         for p in module.parameters():  # one parameter at a time: no rank holds the whole model twice
             with self.ds.zero.GatheredParameters([p], modifier_rank=None):
+                whole = self._whole(p, p.detach())  # (AutoTP: every tp rank takes part)
                 if self.info.is_main:
-                    gathered[id(p)] = p.detach().to("cpu", copy=True)
+                    gathered[id(p)] = whole.to("cpu", copy=True)
         if not self.info.is_main:
             return {}
         out = {}
@@ -325,8 +334,11 @@ class DeepSpeedStrategy(Strategy):
         out = {}
         for name, p in module.named_parameters():
             full = safe_get_full_fp32_param(p) if getattr(model, "ds_engine", None) is not None else None
-            out[name] = (full if full is not None else p.detach()).clone()
-        out.update({n: b.detach().clone() for n, b in module.named_buffers()})
+            out[name] = self._whole(p, full if full is not None else p.detach()).clone()
+        # persistent buffers only, as torch's state_dict (a Llama's rotary inv_freq is not one)
+        params = {id(p) for p in module.parameters()}
+        out.update({n: b.detach().clone() for n, b in module.state_dict(keep_vars=True).items()
+                    if n not in out and id(b) not in params})
         return out
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -336,16 +348,18 @@ class DeepSpeedStrategy(Strategy):
         module = self.unwrap(model)
         for name, p in module.named_parameters():
             self._set_param(model, p, state[name])
+        params = {id(p) for p in module.parameters()}
         with torch.no_grad():
-            for name, b in module.named_buffers():
-                b.copy_(state[name])
+            for name, b in module.state_dict(keep_vars=True).items():
+                if id(b) not in params:
+                    b.copy_(state[name])
 
     def _set_param(self, model: nn.Module, p: torch.Tensor, full: torch.Tensor) -> None:
         """Give a parameter a whole new value: the optimizer's fp32 master (once DeepSpeed holds
         one) and the copy forward computes with (ZeRO-3: re-partitioned when the block exits)."""
         from deepspeed.utils import safe_set_full_fp32_param
 
-        value = full.to(self.info.device, torch.float32)
+        value = self._part(p, full).to(self.info.device, torch.float32)
         if getattr(model, "ds_engine", None) is not None:
             safe_set_full_fp32_param(p, value)
         with self.ds.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
@@ -355,7 +369,23 @@ class DeepSpeedStrategy(Strategy):
         """ZeRO-3 leaves its parameters empty in the module; `ds_shape` is their full shape."""
         if model in self._inference:
             return self.frozen.full_shapes(model)
-        return {k: ds.full_shape(v) for k, v in self.unwrap(model).state_dict(keep_vars=True).items()}
+        shapes = {}
+        for k, v in self.unwrap(model).state_dict(keep_vars=True).items():
+            split = self._splits.get(id(v))
+            shapes[k] = split.whole_shape(ds.full_shape(v)) if split is not None else ds.full_shape(v)
+        return shapes
+
+    # -- AutoTP ------------------------------------------------------------------------------
+    def _whole(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`value` (a tensor laid out like parameter `p`) whole: AutoTP's parts gathered over the
+        tp group (a collective of it), anything else as it is."""
+        split = self._splits.get(id(p))
+        return split.whole(value) if split is not None else value
+
+    def _part(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `whole` for parameter `p` (AutoTP's split; else all of it)."""
+        split = self._splits.get(id(p))
+        return split.part(whole) if split is not None else whole
 
     def load_weights(self, model: nn.Module, keys: Iterable[str], read: Reader) -> None:
         """Before DeepSpeed holds the model its tensors are plain; after, each parameter is set
