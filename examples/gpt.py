@@ -7,6 +7,8 @@ benchmarks import it from here (benchmarks/common.py) rather than keeping a copy
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -39,8 +41,9 @@ class GPT(nn.Module):
     # How shardwise splits it under `tensor_parallel_size` (read from the model): the fused
     # query/key/value projection per third by heads, the MLP's first layer by columns, the
     # projections back by rows; embeddings, norms and the tied head stay whole.
-    tensor_parallel_plan = {"blocks.*.qkv": "colwise_qkv", "blocks.*.proj": "rowwise",
-                            "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    tensor_parallel_plan: ClassVar[dict[str, str]] = {
+        "blocks.*.qkv": "colwise_qkv", "blocks.*.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
     def __init__(
         self, vocab: int = 4096, d: int = 256, layers: int = 4, heads: int = 4, block: int = 128

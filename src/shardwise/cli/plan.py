@@ -35,6 +35,10 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                         "plan's communication into bytes within a node and across nodes")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="devices per node (default: --gpus / --nodes)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="also plan ddp, zero2 and zero3 with tensor parallelism over N devices of a node "
+                        "(N divides the devices per node; the model needs a tensor-parallel plan; "
+                        "default 1: none)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
     p.add_argument("--cpu-memory", default=None,
@@ -128,6 +132,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         activation_checkpointing=ns.activation_checkpointing,
         activation_checkpointing_every=ns.activation_checkpointing_every, global_batch=ns.global_batch,
         overheads=_overheads(ns), checkpoint_async=ns.checkpoint_async,
+        tensor_parallel_size=ns.tensor_parallel_size,
     )
     result = plan_named(ns.model, request, seq_len=ns.seq_len)
     print(describe(result))

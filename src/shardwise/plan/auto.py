@@ -7,7 +7,10 @@ the same inputs deterministically and without collectives, so every rank makes t
 `auto` picks the strategy and the offload; activation checkpointing stays the user's setting
 (its mode is planned on every strategy), an offload the user set restricts the choice to plans
 with it, and a `shard_group_size` the user set is planned as set (hybrid sharding: per-rank
-state cut by the group, not the world).
+state cut by the group, not the world). Only when no plan without tensor parallelism fits, and
+the model has a tensor-parallel plan, does `auto` plan ddp, zero2 and zero3 again with
+tensor_parallel_size 2, 4 and 8 (those dividing the processes of a node), the smallest first,
+and take the first size where one fits: its `tensor_parallel_size` goes into the config.
 """
 
 from __future__ import annotations
@@ -49,6 +52,30 @@ def sample_batch(loader: Any) -> Any:
     return loader.collate_fn([dataset[i] for i in range(n)])
 
 
+TP_SIZES = (2, 4, 8)
+
+
+def _with_tensor_parallel(model: nn.Module, batch: Any, request: Any, info: DistInfo) -> Any:
+    """The first plan, over tp = 2, 4, 8 dividing the processes of a node, whose tensor-parallel
+    candidates (`tp_candidates` of the request's) have one that fits; None when none does or the
+    model has no tensor-parallel plan."""
+    from ..strategies.tensor_parallel import model_plan
+    from . import plan_module
+    from .request import tp_candidates
+
+    if not model_plan(model, None):
+        return None
+    per_node = max(1, info.local_world_size) if info.world_size % max(1, info.local_world_size) == 0 else 1
+    for tp in (t for t in TP_SIZES if per_node % t == 0 and info.world_size % t == 0):
+        cands = tp_candidates(request.chosen(), tp)
+        if not cands:
+            return None
+        plan = plan_module(model, batch, dataclasses.replace(request, candidates=cands))
+        if plan.best is not None:
+            return plan
+    return None
+
+
 def choose(
     cfg: EngineConfig, info: DistInfo, models: list[nn.Module], loaders: list[Any]
 ) -> tuple[EngineConfig, Any]:
@@ -81,11 +108,15 @@ def choose(
         candidates=candidates, activation_checkpointing=mode, activation_checkpointing_every=every,
         wrap=cfg.wrap, checkpoint_async=cfg.checkpoint_async,
     )
-    plan = plan_module(models[0], sample_batch(loader), request)
+    batch = sample_batch(loader)
+    plan = plan_module(models[0], batch, request)
+    if plan.best is None:
+        plan = _with_tensor_parallel(models[0], batch, request, info) or plan
     if plan.best is None:
         raise ConfigError(f"strategy='auto': no strategy fits: {plan.why}")
     chosen = plan.best.settings()
-    out = dataclasses.replace(cfg, strategy=chosen["strategy"], offload=chosen["offload"])
+    out = dataclasses.replace(cfg, strategy=chosen["strategy"], offload=chosen["offload"],
+                              tensor_parallel_size=chosen.get("tensor_parallel_size", 1))
     message = f"shardwise: strategy='auto' chose {plan.best.name}: {plan.why}"
     log.info(message)
     if info.is_main:

@@ -39,6 +39,9 @@ class Candidate:
     """hybrid sharding: processes per sharding group (None: all processes, full sharding)"""
     activation_checkpointing_every: int | None = None
     """selective only: every k-th block checkpointed in full, the others keep everything"""
+    tensor_parallel_size: int = 1
+    """tensor parallelism: the planned layers split over this many ranks (ddp, zero2, zero3),
+    the strategy then over world / tensor_parallel_size data-parallel ranks"""
 
     def __post_init__(self) -> None:
         ac: Any = self.activation_checkpointing
@@ -66,7 +69,8 @@ class Candidate:
         """How the plan table names it, e.g. "zero3 + offload params + AC", "zero2 hybrid 8"."""
         off = f" + offload {self.offload}" if self.offload_spec.any else ""
         hybrid = f" hybrid {self.shard_group_size}" if self.shard_group_size is not None else ""
-        return f"{self.strategy}{hybrid}{off}{self.checkpointing_label}"
+        tp = f" + tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        return f"{self.strategy}{hybrid}{tp}{off}{self.checkpointing_label}"
 
     @property
     def checkpointing_label(self) -> str:

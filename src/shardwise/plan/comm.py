@@ -21,6 +21,15 @@ compute dtype (FSDP2's `param_dtype`: 2 bytes under bf16/fp16) by zero2/zero3, w
 are reduced in fp32 (`reduce_dtype`); zero1 and ddp keep fp32 parameters and gradients. FSDP2
 pads each unit's shards to equal sizes; the padding (at most W-1 elements per unit) is not
 counted. `benchmarks/comm.py` measures the same figures on real processes.
+
+Tensor parallelism (`tensor_parallel_size` T): the data-parallel collectives above run over the
+W / T data-parallel ranks, on the parameters one tp rank holds (the planned weights cut by T);
+on top, every rowwise layer all-reduces its output activations (batch x seq x hidden) over the
+T ranks of its node in forward, and the input gradient of the colwise layers feeding them is
+all-reduced in backward: 2 + 2 per block with fused projections (GPT-2's c_attn, Megatron's
+count: `tensor_parallel_bytes`), 2 + 5 for Llama (q, k, v, gate and up split one by one); ring
+factor 2(T-1)/T, always within a node (`with_tensor_parallel`). The planner takes these bytes
+from the trace, which runs the real TP code, not from the formula.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from dataclasses import dataclass, field
 
 from ..config.tree import strategy_spec
 
-__all__ = ["KINDS", "CommVolume", "ring_bytes", "step_comm"]
+__all__ = ["KINDS", "CommVolume", "ring_bytes", "step_comm", "tensor_parallel_bytes", "with_tensor_parallel"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # bytes of one gathered parameter element by precision under FSDP2's MixedPrecisionPolicy (a
@@ -106,3 +115,21 @@ def step_comm(strategy: str, parameters: float, precision: str, *, world_size: i
             add("all_gather", parameters * 4, group, group_spans)
     add("all_reduce", BOUNDARY_BYTES, world_size, world_spans)
     return CommVolume(intra=volume[False], inter=volume[True])
+
+
+def tensor_parallel_bytes(rowwise_layers: int, batch: int, seq_len: int, hidden: int,
+                          element_bytes: int) -> float:
+    """The full buffers tensor parallelism all-reduces in one step: each rowwise layer's output
+    (batch x seq_len x hidden elements) in forward and its gradient in backward."""
+    return float(2 * rowwise_layers * batch * seq_len * hidden * element_bytes)
+
+
+def with_tensor_parallel(volume: CommVolume, allreduced: float, tp: int) -> CommVolume:
+    """`volume` (the data-parallel collectives over world / tp ranks) plus tensor parallelism's
+    all-reduces of `allreduced` bytes (`tensor_parallel_bytes`, or what a trace counted) over
+    the `tp` ranks of one node: 2(tp-1)/tp of them sent per rank, never across nodes."""
+    intra = dict(volume.intra)
+    sent = ring_bytes("all_reduce", allreduced, tp)
+    if sent:
+        intra["all_reduce"] = intra.get("all_reduce", 0.0) + sent
+    return CommVolume(intra=intra, inter=dict(volume.inter))

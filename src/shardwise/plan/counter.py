@@ -28,13 +28,15 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
 from ..distributed.internals import local_tensor
-from .fakes import DispatchMode, is_fake, overload_packet, storage_key, tree_leaves
+from .fakes import DispatchMode, is_fake, overload_packet, process_group_ranks, storage_key, tree_leaves
 
 ROLES = ("params", "grads", "optimizer", "comm", "activations", "temporaries")
 _PRECEDENCE = {r: i for i, r in enumerate(ROLES)}
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_NOT_MOVING = ("wait_tensor",)  # a functional collective's wait: its bytes moved in the collective
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,22 @@ def _flop_registry() -> dict[Any, Callable[..., int]]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t)
+
+
+def _group_suffix(args: Any) -> str:
+    """The key suffix of a collective's group (`fit.comm_factor` reads the ring's size from it):
+    "" over the whole world; "@G" over a group of G consecutive ranks (a tensor-parallel group,
+    a hybrid sharding group); "@G:S" over G ranks S apart (the data-parallel group under tensor
+    parallelism, hybrid sharding's replicas)."""
+    for a in args:
+        ranks = process_group_ranks(a)
+        if ranks is None:
+            continue
+        if len(ranks) >= dist.get_world_size():
+            return ""
+        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+        return f"@{len(ranks)}" + (f":{stride}" if stride != 1 else "")
+    return ""
 
 
 class StorageCounter(DispatchMode):
@@ -152,8 +170,10 @@ class StorageCounter(DispatchMode):
         if func.namespace in _COMM_NAMESPACES:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             self.claim("comm", tensors)
-            if self.counting and tensors:
-                name = func.__name__.split(".")[0].strip("_")
+            op = func.__name__.split(".")[0].strip("_")
+            if self.counting and tensors and op not in _NOT_MOVING:
+                # c10d's "allreduce_" and the functional "all_reduce" (DTensor's) are one kind
+                name = op.replace("all_reduce", "allreduce") + _group_suffix(args)
                 biggest = max(_local(t).numel() * _local(t).element_size() for t in tensors)
                 self.comm_bytes[name] = self.comm_bytes.get(name, 0.0) + biggest
         for t in tree_leaves(out):

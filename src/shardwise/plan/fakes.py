@@ -19,6 +19,9 @@ here only, each behind a function or a re-export (checked against torch 2.13.0):
   `torch.utils._pytree.tree_leaves` / `tree_map`, `torch._subclasses.fake_tensor.FakeTensorMode`
   (`fake_mode`), `torch._guards.detect_fake_mode` (`current_fake_mode`),
   `torch._subclasses.fake_tensor.unset_fake_temporarily` (`real_mesh_slices`) and `is_fake`.
+- `torch._C._distributed_c10d.ProcessGroup.unbox` and c10d's `_world.pg_names`
+  (`process_group_ranks`: the group a collective's argument names).
+- `DeviceMesh._concatenate` (`real_mesh_slices`: FSDP2 joins the dp and tp meshes).
 - `UntypedStorage._cdata` (`storage_key`: the address that names a storage while it lives) and
   an operator's `_overloadpacket` (`overload_packet`: the key of torch's FLOP formulas).
 """
@@ -40,7 +43,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "DispatchMode", "current_fake_mode", "fake_copy", "fake_ddp", "fake_mode", "fake_world", "is_fake",
-    "kept_rng", "no_ddp_shape_check", "overload_packet", "patched", "real_mesh_slices", "storage_key",
+    "kept_rng", "no_ddp_shape_check", "overload_packet", "patched", "process_group_ranks", "real_mesh_slices",
+    "storage_key",
     "tree_leaves", "tree_map",
 ]
 
@@ -50,7 +54,8 @@ def fake_mode() -> Any:
     """A FakeTensorMode that also accepts real tensors as inputs (the user's built model)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    m = FakeTensorMode(allow_non_fake_inputs=True)
+    return m
 
 
 def current_fake_mode() -> Any:
@@ -72,6 +77,23 @@ def storage_key(st: torch.UntypedStorage) -> int:
     return int(st._cdata)
 
 
+def process_group_ranks(obj: Any) -> list[int] | None:
+    """The ranks of the process group a collective's argument names: boxed (c10d's ops) or by
+    its registered name (functional collectives: DTensor's); None for any other argument."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if isinstance(obj, str):
+        group = next((g for g, name in c10d._world.pg_names.items() if name == obj), None)
+        return None if group is None else list(dist.get_process_group_ranks(group))
+    if not isinstance(obj, torch.ScriptObject):
+        return None
+    try:
+        boxed = torch._C._distributed_c10d.ProcessGroup.unbox(obj)
+    except RuntimeError:  # another boxed argument: a ReduceOp, a Work
+        return None
+    return list(dist.get_process_group_ranks(boxed))
+
+
 def overload_packet(func: Any) -> Any:
     """The overload packet of an aten operator (what `flop_counter.flop_registry` is keyed by)."""
     return func._overloadpacket
@@ -80,18 +102,30 @@ def overload_packet(func: Any) -> Any:
 @contextlib.contextmanager
 def real_mesh_slices() -> Iterator[None]:
     """A device mesh sliced inside the fake mode (FSDP2 takes the "shard" dimension of a hybrid
-    2-D mesh per parameter) computes its coordinates from real tensors: fake ones hold no data."""
+    2-D mesh per parameter) or joined there (FSDP2 over tensor-parallel weights joins the dp and
+    tp meshes: `DeviceMesh._concatenate`) computes its coordinates from real tensors: fake ones
+    hold no data."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.__getitem__
+    static = DeviceMesh.__dict__["_concatenate"]  # a staticmethod: restored as it was
+    concatenate = static.__func__
 
     def getitem(mesh: DeviceMesh, names: Any) -> DeviceMesh:
         with unset_fake_temporarily():
             return original(mesh, names)
 
+    def concat(meshes: Any) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return cast(DeviceMesh, concatenate(meshes))
+
     with patched(DeviceMesh, "__getitem__", getitem):
-        yield
+        DeviceMesh._concatenate = staticmethod(concat)  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            DeviceMesh._concatenate = static  # type: ignore[method-assign]
 
 
 def no_ddp_shape_check() -> contextlib.AbstractContextManager[None]:

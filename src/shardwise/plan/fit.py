@@ -81,8 +81,13 @@ class Hardware:
         return self.flops_fp32 if DTYPES[precision].itemsize == 4 else self.flops_bf16
 
 
-def _comm_factor(kind: str, world: int) -> float:
-    """Bytes each rank sends per byte of the collective's full buffer (ring algorithms)."""
+def comm_factor(kind: str, world: int) -> float:
+    """Bytes each rank sends per byte of the collective's full buffer (ring algorithms), over
+    the world or, for a kind "name@G" (`counter`), over a group of G ranks (tensor parallelism,
+    hybrid sharding)."""
+    if "@" in kind:
+        kind, group = kind.split("@")
+        world = int(group.split(":")[0])
     if world <= 1:
         return 0.0
     share = (world - 1) / world
@@ -152,13 +157,20 @@ class Fitted:
     def linear(self, attr: str, batch: float) -> float:
         return float(sum(x * getattr(self.traces[k], attr) for k, x in self._weights(batch).items()))
 
+    def comm_bytes(self, kind: str) -> float:
+        """The full buffers of the collectives keyed `kind` (`counter`: "allreduce@2" is an
+        all-reduce over 2 consecutive ranks) in one step at the first traced batch, at the
+        model's depth."""
+        w = self._weights(self.batches[0])
+        return float(sum(x * self.traces[k].comm_bytes.get(kind, 0.0) for k, x in w.items()))
+
     def comm_seconds(self, hw: Hardware) -> float:
         w = self._weights(self.batches[0])
         kinds = {kind for r in self.traces.values() for kind in r.comm_bytes}
         total = 0.0
         for kind in kinds:
             nbytes = sum(x * self.traces[k].comm_bytes.get(kind, 0.0) for k, x in w.items())
-            total += nbytes * _comm_factor(kind, self.world)
+            total += nbytes * comm_factor(kind, self.world)
         return total / hw.interconnect
 
 

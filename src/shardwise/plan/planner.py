@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import CommVolume, step_comm
+from ..config.tree import STRATEGY_TABLE, ConfigError
+from .comm import CommVolume, step_comm, with_tensor_parallel
 from .fit import Fitted, GiB, Hardware, Overheads, largest_batch
 from .load import LoadMemory, load_memory
 from .presets import TRACE_DEPTHS, ModelSpec, PlanError, batch_dim, module_spec, resolve_model
@@ -78,6 +79,8 @@ class StrategyPlan:
             out["activation_checkpointing_every"] = c.activation_checkpointing_every
         if c.shard_group_size is not None:
             out["shard_group_size"] = c.shard_group_size
+        if c.tensor_parallel_size > 1:
+            out["tensor_parallel_size"] = c.tensor_parallel_size
         return out
 
 
@@ -125,11 +128,12 @@ class Plan:
     def find(
         self, strategy: str, offload: str = "none", activation_checkpointing: str | bool = "none",
         shard_group_size: int | None = None, activation_checkpointing_every: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> StrategyPlan:
-        """The plan of one candidate (`shard_group_size`: its hybrid twin; a bool
-        `activation_checkpointing` is read as full or none)."""
+        """The plan of one candidate (`shard_group_size`: its hybrid twin; `tensor_parallel_size`:
+        its tensor-parallel twin; a bool `activation_checkpointing` is read as full or none)."""
         wanted = Candidate(strategy, offload, activation_checkpointing, shard_group_size,  # type: ignore[arg-type]
-                           activation_checkpointing_every)
+                           activation_checkpointing_every, tensor_parallel_size)
         for p in self.plans:
             if p.candidate == wanted:
                 return p
@@ -147,6 +151,8 @@ def _run_pending(i: int) -> dict[int, TraceResult]:
     torch.set_num_threads(1)
     try:
         return run_trace(_PENDING[i])
+    except ConfigError:  # a one-line refusal (a tp size the model's heads do not divide): as is
+        raise
     except BaseException as err:  # some torch errors do not pickle: send the text back
         import traceback
 
@@ -178,11 +184,12 @@ def _trace_candidates(
     batch: int,
     grad_accum_steps: int,
 ) -> dict[Candidate, dict[tuple[int | None, int], TraceResult]]:
-    """Trace every candidate at each traced depth, at `batch` and twice it: the traces per
-    candidate keyed by (depth, batch)."""
+    """Trace every distinct layout (`layout`) at each traced depth, at `batch` and twice it: the
+    traces per candidate keyed by (depth, batch), a candidate sharing its layout's traces."""
     flop_counted: set[Recompute] = set()
     jobs: list[tuple[Candidate, int | None, TraceJob]] = []
-    for cand in candidates:
+    layouts = {c: layout(c, request.world_size) for c in candidates}
+    for cand in dict.fromkeys(layouts.values()):  # each distinct layout once, in order
         count = _recompute(cand) not in flop_counted  # FLOPs depend on the recompute only
         flop_counted.add(_recompute(cand))
         cut = trace_depths(cand, spec.depth)
@@ -195,6 +202,7 @@ def _trace_candidates(
                 candidate=cand, world_size=request.world_size, batches=_batches(batch),
                 precision=request.precision, foreach=foreach, grad_accum_steps=grad_accum_steps,
                 wrap=request.wrap, optimizer=request.optimizer, count_flops=count, target=request.device,
+                staging=request.checkpoint_async, local_world_size=request.gpus_per_node,
             )
             jobs.append((cand, depth, job))
     order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))  # deep traces first: balance
@@ -204,7 +212,22 @@ def _trace_candidates(
         cand, depth, _ = jobs[i]
         for b, r in res.items():
             out.setdefault(cand, {})[(depth, b)] = r
-    return out
+    return {c: out[lay] for c, lay in layouts.items()}
+
+
+def layout(cand: Candidate, world_size: int) -> Candidate:
+    """The candidate whose trace stands for `cand`: itself, except where two configurations run
+    the same code on the same tensors, so one trace serves both. zero1 on one data-parallel rank
+    (world / tensor_parallel_size = 1) without offload: its optimizer shard is the whole
+    optimizer and its gather of the updated slices moves nothing, as ddp (traces equal, every
+    segment and role, `tests/test_plan_tp.py`)."""
+    dp = world_size // cand.tensor_parallel_size
+    if dp == 1 and cand.strategy_spec.stage == 1 and not cand.offload_spec.any:
+        return replace(cand, strategy=_DDP)
+    return cand
+
+
+_DDP = next(name for name, spec in STRATEGY_TABLE.items() if spec.stage == 0)  # (the replicas' name)
 
 
 # -- turning traces into plans ------------------------------------------------------------------
@@ -251,8 +274,7 @@ def _evaluate(fitted: Fitted, cand: Candidate, flops: Fitted, budget: _Budget, b
         breakdown["staging"] = staging - on_host
     breakdown["overhead"] = peak - mem.device - (staging - on_host)
     compute = flops.linear("flops", batch) / hardware.flops(req.precision)
-    volume = step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
-                       world_size=req.world_size, nodes=req.nodes, group_size=cand.shard_group_size)
+    volume = _volume(fitted, cand, req, batch)
     # one node: the traced collectives over the interconnect; several: the links they cross
     comm = (fitted.comm_seconds(hardware) if req.nodes <= 1 and cand.shard_group_size is None
             else volume.seconds(hardware.interconnect, hardware.inter_node))
@@ -265,8 +287,29 @@ def _evaluate(fitted: Fitted, cand: Candidate, flops: Fitted, budget: _Budget, b
     )
 
 
+def _volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> CommVolume:
+    """Bytes each rank sends per step, within a node and across nodes (`comm.step_comm`). Under
+    tensor parallelism (tp T): the data-parallel collectives over world / T ranks on what one tp
+    rank holds (traced: `TraceResult.tp_parameters`), plus the all-reduces the trace counted
+    over the T consecutive ranks of the tp group (`with_tensor_parallel`)."""
+    tp = cand.tensor_parallel_size
+    if tp == 1:
+        return step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
+                         world_size=req.world_size, nodes=req.nodes, group_size=cand.shard_group_size)
+    dp = step_comm(cand.strategy, fitted.linear("tp_parameters", batch), req.precision,
+                   world_size=req.world_size // tp, nodes=req.nodes, group_size=cand.shard_group_size)
+    return with_tensor_parallel(dp, fitted.comm_bytes(f"allreduce@{tp}"), tp)
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
+
+
+def _per_sample(p: StrategyPlan) -> float:
+    """What plans are compared by: the step time for the same samples. The tp ranks of a tensor-
+    parallel plan share one batch, so its step trains world / tp batches, not world: it takes
+    tp steps to train what the others train in one."""
+    return p.step_seconds * p.candidate.tensor_parallel_size
 
 
 def _choose(
@@ -279,11 +322,11 @@ def _choose(
         hint = (f"; {most.name} fits batch {most.max_batch}" if most.max_batch else
                 f"; the smallest, {most.name}, needs {_gib(most.peak)}")
         return plans, None, f"no plan fits batch {batch} in {_gib(budget)} per device{hint}"
-    fastest = min(p.step_seconds for p in fitting)
-    plans = [replace(p, relative_time=p.step_seconds / fastest) for p in plans]
+    fastest = min(_per_sample(p) for p in fitting)
+    plans = [replace(p, relative_time=_per_sample(p) / fastest) for p in plans]
     fitting = [p for p in plans if p.fits]
-    best = min(fitting, key=lambda p: p.step_seconds)  # ties: the simpler one (listed first)
-    others = sorted((p for p in fitting if p is not best), key=lambda p: p.step_seconds)
+    best = min(fitting, key=_per_sample)  # ties: the simpler one (listed first)
+    others = sorted((p for p in fitting if p is not best), key=_per_sample)
     refused = [p for p in plans if not p.fits and not p.candidate.checkpointed]
     why = (f"{best.name}: the fastest of {len(fitting)} plans that fit batch {batch} "
            f"({_gib(best.peak)} of {_gib(budget)} per device")
@@ -305,6 +348,9 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
     budget = _Budget.of(request)
     batch = request.per_device_batch
     cands = request.chosen()
+    tp = max(c.tensor_parallel_size for c in cands)
+    if tp > 1:
+        check_tp_plan(spec, tp)
     traces = _trace_candidates(spec, cands, request, batch=batch, grad_accum_steps=1)
     fitted = {c: _fit(t, c, spec, request) for c, t in traces.items()}
     flop_src = _flop_sources(fitted, cands)
@@ -320,9 +366,26 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
         precision=request.precision, plans=tuple(plans), best=best, why=why, overheads=budget.overheads,
         hardware=budget.hardware, seconds=time.perf_counter() - t0, global_batch=accum,
         traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
-        load=load_memory(spec, cands, world_size=request.world_size, device=request.device),
+        # tensor parallelism builds the model whole on every process (no init_empty yet)
+        load=load_memory(spec, [c for c in cands if c.tensor_parallel_size == 1],
+                         world_size=request.world_size, device=request.device),
         nodes=request.nodes, notes=_depth_notes(cands, spec.depth),
     )
+
+
+def check_tp_plan(spec: ModelSpec, tp: int) -> None:
+    """Refuse, in one line, tensor-parallel candidates for a model without a tensor-parallel plan
+    (`strategies.tensor_parallel.model_plan`: the model's own, a transformers model's
+    `base_model_tp_plan`, or one built in); built on fake tensors, cut to the traced depth."""
+    from ..strategies.tensor_parallel import model_plan
+    from .fakes import fake_mode
+
+    with fake_mode():
+        model = spec.build(TRACE_DEPTHS[0] if spec.depth is not None else None)
+    if not model_plan(model, None):
+        raise PlanError(f"--tensor-parallel-size {tp}: {spec.name} has no tensor-parallel plan (no "
+                        "base_model_tp_plan nor a built-in one); plan it without --tensor-parallel-size, or "
+                        "give the model a tensor_parallel_plan attribute")
 
 
 def trace_depths(cand: Candidate, depth: int | None) -> tuple[int, int] | None:

@@ -71,6 +71,9 @@ def describe(plan: Plan) -> str:
     lines.append("")
     lines.append(f"{u} per device at the planned batch (peak = the parts + overhead); host = host memory per "
                  "process; step = estimated time relative to the fastest plan that fits")
+    if any(p.candidate.tensor_parallel_size > 1 for p in plan.plans):
+        lines.append("tp N = the planned layers split over N devices of a node, which share one batch: its "
+                     "step is compared per sample (N steps train what the others train in one)")
     if nodes:
         lines += _hybrid_lines(plan, u)
     if plan.device == "cuda":

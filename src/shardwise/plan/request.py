@@ -34,6 +34,17 @@ def _candidates() -> tuple[Candidate, ...]:
 
 
 CANDIDATES: tuple[Candidate, ...] = _candidates()
+TP_STRATEGIES = ("ddp", "zero2", "zero3")
+"""the strategies the planner traces with tensor parallelism (the engine also runs zero1 and
+offload with it; the planner does not trace those yet)"""
+
+
+def tp_candidates(base: Sequence[Candidate], tp: int) -> list[Candidate]:
+    """The tensor-parallel twins (tp `tp`) of the candidates in `base` that TP composes with:
+    ddp, zero2 and zero3, nothing offloaded, full sharding, each activation-checkpointing mode."""
+    return [replace(c, tensor_parallel_size=tp) for c in base
+            if c.strategy in TP_STRATEGIES and not c.offload_spec.any and c.shard_group_size is None
+            and c.tensor_parallel_size == 1]
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
 
@@ -101,6 +112,9 @@ class PlanRequest:
     """nodes the `world_size` devices spread over, `gpus_per_node` each; with more than one, the
     sharding strategies are also planned hybrid (sharded within a node, replicated across nodes)
     and every plan's communication is split into bytes within a node and across nodes"""
+    tensor_parallel_size: int = 1
+    """above 1: ddp, zero2 and zero3 are also planned with tensor parallelism of this size (the
+    model's planned layers split over that many ranks of a node; `Candidate.tensor_parallel_size`)"""
 
     @property
     def per_device_batch(self) -> int:
@@ -124,13 +138,15 @@ class PlanRequest:
         else:  # every plan without checkpointing, planned with this mode
             base = [replace(c, activation_checkpointing=mode, activation_checkpointing_every=every)
                     for c in CANDIDATES if not c.checkpointed]
-        if self.candidates is not None or self.nodes <= 1:
+        if self.candidates is not None:
             return base
         out: list[Candidate] = []
         for c in base:
             out.append(c)
-            if c.strategy_spec.shards_optimizer and c.shard_group_size is None:
+            if self.nodes > 1 and c.strategy_spec.shards_optimizer and c.shard_group_size is None:
                 out.append(replace(c, shard_group_size=self.gpus_per_node))
+        if self.tensor_parallel_size > 1:  # after every plan without: a tie goes to the simpler
+            out += tp_candidates(base, self.tensor_parallel_size)
         return out
 
     @property
@@ -140,6 +156,18 @@ class PlanRequest:
         if isinstance(ac, bool):
             ac = "full" if ac else "none"
         return ac, self.activation_checkpointing_every
+
+    def _check_tp(self, tp: Any, flag: str) -> None:
+        """A tensor-parallel size: an integer >= 1 that divides the devices of a node (its
+        all-reduces stay within a node), and so the world."""
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise PlanError(f"{flag} {tp!r} must be an integer >= 1 (1: no tensor parallelism)")
+        per_node = self.gpus_per_node
+        if per_node % tp:
+            where = (f"the {self.world_size} devices" if self.nodes <= 1
+                     else f"the {per_node} devices per node")
+            raise PlanError(f"{flag} {tp} does not divide {where}; choose a divisor of it "
+                            "(tensor parallelism stays within a node)")
 
     def check(self) -> None:
         """Refuse a bad value in one line, before anything is traced."""
@@ -160,10 +188,16 @@ class PlanRequest:
         if world % nodes:
             raise PlanError(f"--gpus {world} does not spread evenly over --nodes {nodes}; "
                             "give --nodes and --gpus-per-node instead")
+        self._check_tp(self.tensor_parallel_size, "--tensor-parallel-size")
         for c in self.candidates or ():
             group = c.shard_group_size
             if group is not None and (group < 1 or world % group):
                 raise PlanError(f"shard_group_size={group} does not divide the {world} devices")
+            self._check_tp(c.tensor_parallel_size, f"{c.name}: tensor_parallel_size")
+            if c.tensor_parallel_size > 1 and c not in tp_candidates([replace(c, tensor_parallel_size=1)],
+                                                                        c.tensor_parallel_size):
+                raise PlanError(f"{c.name}: the planner traces tensor parallelism with "
+                                f"{', '.join(TP_STRATEGIES)}, without offload or hybrid sharding")
         if self.device not in ("cuda", "cpu"):
             raise PlanError(f"device {self.device!r} is not valid; choose cuda or cpu")
         if gb is not None and (not isinstance(gb, int) or gb < 1):

@@ -52,6 +52,7 @@ activations already are host memory and nothing is copied.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -99,6 +100,7 @@ class TraceResult:
     host_optimizer_numel: float  # elements the host optimizer steps (offload), per rank
     parameters: float  # parameters of the traced (possibly cut) model
     staging: float = 0.0  # bytes a checkpoint copies to host memory (checkpoint_async), per rank
+    tp_parameters: float = 0.0  # parameters each tensor-parallel rank holds (tp-split ones cut by tp)
 
 
 
@@ -180,6 +182,11 @@ class TraceJob:
     wrap: tuple[Any, ...] = ()
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     count_flops: bool = False
+    staging: bool = False
+    """measure the state a checkpoint copies to the host (`checkpoint_async`); skipped otherwise
+    (building the state dicts is a tenth of a trace's time)"""
+    local_world_size: int | None = None
+    """processes per node (None: `world_size`, one node); tensor parallelism stays within one"""
     target: str = "cpu"
     """the device planned for: on "cuda", activations offloaded by `activation_checkpointing:
     offload` are copied to the host as a CUDA run copies them (on CPU they stay where they are)"""
@@ -195,6 +202,7 @@ class _Prepared:
     sharded: list[torch.Tensor]  # the prepared parameters (DTensor shards under FSDP2)
     sharded_ids: set[int]  # the counter's serials of their storages
     parameters: int  # parameters of the model as built (before sharding)
+    tp_parameters: float  # of those, what one tensor-parallel rank holds (all of them without TP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +225,8 @@ def run_trace(job: TraceJob) -> dict[int, TraceResult]:
         stepped = _train(job, session, prepared, counter)
         for h in handles:
             h.remove()
-        staging = _checkpoint_bytes(session, prepared)  # (after the log's last mark: not in the peaks)
+        # (after the log's last mark: not in the peaks)
+        staging = _checkpoint_bytes(session, prepared) if job.staging else 0.0
     return _results(job, counter, prepared, stepped, staging)
 
 
@@ -248,10 +257,14 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
                       activation_checkpointing=cand.activation_checkpointing,
                       activation_checkpointing_every=cand.activation_checkpointing_every,
                       wrap=tuple(job.wrap),
-                      grad_accum_steps=job.grad_accum_steps, shard_group_size=cand.shard_group_size)
+                      grad_accum_steps=job.grad_accum_steps, shard_group_size=cand.shard_group_size,
+                      tensor_parallel_size=cand.tensor_parallel_size)
     stack.enter_context(kept_rng())
     stack.enter_context(fake_world(job.world_size))
-    session = Session(cfg.blocks, make_strategy(cfg.sharding, init_distributed(force_cpu=True)),
+    info = init_distributed(force_cpu=True)
+    if cand.tensor_parallel_size > 1:  # the tp ranks lie within a node: the node's processes
+        info = dataclasses.replace(info, local_world_size=job.local_world_size or job.world_size)
+    session = Session(cfg.blocks, make_strategy(cfg.sharding, info),
                       grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
     stack.enter_context(fake_mode())
     stack.enter_context(patched(torch.UntypedStorage, "resize_", resize_seen(counter)))
@@ -306,7 +319,23 @@ def _prepare(job: TraceJob, session: Session, counter: StorageCounter,
     counter.claim("params", sharded + list(model.buffers()))
     sharded_ids = {counter.see(p) for p in sharded}
     counter.claim("optimizer", optimizer.runner.tensors())
-    return _Prepared(model, optimizer, blocks, sharded, sharded_ids, n_full)
+    return _Prepared(model, optimizer, blocks, sharded, sharded_ids, n_full, _tp_share(sharded))
+
+
+def _tp_share(params: list[torch.Tensor]) -> float:
+    """Parameters one tensor-parallel rank holds before data-parallel sharding: a weight split
+    over the mesh's "tp" dimension counts 1/tp of its elements, any other whole."""
+    total = 0.0
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        cut = 1
+        if "tp" in names:
+            dim = names.index("tp")
+            if not p.placements[dim].is_replicate():  # type: ignore[attr-defined]  # Shard, _StridedShard
+                cut = cast(Any, mesh).size(dim)
+        total += p.numel() / cut
+    return total
 
 
 def _train(job: TraceJob, session: Session, prep: _Prepared, counter: StorageCounter) -> _Stepped:
@@ -445,7 +474,7 @@ def _results(job: TraceJob, counter: StorageCounter, prep: _Prepared, st: _Stepp
         results[job.batches[i]] = TraceResult(
             total=total, device=device, host=host, comm_bytes=st.comm[i], flops=st.flops[i],
             offload_bytes=offload_bytes, host_optimizer_numel=host_numel, parameters=float(prep.parameters),
-            staging=staging,
+            staging=staging, tp_parameters=prep.tp_parameters,
         )
     return results
 
