@@ -63,7 +63,10 @@ class DDPStrategy(Strategy):
         model.to(self.info.device)
         device_ids = [self.info.device.index] if self.info.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here, so every replica starts equal.
-        return DistributedDataParallel(model, device_ids=device_ids)
+        # gradient_as_bucket_view: each gradient is a view of its all-reduce bucket, so the
+        # reduced bucket is not copied back into separate gradients (a copy of every gradient,
+        # each step) and the gradients take no memory beside the buckets
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
