@@ -24,3 +24,12 @@ timeout "${OFFLOAD_S:-100}" python3 benchmarks/offload_gpu.py --model gpt2-xl --
 timeout "${SPEED_S:-170}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/speed_features.py --strategies zero3 --steps 4 --batch 8 --seq 512 --out "$OUT" 2>&1 \
     | tee "$OUT/speed_features.log" | tail -10
+# tensor parallelism against ZeRO alone (benchmarks/tensor_parallel.py) needs one GPU per process,
+# 4 of them: on a machine with fewer (a lent H200 is one) it is skipped, saying so
+GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+if [ "$GPUS" -ge 4 ]; then
+    timeout "${TP_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+        benchmarks/tensor_parallel.py --device cuda --hidden 1024 --layers 8 --out "$OUT" 2>&1 | tee "$OUT/tensor_parallel.log" | tail -8
+else
+    echo "tensor_parallel.py skipped: $GPUS GPU(s), it needs 4 (one per process)"
+fi

@@ -82,13 +82,15 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
     strategy, tp = CASES[case]
-    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, tensor_parallel_size=tp, progress=False)
+    engine = shardwise.Engine(strategy=strategy, cpu=args.device == "cpu", seed=0, tensor_parallel_size=tp,
+                              progress=False)
     model = llama(args.hidden, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)
     dp = engine.num_processes // tp
     g = torch.Generator().manual_seed(engine.process_index // tp)  # a tp group: one batch
-    batches = [torch.randint(0, 4096, (args.global_batch // dp, 128), generator=g) for _ in range(2)]
+    batches = [torch.randint(0, 4096, (args.global_batch // dp, 128), generator=g).to(engine.device)
+               for _ in range(2)]
 
     held: list[Any] = []
 
@@ -109,6 +111,8 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         t0 = time.perf_counter()
         step(i)
+        if torch.cuda.is_available() and args.device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     report = held[0]
     engine.free_memory()
@@ -123,6 +127,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per process")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None)
