@@ -60,9 +60,12 @@ def test_tp_candidates_names_settings_and_layouts() -> None:
     req = PlanRequest(world_size=4, device_memory="8GB", tensor_parallel_size=2,
                       activation_checkpointing="none")
     tp = [x for x in req.chosen() if x.tensor_parallel_size == 2]
-    assert [x.strategy for x in tp] == ["ddp", "zero2", "zero3"]
-    assert len(req.chosen()) == len(PlanRequest(world_size=4, device_memory="8GB",
-                                                activation_checkpointing="none").chosen()) + 3
+    plain = PlanRequest(world_size=4, device_memory="8GB", activation_checkpointing="none").chosen()
+    assert [(x.strategy, x.offload) for x in tp] == [(x.strategy, x.offload) for x in plain]  # every one
+    assert len(req.chosen()) == 2 * len(plain)
+    hybrid = PlanRequest(world_size=8, nodes=2, device_memory="8GB", tensor_parallel_size=2,
+                         activation_checkpointing="none").chosen()
+    assert not [x for x in hybrid if x.tensor_parallel_size == 2 and x.shard_group_size is not None]
     # zero1 on one data-parallel rank is ddp's layout: traced once
     assert layout(Candidate("zero1"), 1) == Candidate("ddp")
     assert layout(Candidate("zero1"), 2) == Candidate("zero1")
@@ -74,9 +77,8 @@ def test_tp_candidates_names_settings_and_layouts() -> None:
     ({"tensor_parallel_size": 3}, "--tensor-parallel-size 3 does not divide the 4 devices"),
     ({"tensor_parallel_size": 4, "nodes": 2},
      "--tensor-parallel-size 4 does not divide the 2 devices per node"),
-    ({"candidates": [Candidate("zero1", tensor_parallel_size=2)]},
-     "the planner traces tensor parallelism with ddp, zero2, zero3"),
-    ({"candidates": [Candidate("zero3", "optimizer", tensor_parallel_size=2)]}, "without offload"),
+    ({"candidates": [Candidate("zero3", shard_group_size=2, tensor_parallel_size=2)]},
+     "does not trace tensor parallelism with hybrid sharding"),
 ])
 def test_request_refuses_bad_tp_sizes(kw: dict[str, object], message: str) -> None:
     with pytest.raises(PlanError, match=message):
@@ -114,7 +116,8 @@ def test_tp_candidates_hold_their_share_and_all_reduce_the_activations(tmp_path:
     planned weights' half plus the rest, exactly; the all-reduces are 2 per block, forward and
     backward; zero3 + tp 2 at 4 devices shards that over the 2 data-parallel ranks."""
     cands = [Candidate("ddp"), Candidate("ddp", tensor_parallel_size=2), Candidate("zero3"),
-             Candidate("zero3", tensor_parallel_size=2)]
+             Candidate("zero3", tensor_parallel_size=2), Candidate("zero1", tensor_parallel_size=2),
+             Candidate("zero2", "optimizer", tensor_parallel_size=2)]
     req = PlanRequest(world_size=4, device_memory="1GB", batch=2, device="cpu", candidates=cands)
     plan = plan_named(str(_llama(tmp_path)), req, seq_len=SEQ)
     ddp, ddp_tp = plan.find("ddp"), plan.find("ddp", tensor_parallel_size=2)
@@ -127,6 +130,13 @@ def test_tp_candidates_hold_their_share_and_all_reduce_the_activations(tmp_path:
     # zero3: 1/4 of everything, vs tp 2 x dp 2: (half + rest) / 2
     assert z3.breakdown["optimizer"] == pytest.approx(8 * (whole + rest) / 4, rel=0.02)
     assert z3_tp.breakdown["optimizer"] == pytest.approx(8 * (half + rest) / 2, rel=0.02)
+    # zero1 under tp: the tp share's optimizer state split over the 2 replicas of each tp rank;
+    # zero2 + optimizer offload under tp: the same state, stepped on the host (a CPU target's
+    # device memory is the host's: counted where it lives, as zero2 + tp 2 would hold it)
+    z1_tp = plan.find("zero1", tensor_parallel_size=2)
+    assert z1_tp.breakdown["optimizer"] == pytest.approx(8 * (half + rest) / 2, rel=0.02)
+    off_tp = plan.find("zero2", "optimizer", tensor_parallel_size=2)
+    assert off_tp.breakdown["optimizer"] == pytest.approx(8 * (half + rest) / 2, rel=0.02)
     assert ddp_tp.settings()["tensor_parallel_size"] == 2 and "tensor_parallel_size" not in ddp.settings()
     # TP's all-reduces: sent over the 2 tp ranks on top of the data-parallel collectives
     tp_sent = ddp_tp.comm.intra["all_reduce"] - step_comm(  # type: ignore[union-attr]

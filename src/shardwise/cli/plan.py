@@ -36,8 +36,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="devices per node (default: --gpus / --nodes)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="also plan ddp, zero2 and zero3 with tensor parallelism over N devices of a node "
-                        "(N divides the devices per node; the model needs a tensor-parallel plan; "
+                   help="also plan every strategy and offload with tensor parallelism over N devices of a "
+                        "node (N divides the devices per node; the model needs a tensor-parallel plan; "
                         "default 1: none)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")

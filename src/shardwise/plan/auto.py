@@ -8,7 +8,7 @@ the same inputs deterministically and without collectives, so every rank makes t
 (its mode is planned on every strategy), an offload the user set restricts the choice to plans
 with it, and a `shard_group_size` the user set is planned as set (hybrid sharding: per-rank
 state cut by the group, not the world). Only when no plan without tensor parallelism fits, and
-the model has a tensor-parallel plan, does `auto` plan ddp, zero2 and zero3 again with
+the model has a tensor-parallel plan, does `auto` plan every strategy and offload again with
 tensor_parallel_size 2, 4 and 8 (those dividing the processes of a node), the smallest first,
 and take the first size where one fits: its `tensor_parallel_size` goes into the config.
 """

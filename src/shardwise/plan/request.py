@@ -34,17 +34,15 @@ def _candidates() -> tuple[Candidate, ...]:
 
 
 CANDIDATES: tuple[Candidate, ...] = _candidates()
-TP_STRATEGIES = ("ddp", "zero2", "zero3")
-"""the strategies the planner traces with tensor parallelism (the engine also runs zero1 and
-offload with it; the planner does not trace those yet)"""
 
 
 def tp_candidates(base: Sequence[Candidate], tp: int) -> list[Candidate]:
-    """The tensor-parallel twins (tp `tp`) of the candidates in `base` that TP composes with:
-    ddp, zero2 and zero3, nothing offloaded, full sharding, each activation-checkpointing mode."""
+    """The tensor-parallel twins (tp `tp`) of the candidates in `base`: every strategy and
+    offload, each activation-checkpointing mode; not hybrid sharding (not traced with tp yet)."""
     return [replace(c, tensor_parallel_size=tp) for c in base
-            if c.strategy in TP_STRATEGIES and not c.offload_spec.any and c.shard_group_size is None
-            and c.tensor_parallel_size == 1]
+            if c.shard_group_size is None and c.tensor_parallel_size == 1]
+
+
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
 
@@ -113,7 +111,7 @@ class PlanRequest:
     sharding strategies are also planned hybrid (sharded within a node, replicated across nodes)
     and every plan's communication is split into bytes within a node and across nodes"""
     tensor_parallel_size: int = 1
-    """above 1: ddp, zero2 and zero3 are also planned with tensor parallelism of this size (the
+    """above 1: every plan (but hybrid ones) is also planned with tensor parallelism of this size (the
     model's planned layers split over that many ranks of a node; `Candidate.tensor_parallel_size`)"""
 
     @property
@@ -196,8 +194,8 @@ class PlanRequest:
             self._check_tp(c.tensor_parallel_size, f"{c.name}: tensor_parallel_size")
             if c.tensor_parallel_size > 1 and c not in tp_candidates([replace(c, tensor_parallel_size=1)],
                                                                         c.tensor_parallel_size):
-                raise PlanError(f"{c.name}: the planner traces tensor parallelism with "
-                                f"{', '.join(TP_STRATEGIES)}, without offload or hybrid sharding")
+                raise PlanError(f"{c.name}: the planner does not trace tensor parallelism with hybrid "
+                                "sharding yet; plan it with shard_group_size or tensor_parallel_size")
         if self.device not in ("cuda", "cpu"):
             raise PlanError(f"device {self.device!r} is not valid; choose cuda or cpu")
         if gb is not None and (not isinstance(gb, int) or gb < 1):
