@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import workloads as W
 from spawn import spawn
-from test_tensor_parallel import PLANNED, STEPS, _prepared, _reference, _train
+from test_tensor_parallel import STEPS, _planned, _prepared, _reference, _train, tp_share
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -71,10 +71,7 @@ def _four() -> dict[str, Any]:
 def _autotp_share() -> int:
     """Parameters on one rank under AutoTP at tp 2: every Linear split (the attention and MLP
     projections and the head), embeddings and norms whole."""
-    model = W.build("llama")
-    split = sum(p.numel() for n, p in model.named_parameters()
-                if n.split(".")[-2] in PLANNED or n.startswith("lm_head"))
-    return split // 2 + sum(p.numel() for p in model.parameters()) - split
+    return tp_share("llama", lambda n: _planned(n) or n.startswith("lm_head"))
 
 
 @pytest.fixture(scope="module")

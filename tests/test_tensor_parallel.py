@@ -22,6 +22,7 @@ dimension, then the all-reduce adds the halves), a few ulps per step in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,12 +200,23 @@ def _reference(dp: int, name: str = "llama") -> dict[str, Any]:
     return W.reference(name, world=dp, batch=BATCH, accum=1, steps=STEPS, clip=1.0)
 
 
+def tp_share(name: str, split: Callable[[str], bool], dp_shard: int = 1) -> int:
+    """Parameters one rank holds of model `name`: those `split(parameter name)` names halved over
+    tp 2, the rest whole, then every parameter over the dp_shard ranks (FSDP2 pads a shard to equal
+    size: counted as it is laid out)."""
+    model = W.build(name)
+    halved = sum(p.numel() for n, p in model.named_parameters() if split(n))
+    return (halved // 2 + sum(p.numel() for p in model.parameters()) - halved) // dp_shard
+
+
+def _planned(name: str) -> bool:
+    """A Llama parameter its own plan splits."""
+    return name.split(".")[-2] in PLANNED
+
+
 def _share(dp_shard: int) -> int:
-    """Parameters one rank holds: planned weights split over tp 2, then every parameter over the
-    dp_shard ranks (FSDP2 pads a shard to equal size: counted as it is laid out)."""
-    model = W.build("llama")
-    planned = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in PLANNED)
-    return (planned // 2 + sum(p.numel() for p in model.parameters()) - planned) // dp_shard
+    """The tiny Llama's parameters on one rank of its own plan (`tp_share`)."""
+    return tp_share("llama", _planned, dp_shard)
 
 
 @pytest.fixture(scope="module")
@@ -298,10 +310,8 @@ def _gpt2_share() -> int:
     """GPT-2's parameters on one tp rank of its built-in plan: the c_attn and c_fc weights, c_fc's
     bias and the two c_proj weights halved; embeddings, norms, c_attn's fused bias and the c_proj
     biases whole."""
-    model = W.build("gpt2")
-    split = sum(p.numel() for n, p in model.named_parameters()
-                if n.endswith(("c_attn.weight", "c_fc.weight", "c_fc.bias", "c_proj.weight")))
-    return split // 2 + sum(p.numel() for p in model.parameters()) - split
+    return tp_share("gpt2", lambda n: n.endswith(("c_attn.weight", "c_fc.weight", "c_fc.bias",
+                                                   "c_proj.weight")))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
@@ -332,13 +342,12 @@ def test_gpt2_tp_checkpoint_and_export(two: list[dict[str, Any]], folder: Path) 
 def test_the_projects_own_gpt_on_the_plan_it_carries_matches_one_process(two: list[dict[str, Any]]) -> None:
     """examples/gpt.py's `tensor_parallel_plan` (its fused qkv Linear split per third by heads)."""
     ref = _reference(dp=1, name="gpt")
-    model = W.build("gpt")
-    split = sum(p.numel() for n, p in model.named_parameters()
-                if n.endswith(("qkv.weight", "proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")))
+    share = tp_share("gpt", lambda n: n.endswith(("qkv.weight", "proj.weight", "mlp.0.weight", "mlp.0.bias",
+                                                   "mlp.2.weight")))
     for rank in two:
         run = rank["gpt zero2"]
         assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
-        assert run["local"] == split // 2 + sum(p.numel() for p in model.parameters()) - split
+        assert run["local"] == share
     assert W.max_diff(two[0]["gpt zero2"]["state"], ref["state"]) < 1e-5
 
 

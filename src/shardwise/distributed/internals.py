@@ -66,7 +66,7 @@ Hook = Callable[..., Any]
 
 __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
-    "is_fake", "is_sharded", "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
+    "is_fake", "is_sharded", "is_strided", "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
     "member_groups", "no_grad_trunc_normal", "shard_box", "step_post_hooks", "step_pre_hooks", "storage_ref",
     "strided_shard", "terminate_handler", "tree_map", "version_of", "view_base",
 ]
@@ -95,7 +95,7 @@ def shard_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def local_part(full: torch.Tensor, t: DTensor) -> torch.Tensor:
     """This rank's part of `full` (the whole value) as `t` lays it out, without communication: its
     `shard_box`, or for a strided split (runs of a dimension: not one box) `t`'s own split of it."""
-    if not any(is_strided_shard(p) for p in t.placements):
+    if not is_strided(t):
         shape, offset = shard_box(t)
         return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
     whole = full.to(local_tensor(t).device)
@@ -180,6 +180,11 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
 def is_strided_shard(p: Placement) -> bool:
     """`p` is a `strided_shard` (not a `Shard` subclass in every torch)."""
     return isinstance(p, _StridedShard)
+
+
+def is_strided(t: DTensor) -> bool:
+    """`t` is split in runs of a dimension somewhere (one of its placements is a `strided_shard`)."""
+    return any(is_strided_shard(p) for p in t.placements)
 
 
 # -- process groups and the launcher -------------------------------------------------------------

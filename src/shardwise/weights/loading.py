@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.storage import CheckpointError, agree
-from ..distributed.internals import is_strided_shard, local_part, local_tensor, shard_box
+from ..distributed.internals import is_strided, local_part, local_tensor, shard_box
 from .export import (
     INDEX,
     SINGLE,
@@ -318,7 +318,7 @@ def copy_into(target: torch.Tensor, key: str, read: Reader) -> None:
         local = local_tensor(target)
         if local.numel() == 0:
             return
-        if any(o for o in offset[1:]) or tuple(shape[1:]) != tuple(target.shape[1:]) or strided(target):
+        if any(o for o in offset[1:]) or tuple(shape[1:]) != tuple(target.shape[1:]) or is_strided(target):
             # not a block of whole rows (a tp split by columns, a fused q/k/v's runs): read it
             # whole (one tensor at a time), keep this rank's part
             local.copy_(local_part(read(key, None), target).reshape(local.shape))
@@ -326,11 +326,6 @@ def copy_into(target: torch.Tensor, key: str, read: Reader) -> None:
             _read_into(local, key, read, slice(offset[0], offset[0] + shape[0]))
     else:
         _read_into(target, key, read, None)
-
-
-def strided(t: DTensor) -> bool:
-    """`t` is split in runs of a dimension somewhere (`distributed.internals.strided_shard`)."""
-    return any(is_strided_shard(p) for p in t.placements)
 
 
 def _read_into(target: torch.Tensor, key: str, read: Reader, rows: slice | None) -> None:

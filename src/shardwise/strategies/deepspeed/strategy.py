@@ -335,10 +335,7 @@ class DeepSpeedStrategy(Strategy):
         for name, p in module.named_parameters():
             full = safe_get_full_fp32_param(p) if getattr(model, "ds_engine", None) is not None else None
             out[name] = self._whole(p, full if full is not None else p.detach()).clone()
-        # persistent buffers only, as torch's state_dict (a Llama's rotary inv_freq is not one)
-        params = {id(p) for p in module.parameters()}
-        out.update({n: b.detach().clone() for n, b in module.state_dict(keep_vars=True).items()
-                    if n not in out and id(b) not in params})
+        out.update({n: b.detach().clone() for n, b in _persistent_buffers(module).items()})
         return out
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -348,11 +345,9 @@ class DeepSpeedStrategy(Strategy):
         module = self.unwrap(model)
         for name, p in module.named_parameters():
             self._set_param(model, p, state[name])
-        params = {id(p) for p in module.parameters()}
         with torch.no_grad():
-            for name, b in module.state_dict(keep_vars=True).items():
-                if id(b) not in params:
-                    b.copy_(state[name])
+            for name, b in _persistent_buffers(module).items():
+                b.copy_(state[name])
 
     def _set_param(self, model: nn.Module, p: torch.Tensor, full: torch.Tensor) -> None:
         """Give a parameter a whole new value: the optimizer's fp32 master (once DeepSpeed holds
@@ -404,6 +399,13 @@ class DeepSpeedStrategy(Strategy):
             else:
                 with torch.no_grad():
                     state[key].copy_(read(key, None))
+
+
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers torch's `state_dict` holds (by name): the persistent ones only (a Llama's rotary
+    `inv_freq` is not one), so a checkpoint moves between the backends."""
+    params = {id(p) for p in module.parameters()}
+    return {n: t for n, t in module.state_dict(keep_vars=True).items() if id(t) not in params}
 
 
 @contextlib.contextmanager
