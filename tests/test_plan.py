@@ -12,6 +12,7 @@ import functools
 import json
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,11 @@ from typing_extensions import Self
 from shardwise import cli
 from shardwise.config import plan_choices
 from shardwise.plan import CANDIDATES, Candidate, Plan, PlanRequest, parse_memory, plan_model, plan_module
+from shardwise.plan.fakes import fake_mode
+from shardwise.plan.fit import Overheads
+from shardwise.plan.floor import ModelBytes, state_floor
 from shardwise.plan.presets import PlanError, hf_spec
+from shardwise.plan.report import describe
 
 TOLERANCE = 0.05
 PLAIN = [c for c in CANDIDATES if not c.checkpointed]  # every pair the strategy table allows
@@ -223,6 +228,42 @@ def test_candidates_are_what_the_strategy_table_allows() -> None:
     offloaded = [c.offload_spec.any for c in PLAIN]
     assert offloaded == sorted(offloaded)  # nothing offloaded first
     assert {c.name for c in TABLE_ONLY} == {"zero1 + offload optimizer", "zero3 + offload optimizer"}
+
+
+# -- candidates not traced: the optimizer step's floor ---------------------------------------------
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_candidate_is_left_untraced_only_where_its_floor_overflows(device: str) -> None:
+    """The floor (`plan.floor`: parameters, gradients and AdamW state at the optimizer step) is
+    below every traced peak, for every candidate the table allows at 2 devices, their tp 2 twins
+    included; a device between the smallest and the largest floor leaves exactly the candidates
+    over it untraced (reported fits=False, max_batch 0, the floor as a lower bound), and a full
+    trace of those confirms that none of them fits even batch 1."""
+    spec = _spec("gpt2-tiny")
+    every = PlanRequest(world_size=2, device_memory="1TB", device=device, workers=2, tensor_parallel_size=2)
+    roomy = plan_model(spec, every)
+    assert all(p.traced for p in roomy.plans)
+    with fake_mode():
+        sizes = ModelBytes.of(spec.build(None))
+    floors = {p.candidate: sum(state_floor(p.candidate, sizes, world_size=2, device=device,
+                                           adam=True).values()) for p in roomy.plans}
+    for p in roomy.plans:
+        tensors = p.peak - p.breakdown["overhead"]
+        assert floors[p.candidate] <= tensors, (p.name, floors[p.candidate], tensors)
+    overhead = Overheads()
+    frag, fixed = overhead.frag(device), overhead.fixed(device, 2)
+    distinct = sorted(set(floors.values()))
+    low, high = distinct[len(distinct) // 2 - 1], distinct[len(distinct) // 2]
+    limit = int((low + high) / 2 * (1 + frag) + fixed)
+    tight = plan_model(spec, replace(every, device_memory=limit))
+    skipped = {p.candidate for p in tight.plans if not p.traced}
+    assert skipped == {c for c, f in floors.items() if f * (1 + frag) + fixed > limit} and skipped
+    for p in tight.plans:
+        if not p.traced:
+            assert not p.fits and p.max_batch == 0 and p.peak > limit
+            assert p.peak == pytest.approx(floors[p.candidate] * (1 + frag) + fixed)
+            assert roomy.find(p.candidate.strategy, p.candidate.offload, p.candidate.activation_checkpointing,
+                              tensor_parallel_size=p.candidate.tensor_parallel_size).peak > limit
+    assert ">" in describe(tight) and "not traced" in describe(tight)
 
 
 # -- extrapolation against a full trace -----------------------------------------------------------

@@ -147,6 +147,37 @@ def test_tp_candidates_hold_their_share_and_all_reduce_the_activations(tmp_path:
     assert tp_sent == 7 * LAYERS * 2 * SEQ * HIDDEN * 4 == 917504
 
 
+def test_sequence_parallel_candidates_gather_and_scatter_instead_and_hold_fewer_activations(
+    tmp_path: Path,
+) -> None:
+    """zero3 + tp 2 + sp at 4 devices: the same parameters and optimizer state as zero3 + tp 2; no
+    tp all-reduce left, instead per block 4 all-gathers (the attention's and the MLP's input in
+    forward, the rowwise outputs' gradients in backward) and 4 reduce-scatters (the rowwise
+    outputs in forward, the inputs' gradients in backward) of batch x seq x hidden, plus the
+    residual stream's gather after the last block (forward) and at the first (backward); and
+    fewer activations (the norms and residuals hold half the tokens). What stays all-reduced over
+    the tp pair: the norms' weight gradients (each rank's from its half of the tokens)."""
+    cands = [Candidate("zero3", tensor_parallel_size=2),
+             Candidate("zero3", tensor_parallel_size=2, sequence_parallel=True)]
+    req = PlanRequest(world_size=4, device_memory="1GB", batch=2, device="cpu", candidates=cands)
+    plan = plan_named(str(_llama(tmp_path)), req, seq_len=SEQ)
+    tp = plan.find("zero3", tensor_parallel_size=2)
+    sp = plan.find("zero3", tensor_parallel_size=2, sequence_parallel=True)
+    assert sp.name == "zero3 + tp 2 + sp" and sp.settings()["sequence_parallel"] is True
+    assert sp.breakdown["optimizer"] == tp.breakdown["optimizer"]
+    assert sp.breakdown["params"] == tp.breakdown["params"]
+    assert sp.breakdown["activations"] < tp.breakdown["activations"]
+    one = 2 * SEQ * HIDDEN * 4  # batch x seq x hidden, fp32
+    dp = step_comm("zero3", sum(_block_and_rest(2)), "fp32", world_size=2)
+    assert sp.comm is not None and tp.comm is not None
+    norms = 2 * LAYERS * HIDDEN * 4  # each block's two RMSNorm weights, fp32
+    assert sp.comm.intra["all_reduce"] - dp.intra["all_reduce"] == pytest.approx(norms * 2 * (2 - 1) / 2)
+    ring = (2 - 1) / 2
+    sent = {kind: sp.comm.intra[kind] - dp.intra[kind] for kind in ("reduce_scatter", "all_gather")}
+    assert sent["reduce_scatter"] == pytest.approx(4 * LAYERS * one * ring)
+    assert sent["all_gather"] == pytest.approx((4 * LAYERS + 2) * one * ring)
+
+
 def test_cli_lists_tp_candidates_at_about_half_the_parameters(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -10,7 +10,13 @@ from torch import nn
 from shardwise.config import EngineConfig
 from shardwise.config.tree import ConfigError
 from shardwise.distributed.mesh import ParallelDims
-from shardwise.strategies.tensor_parallel import _check_sizes, _matches, check_tensor_parallel, model_plan
+from shardwise.strategies.tensor_parallel import (
+    _check_sizes,
+    _matches,
+    _sequence_layout,
+    check_tensor_parallel,
+    model_plan,
+)
 
 
 def test_a_transformers_model_brings_its_plan_under_its_base_prefix() -> None:
@@ -101,3 +107,44 @@ def test_throughput_counts_a_tp_groups_batch_once() -> None:
     assert abs(one["samples_per_s"] * one["step_time_s"] - 4) < 1e-9
     assert abs(two["samples_per_s"] * two["step_time_s"] - 2) < 1e-9
     assert abs(two["tokens_per_s"] / two["samples_per_s"] - 8) < 1e-9
+
+
+# -- sequence parallelism -------------------------------------------------------------------------
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"tensor_parallel_size": 1}, "sequence_parallel: true splits the activations over the tensor-parallel"),
+    ({"tensor_parallel_size": 2, "strategy": "zero2", "backend": "deepspeed"},
+     "DeepSpeed's AutoTP has no sequence parallelism; use backend: torch"),
+])
+def test_sequence_parallel_without_tp_or_on_deepspeed_is_refused_in_one_line(settings: dict,
+                                                                            message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(sequence_parallel=True, **settings)
+    assert EngineConfig(sequence_parallel=True, tensor_parallel_size=2).sharding.sequence_parallel
+
+
+def test_sequence_parallel_cuts_at_the_blocks_sublayers_and_norms() -> None:
+    """GPT-2 and Llama: the residual stream split at the first block and gathered after the last,
+    each attention and MLP gathering its input, the norms between them on this rank's tokens."""
+    gpt2 = W.build("gpt2")
+    layout = _sequence_layout(gpt2, _matches(model_plan(gpt2, None), gpt2))
+    assert layout.blocks == ["transformer.h.0", "transformer.h.1"]
+    assert layout.sublayers == ["transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.1.attn",
+                                "transformer.h.1.mlp"]
+    assert layout.norms == ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1",
+                            "transformer.h.1.ln_2"]
+    llama = W.build("llama")
+    layout = _sequence_layout(llama, _matches(model_plan(llama, None), llama))
+    assert layout.blocks == ["model.layers.0", "model.layers.1"]
+    assert [n.rsplit(".", 1)[1] for n in layout.norms] == ["input_layernorm", "post_attention_layernorm"] * 2
+
+
+def test_sequence_parallel_refuses_a_model_it_cannot_cut() -> None:
+    """The project's GPT projects q/k/v straight from its block (no attention module of its own);
+    a block holding other whole parameters than norms is refused too."""
+    gpt = W.build("gpt")
+    with pytest.raises(ConfigError, match="each block's attention and MLP must be modules of their own"):
+        _sequence_layout(gpt, _matches(model_plan(gpt, None), gpt))
+    llama = W.build("llama")
+    llama.model.layers[0].register_parameter("gate", nn.Parameter(llama.model.norm.weight.detach().clone()))
+    with pytest.raises(ConfigError, match=r"model\.layers\.0 \(LlamaDecoderLayer\) holds whole parameters"):
+        _sequence_layout(llama, _matches(model_plan(llama, None), llama))

@@ -39,6 +39,9 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                    help="also plan every strategy and offload with tensor parallelism over N devices of a "
                         "node (N divides the devices per node; the model needs a tensor-parallel plan; "
                         "default 1: none)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="plan the tensor-parallel plans with sequence parallelism (the activations between "
+                        "the split layers split over the sequence too)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
     p.add_argument("--cpu-memory", default=None,
@@ -132,7 +135,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         activation_checkpointing=ns.activation_checkpointing,
         activation_checkpointing_every=ns.activation_checkpointing_every, global_batch=ns.global_batch,
         overheads=_overheads(ns), checkpoint_async=ns.checkpoint_async,
-        tensor_parallel_size=ns.tensor_parallel_size,
+        tensor_parallel_size=ns.tensor_parallel_size, sequence_parallel=ns.sequence_parallel,
     )
     result = plan_named(ns.model, request, seq_len=ns.seq_len)
     print(describe(result))

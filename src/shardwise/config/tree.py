@@ -223,6 +223,7 @@ class ShardingSection:
     deepspeed_config: str | None = None
     tensor_parallel_size: int = 1
     tensor_parallel_plan: dict[str, str] | None = None
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +310,11 @@ class EngineConfig:
     """Module path (`*` matches one name) -> how it is split: colwise, rowwise,
     colwise_gather_output, colwise_loss_parallel (the head's logits left split: compute the loss
     under `engine.loss_parallel()`), embedding_rowwise, replicate (None: the model's own plan)."""
+    sequence_parallel: bool = False
+    """With tensor_parallel_size > 1: the activations between the split layers (norms, residuals,
+    dropouts) split over the sequence across the tp ranks too, instead of whole on each (the
+    all-reduces become all-gathers and reduce-scatters of the same bytes). The sequence length
+    must divide by tensor_parallel_size. Torch backend."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; gradients are communicated only on the last one."""
     max_grad_norm: float | None = None
@@ -416,7 +422,7 @@ class EngineConfig:
         return ShardingSection(self.strategy, self.backend, self.precision, self.offload,
                                self.shard_group_size, self.wrap, self.max_grad_norm, self.loss_scale,
                                self.offload_bucket_numel, self.host_kernel, self.deepspeed_config,
-                               self.tensor_parallel_size, self.tensor_parallel_plan)
+                               self.tensor_parallel_size, self.tensor_parallel_plan, self.sequence_parallel)
 
     @property
     def blocks(self) -> BlocksSection:
@@ -486,6 +492,14 @@ def _check_tensor_parallel(cfg: EngineConfig) -> None:
     if plan is not None and not valid:
         raise ConfigError(f"tensor_parallel_plan={plan!r} must map module paths to one of "
                           f"{', '.join(TP_STYLES)}")
+    if not isinstance(cfg.sequence_parallel, bool):
+        raise ConfigError(f"sequence_parallel={cfg.sequence_parallel!r} must be true or false")
+    if cfg.sequence_parallel and tp == 1:
+        raise ConfigError("sequence_parallel: true splits the activations over the tensor-parallel ranks: "
+                          "set tensor_parallel_size above 1 with it, or leave sequence_parallel off")
+    if cfg.sequence_parallel and cfg.backend == "deepspeed":
+        raise ConfigError("sequence_parallel: true with backend: deepspeed: DeepSpeed's AutoTP has no "
+                          "sequence parallelism; use backend: torch")
     if tp == 1:
         return
     if cfg.backend == "deepspeed" and STRATEGY_TABLE[cfg.strategy].shards_params:

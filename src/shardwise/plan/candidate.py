@@ -42,6 +42,9 @@ class Candidate:
     tensor_parallel_size: int = 1
     """tensor parallelism: the planned layers split over this many ranks (ddp, zero2, zero3),
     the strategy then over world / tensor_parallel_size data-parallel ranks"""
+    sequence_parallel: bool = False
+    """with tensor parallelism: the activations between the split layers split over the sequence
+    too (`EngineConfig.sequence_parallel`)"""
 
     def __post_init__(self) -> None:
         ac: Any = self.activation_checkpointing
@@ -70,6 +73,7 @@ class Candidate:
         off = f" + offload {self.offload}" if self.offload_spec.any else ""
         hybrid = f" hybrid {self.shard_group_size}" if self.shard_group_size is not None else ""
         tp = f" + tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        tp += " + sp" if self.sequence_parallel else ""
         return f"{self.strategy}{hybrid}{tp}{off}{self.checkpointing_label}"
 
     @property

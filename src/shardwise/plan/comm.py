@@ -124,12 +124,16 @@ def tensor_parallel_bytes(rowwise_layers: int, batch: int, seq_len: int, hidden:
     return float(2 * rowwise_layers * batch * seq_len * hidden * element_bytes)
 
 
-def with_tensor_parallel(volume: CommVolume, allreduced: float, tp: int) -> CommVolume:
+def with_tensor_parallel(volume: CommVolume, allreduced: float, tp: int, *, gathered: float = 0.0,
+                         scattered: float = 0.0) -> CommVolume:
     """`volume` (the data-parallel collectives over world / tp ranks) plus tensor parallelism's
     all-reduces of `allreduced` bytes (`tensor_parallel_bytes`, or what a trace counted) over
-    the `tp` ranks of one node: 2(tp-1)/tp of them sent per rank, never across nodes."""
+    the `tp` ranks of one node: 2(tp-1)/tp of them sent per rank, never across nodes; with
+    sequence parallelism, its all-gathers and reduce-scatters of `gathered` and `scattered` full
+    buffers, (tp-1)/tp of each."""
     intra = dict(volume.intra)
-    sent = ring_bytes("all_reduce", allreduced, tp)
-    if sent:
-        intra["all_reduce"] = intra.get("all_reduce", 0.0) + sent
+    for kind, nbytes in (("all_reduce", allreduced), ("all_gather", gathered), ("reduce_scatter", scattered)):
+        sent = ring_bytes(kind, nbytes, tp)
+        if sent:
+            intra[kind] = intra.get(kind, 0.0) + sent
     return CommVolume(intra=intra, inter=dict(volume.inter))

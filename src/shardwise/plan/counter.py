@@ -63,6 +63,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t)
 
 
+def _full_buffer(op: str, args: Any, tensors: list[torch.Tensor]) -> float:
+    """Bytes of a collective's full buffer: the biggest tensor it takes (an all-reduced tensor, a
+    flat all-gather's output, a flat reduce-scatter's input), except for the list forms, whose
+    buffer is their list of parts (all-gather's outputs, reduce-scatter's inputs: `args[0]`,
+    `args[1]`, each a list of one list of parts)."""
+    parts = args[0] if op == "allgather" else args[1] if op == "reduce_scatter" else None
+    if parts is not None:
+        return float(sum(_local(t).numel() * _local(t).element_size() for t in tree_leaves(parts)))
+    return float(max(_local(t).numel() * _local(t).element_size() for t in tensors))
+
+
 def _group_suffix(args: Any) -> str:
     """The key suffix of a collective's group (`fit.comm_factor` reads the ring's size from it):
     "" over the whole world; "@G" over a group of G consecutive ranks (a tensor-parallel group,
@@ -174,8 +185,7 @@ class StorageCounter(DispatchMode):
             if self.counting and tensors and op not in _NOT_MOVING:
                 # c10d's "allreduce_" and the functional "all_reduce" (DTensor's) are one kind
                 name = op.replace("all_reduce", "allreduce") + _group_suffix(args)
-                biggest = max(_local(t).numel() * _local(t).element_size() for t in tensors)
-                self.comm_bytes[name] = self.comm_bytes.get(name, 0.0) + biggest
+                self.comm_bytes[name] = self.comm_bytes.get(name, 0.0) + _full_buffer(op, args, tensors)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.see(t)

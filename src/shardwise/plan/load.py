@@ -51,10 +51,15 @@ def _sharded_at_rest(c: Candidate) -> bool:
     return c.strategy_spec.shards_grads
 
 
-def load_memory(spec: ModelSpec, candidates: list[Candidate], *, world_size: int, device: str) -> LoadMemory:
-    """`LoadMemory` for `spec` at its full depth (built on fake tensors: no memory)."""
-    with fake_mode():
-        model: nn.Module = spec.build(None)
+def load_memory(source: ModelSpec | nn.Module, candidates: list[Candidate], *, world_size: int,
+                device: str) -> LoadMemory:
+    """`LoadMemory` for a model at its full depth: `source` built on fake tensors (no memory), or
+    the fake-tensor build the planner already made."""
+    if isinstance(source, nn.Module):
+        model = source
+    else:
+        with fake_mode():
+            model = source.build(None)
     params = _bytes(list({id(p): p for p in model.parameters()}.values()))
     buffers = _bytes(list(model.buffers()))
     largest = 0.0

@@ -27,7 +27,9 @@ from torch import nn
 
 from ..config.tree import STRATEGY_TABLE, ConfigError
 from .comm import CommVolume, step_comm, with_tensor_parallel
+from .fakes import fake_mode
 from .fit import Fitted, GiB, Hardware, Overheads, largest_batch
+from .floor import ModelBytes, state_floor
 from .load import LoadMemory, load_memory
 from .presets import TRACE_DEPTHS, ModelSpec, PlanError, batch_dim, module_spec, resolve_model
 from .request import CANDIDATES, PlanRequest, parse_memory
@@ -65,6 +67,9 @@ class StrategyPlan:
     why: str = ""
     comm: CommVolume | None = None
     """bytes each rank sends per optimizer step, within a node and across nodes (`plan.comm`)"""
+    traced: bool = True
+    """False: its optimizer step's floor alone (`floor.state_floor`) is more than the device holds,
+    so it fits no batch and was not traced; `peak` and `breakdown` are that lower bound"""
 
     @property
     def name(self) -> str:
@@ -81,6 +86,8 @@ class StrategyPlan:
             out["shard_group_size"] = c.shard_group_size
         if c.tensor_parallel_size > 1:
             out["tensor_parallel_size"] = c.tensor_parallel_size
+        if c.sequence_parallel:
+            out["sequence_parallel"] = True
         return out
 
 
@@ -128,12 +135,13 @@ class Plan:
     def find(
         self, strategy: str, offload: str = "none", activation_checkpointing: str | bool = "none",
         shard_group_size: int | None = None, activation_checkpointing_every: int | None = None,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int = 1, sequence_parallel: bool = False,
     ) -> StrategyPlan:
         """The plan of one candidate (`shard_group_size`: its hybrid twin; `tensor_parallel_size`:
-        its tensor-parallel twin; a bool `activation_checkpointing` is read as full or none)."""
+        its tensor-parallel twin, with `sequence_parallel` or not; a bool `activation_checkpointing`
+        is read as full or none)."""
         wanted = Candidate(strategy, offload, activation_checkpointing, shard_group_size,  # type: ignore[arg-type]
-                           activation_checkpointing_every, tensor_parallel_size)
+                           activation_checkpointing_every, tensor_parallel_size, sequence_parallel)
         for p in self.plans:
             if p.candidate == wanted:
                 return p
@@ -291,14 +299,17 @@ def _volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> Co
     """Bytes each rank sends per step, within a node and across nodes (`comm.step_comm`). Under
     tensor parallelism (tp T): the data-parallel collectives over world / T ranks on what one tp
     rank holds (traced: `TraceResult.tp_parameters`), plus the all-reduces the trace counted
-    over the T consecutive ranks of the tp group (`with_tensor_parallel`)."""
+    over the T consecutive ranks of the tp group, or with sequence parallelism the all-gathers and
+    reduce-scatters that replace them (`with_tensor_parallel`)."""
     tp = cand.tensor_parallel_size
     if tp == 1:
         return step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
                          world_size=req.world_size, nodes=req.nodes, group_size=cand.shard_group_size)
     dp = step_comm(cand.strategy, fitted.linear("tp_parameters", batch), req.precision,
                    world_size=req.world_size // tp, nodes=req.nodes, group_size=cand.shard_group_size)
-    return with_tensor_parallel(dp, fitted.comm_bytes(f"allreduce@{tp}"), tp)
+    return with_tensor_parallel(dp, fitted.comm_bytes(f"allreduce@{tp}"), tp,
+                                gathered=fitted.comm_bytes(f"allgather@{tp}"),
+                                scattered=fitted.comm_bytes(f"reduce_scatter@{tp}"))
 
 
 def _gib(x: float) -> str:
@@ -318,9 +329,9 @@ def _choose(
     """The plans with their step time relative to the fastest that fits, that one, and why."""
     fitting = [p for p in plans if p.fits]
     if not fitting:
-        most = max(plans, key=lambda p: (p.max_batch, -p.peak))
+        most = max(plans, key=lambda p: (p.max_batch, p.traced, -p.peak))
         hint = (f"; {most.name} fits batch {most.max_batch}" if most.max_batch else
-                f"; the smallest, {most.name}, needs {_gib(most.peak)}")
+                f"; the smallest, {most.name}, needs {'' if most.traced else 'at least '}{_gib(most.peak)}")
         return plans, None, f"no plan fits batch {batch} in {_gib(budget)} per device{hint}"
     fastest = min(_per_sample(p) for p in fitting)
     plans = [replace(p, relative_time=_per_sample(p) / fastest) for p in plans]
@@ -342,7 +353,8 @@ def _choose(
 
 
 def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
-    """Trace and fit every candidate of `request` for `spec`; the fastest that fits is `Plan.best`."""
+    """Trace and fit every candidate of `request` for `spec`; the fastest that fits is `Plan.best`.
+    A candidate whose optimizer-step floor alone overflows the device is not traced (`_floored`)."""
     t0 = time.perf_counter()
     request.check()
     budget = _Budget.of(request)
@@ -351,12 +363,19 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
     tp = max(c.tensor_parallel_size for c in cands)
     if tp > 1:
         check_tp_plan(spec, tp)
-    traces = _trace_candidates(spec, cands, request, batch=batch, grad_accum_steps=1)
+    with fake_mode():
+        whole = spec.build(None)
+    sizes = ModelBytes.of(whole)
+    floors = {c: state_floor(c, sizes, world_size=request.world_size, device=request.device,
+                             adam=request.optimizer is None) for c in cands}
+    traced = [c for c in cands if _floor_peak(floors[c], budget) <= budget.device]
+    traces = _trace_candidates(spec, traced, request, batch=batch, grad_accum_steps=1) if traced else {}
     fitted = {c: _fit(t, c, spec, request) for c, t in traces.items()}
-    flop_src = _flop_sources(fitted, cands)
-    plans = [_evaluate(fitted[c], c, flop_src[_recompute(c)], budget, batch) for c in cands]
+    flop_src = _flop_sources(fitted, traced)
+    plans = [_evaluate(fitted[c], c, flop_src[_recompute(c)], budget, batch) if c in fitted
+             else _floored(c, floors[c], budget, batch) for c in cands]
     plans, best, why = _choose(plans, batch, budget.device)
-    n_params = round(next(iter(fitted.values())).linear("parameters", batch))
+    n_params = sum(p.numel() for p in {id(p): p for p in whole.parameters()}.values())
     accum = None
     if request.global_batch is not None:
         accum = _global_batch(spec, plans, fitted, flop_src, budget)
@@ -367,9 +386,27 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
         hardware=budget.hardware, seconds=time.perf_counter() - t0, global_batch=accum,
         traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
         # tensor parallelism builds the model whole on every process (no init_empty yet)
-        load=load_memory(spec, [c for c in cands if c.tensor_parallel_size == 1],
+        load=load_memory(whole, [c for c in cands if c.tensor_parallel_size == 1],
                          world_size=request.world_size, device=request.device),
-        nodes=request.nodes, notes=_depth_notes(cands, spec.depth),
+        nodes=request.nodes, notes=_depth_notes(traced, spec.depth),
+    )
+
+
+def _floor_peak(floor: dict[str, float], budget: _Budget) -> float:
+    """The device peak the floor alone makes, with the planner's overheads (as `_evaluate`)."""
+    req, o = budget.request, budget.overheads
+    return sum(floor.values()) * (1 + o.frag(req.device)) + o.fixed(req.device, req.world_size)
+
+
+def _floored(cand: Candidate, floor: dict[str, float], budget: _Budget, batch: int) -> StrategyPlan:
+    """The plan of a candidate not traced: its floor (parameters, gradients and optimizer state at
+    the optimizer step) overflows the device at any batch and in any checkpointing mode."""
+    peak = _floor_peak(floor, budget)
+    breakdown = {**floor, "overhead": peak - sum(floor.values())}
+    return StrategyPlan(
+        candidate=cand, batch=batch, fits=False, peak=peak, breakdown=breakdown,
+        host=0.0, max_batch=0, step_seconds=0.0, compute_seconds=0.0, comm_seconds=0.0, offload_seconds=0.0,
+        segment="opt", traced=False,
     )
 
 
@@ -378,7 +415,6 @@ def check_tp_plan(spec: ModelSpec, tp: int) -> None:
     (`strategies.tensor_parallel.model_plan`: the model's own, a transformers model's
     `base_model_tp_plan`, or one built in); built on fake tensors, cut to the traced depth."""
     from ..strategies.tensor_parallel import model_plan
-    from .fakes import fake_mode
 
     with fake_mode():
         model = spec.build(TRACE_DEPTHS[0] if spec.depth is not None else None)
@@ -449,13 +485,13 @@ def _global_batch(spec: ModelSpec, plans: list[StrategyPlan], fitted: dict[Candi
         raise PlanError(f"--global-batch {total} is not a multiple of the {world} devices")
     per_device = total // world
     options: list[GlobalBatch] = []
-    needs_accum = [p.candidate for p in plans if p.max_batch < per_device]
+    needs_accum = [p.candidate for p in plans if p.max_batch < per_device and p.traced]
     accum_fitted: dict[Candidate, Fitted] = {}
     if needs_accum:
         batch = min(max(1, min(p.max_batch for p in plans if p.candidate in needs_accum)), per_device)
         traces = _trace_candidates(spec, needs_accum, req, batch=batch, grad_accum_steps=2)
         accum_fitted = {c: _fit(t, c, spec, req) for c, t in traces.items()}
-    for p in plans:
+    for p in (p for p in plans if p.traced):  # the others fit no batch
         c = p.candidate
         flops = flop_src[_recompute(c)]
         if p.max_batch >= per_device:

@@ -36,6 +36,18 @@ def _size(x: float) -> str:
     return f"{x / 1e6:.1f}M"
 
 
+def _peak(p: StrategyPlan, unit: str) -> str:
+    """The peak, or for a plan not traced its floor, a lower bound (">X")."""
+    return _g(p.peak, unit) if p.traced else ">" + _g(p.peak, unit)
+
+
+def _part(p: StrategyPlan, part: str, unit: str) -> str:
+    """One part of the peak; of a plan not traced, only the parts its floor knows."""
+    if not p.traced and part not in p.breakdown:
+        return "-"
+    return _g(p.breakdown.get(part, 0.0), unit)
+
+
 def describe(plan: Plan) -> str:
     """The table `shardwise plan` prints: one row per candidate, the choice and why."""
     u = _unit(plan)
@@ -62,15 +74,18 @@ def describe(plan: Plan) -> str:
         mark = "*" if plan.best is not None and p.candidate == plan.best.candidate else " "
         sent = f" {_g(p.comm.intra_bytes, u):>6s} {_g(p.comm.inter_bytes, u):>6s}" if nodes and p.comm else ""
         lines.append(
-            f"{mark}{p.name:{w}s} {'yes' if p.fits else 'no':>4s} {_g(p.peak, u):>6s} "
-            + " ".join(f"{_g(p.breakdown.get(k, 0.0), u):>6s}" for k in parts)
-            + f" {_g(p.host, u):>6s} {p.max_batch:>9d} "
+            f"{mark}{p.name:{w}s} {'yes' if p.fits else 'no':>4s} {_peak(p, u):>6s} "
+            + " ".join(f"{_part(p, k, u):>6s}" for k in parts)
+            + f" {_g(p.host, u) if p.traced else '-':>6s} {p.max_batch:>9d} "
             + (f"{p.relative_time:>5.2f}x" if p.fits else f"{'-':>6s}")  # a time only where it runs
             + sent
         )
     lines.append("")
     lines.append(f"{u} per device at the planned batch (peak = the parts + overhead); host = host memory per "
                  "process; step = estimated time relative to the fastest plan that fits")
+    if not all(p.traced for p in plan.plans):
+        lines.append(">X = not traced, at least X: its parameters, gradients and optimizer state alone, held "
+                     "at the optimizer step, overflow the device at any batch")
     if any(p.candidate.tensor_parallel_size > 1 for p in plan.plans):
         lines.append("tp N = the planned layers split over N devices of a node, which share one batch: its "
                      "step is compared per sample (N steps train what the others train in one)")
@@ -111,7 +126,7 @@ def _hybrid_lines(plan: Plan, u: str) -> list[str]:
         if c.shard_group_size is None or c.offload_spec.any or c.checkpointed:
             continue
         full = plan.find(c.strategy)
-        if full.comm is None or p.comm is None:
+        if full.comm is None or p.comm is None or not (p.traced and full.traced):
             continue
         t_full = full.comm.seconds(hw.interconnect, hw.inter_node)
         t_hyb = p.comm.seconds(hw.interconnect, hw.inter_node)

@@ -36,10 +36,11 @@ def _candidates() -> tuple[Candidate, ...]:
 CANDIDATES: tuple[Candidate, ...] = _candidates()
 
 
-def tp_candidates(base: Sequence[Candidate], tp: int) -> list[Candidate]:
-    """The tensor-parallel twins (tp `tp`) of the candidates in `base`: every strategy and
-    offload, each activation-checkpointing mode; not hybrid sharding (not traced with tp yet)."""
-    return [replace(c, tensor_parallel_size=tp) for c in base
+def tp_candidates(base: Sequence[Candidate], tp: int, sequence_parallel: bool = False) -> list[Candidate]:
+    """The tensor-parallel twins (tp `tp`, with `sequence_parallel` or not) of the candidates in
+    `base`: every strategy and offload, each activation-checkpointing mode; not hybrid sharding
+    (not traced with tp yet)."""
+    return [replace(c, tensor_parallel_size=tp, sequence_parallel=sequence_parallel) for c in base
             if c.shard_group_size is None and c.tensor_parallel_size == 1]
 
 
@@ -113,6 +114,8 @@ class PlanRequest:
     tensor_parallel_size: int = 1
     """above 1: every plan (but hybrid ones) is also planned with tensor parallelism of this size (the
     model's planned layers split over that many ranks of a node; `Candidate.tensor_parallel_size`)"""
+    sequence_parallel: bool = False
+    """the tensor-parallel plans with sequence parallelism (`Candidate.sequence_parallel`)"""
 
     @property
     def per_device_batch(self) -> int:
@@ -144,7 +147,7 @@ class PlanRequest:
             if self.nodes > 1 and c.strategy_spec.shards_optimizer and c.shard_group_size is None:
                 out.append(replace(c, shard_group_size=self.gpus_per_node))
         if self.tensor_parallel_size > 1:  # after every plan without: a tie goes to the simpler
-            out += tp_candidates(base, self.tensor_parallel_size)
+            out += tp_candidates(base, self.tensor_parallel_size, self.sequence_parallel)
         return out
 
     @property
@@ -187,13 +190,17 @@ class PlanRequest:
             raise PlanError(f"--gpus {world} does not spread evenly over --nodes {nodes}; "
                             "give --nodes and --gpus-per-node instead")
         self._check_tp(self.tensor_parallel_size, "--tensor-parallel-size")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise PlanError("--sequence-parallel splits the activations over the tensor-parallel ranks: give "
+                            "--tensor-parallel-size N (N > 1) with it")
         for c in self.candidates or ():
             group = c.shard_group_size
             if group is not None and (group < 1 or world % group):
                 raise PlanError(f"shard_group_size={group} does not divide the {world} devices")
             self._check_tp(c.tensor_parallel_size, f"{c.name}: tensor_parallel_size")
-            if c.tensor_parallel_size > 1 and c not in tp_candidates([replace(c, tensor_parallel_size=1)],
-                                                                        c.tensor_parallel_size):
+            if c.tensor_parallel_size > 1 and c not in tp_candidates(
+                    [replace(c, tensor_parallel_size=1, sequence_parallel=False)], c.tensor_parallel_size,
+                    c.sequence_parallel):
                 raise PlanError(f"{c.name}: the planner does not trace tensor parallelism with hybrid "
                                 "sharding yet; plan it with shard_group_size or tensor_parallel_size")
         if self.device not in ("cuda", "cpu"):

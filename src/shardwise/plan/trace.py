@@ -258,7 +258,8 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
                       activation_checkpointing_every=cand.activation_checkpointing_every,
                       wrap=tuple(job.wrap),
                       grad_accum_steps=job.grad_accum_steps, shard_group_size=cand.shard_group_size,
-                      tensor_parallel_size=cand.tensor_parallel_size)
+                      tensor_parallel_size=cand.tensor_parallel_size,
+                      sequence_parallel=cand.sequence_parallel)
     stack.enter_context(kept_rng())
     stack.enter_context(fake_world(job.world_size))
     info = init_distributed(force_cpu=True)

@@ -200,7 +200,8 @@ class Strategy(ABC):
         if self.tp == 1:
             return
         with recipes_kept(model):  # (an init_empty() model: its split parameters keep their init)
-            apply_tensor_parallel(model, model_plan(model, self.cfg.tensor_parallel_plan), self.dims.tp_mesh)
+            apply_tensor_parallel(model, model_plan(model, self.cfg.tensor_parallel_plan), self.dims.tp_mesh,
+                                  sequence_parallel=self.cfg.sequence_parallel)
 
     def process_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         """(shard group, replicate group): the processes this one shards parameters, gradients or

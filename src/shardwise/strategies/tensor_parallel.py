@@ -21,6 +21,18 @@ model's `config.base_model_tp_plan` (under the base model's prefix: Llama, Mistr
 split by heads, so the heads (and the key/value heads) must divide by tp; a model without a plan,
 or whose sizes tp does not divide, is refused at prepare in one line naming the fix.
 
+Sequence parallelism (`sequence_parallel: true`, Megatron's): between the split layers, the
+activations are split too, over the sequence (dimension 1) instead of copied on every tp rank. The
+residual stream enters the first block as this rank's 1/tp of the tokens and leaves the last one
+gathered; each sublayer that holds the colwise layers (an attention, an MLP) all-gathers its input
+over the sequence and its rowwise layer reduce-scatters its output back (in backward the
+reverse): the bytes of the all-reduce they replace, in two halves. The norms between them run on
+this rank's tokens (torch's `SequenceParallel`: their weights Replicate DTensors whose gradients
+are summed over the tp ranks), and so do a rowwise layer's whole bias and the dropouts. Norms,
+residuals and the block boundaries then hold 1/tp of their activations. The sequence must divide
+by tp; each block's attention and MLP must be modules of their own, taking the hidden states first
+(or as `hidden_states=`), as transformers' and GPT-2's are.
+
 Memory: each tp rank holds 1/tp of every planned weight (and its gradients and optimizer state);
 the data-parallel strategy then shards what each rank holds over the data-parallel ranks
 (zero2/zero3: FSDP2 over the dp mesh, after this). Communication per block: the rowwise layers'
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +55,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 from torch.nn import functional as F
@@ -65,9 +79,9 @@ def _transposed(module: nn.Module) -> bool:
     return hasattr(module, "nf") and any(c.__name__ == "Conv1D" for c in type(module).__mro__)
 
 
-def _style(name: str, module: nn.Module) -> ParallelStyle | None:
-    if name == "colwise_qkv" or (name in ("colwise", "rowwise") and _transposed(module)):
-        return _LocalSplit(name)
+def _style(name: str, module: nn.Module, sequence: bool = False) -> ParallelStyle | None:
+    if name == "colwise_qkv" or (name in ("colwise", "rowwise") and (_transposed(module) or sequence)):
+        return _LocalSplit(name, sequence)
     if name == "colwise":
         return ColwiseParallel()
     if name == "rowwise":
@@ -139,8 +153,10 @@ def _check_sizes(model: nn.Module, modules: dict[str, str], tp: int) -> None:
                               "divides it")
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMesh) -> dict[str, str]:
-    """Split `model`'s planned modules over the 1-D tp `mesh` in place (weights from tp rank 0);
+def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMesh, *,
+                          sequence_parallel: bool = False) -> dict[str, str]:
+    """Split `model`'s planned modules over the 1-D tp `mesh` in place (weights from tp rank 0),
+    with `sequence_parallel` the activations between them over the sequence (module docstring);
     returns the module paths split, with their styles. Refuses, before changing anything, a
     model without a plan, a plan naming no module, and sizes tp does not divide."""
     tp = mesh.size()
@@ -149,7 +165,9 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
                           "(transformers models carry one as config.base_model_tp_plan); give one as "
                           "tensor_parallel_plan: {'layers.*.mlp.up_proj': 'colwise', ...}")
     modules = _matches(plan, model)
-    styles = {path: _style(style, model.get_submodule(path)) for path, style in modules.items()}
+    layout = _sequence_layout(model, modules) if sequence_parallel else None
+    styles = {path: _style(style, model.get_submodule(path), sequence_parallel and style in _SEQUENCE_STYLES)
+              for path, style in modules.items()}
     _check_sizes(model, modules, tp)
     parallelize_module(model, mesh, {p: s for p, s in styles.items() if s is not None})
     for path, style in modules.items():
@@ -158,7 +176,167 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
             for name in _LOCAL_SIZES:
                 if isinstance(getattr(attention, name, None), int):
                     setattr(attention, name, getattr(attention, name) // tp)
+    if layout is not None:
+        _split_sequence(model, layout, mesh)
     return modules
+
+
+# -- sequence parallelism: the activations between the split layers split over the sequence -------
+_SEQUENCE_STYLES = ("colwise", "rowwise", "colwise_qkv")
+
+
+class _Layout:
+    """Where sequence parallelism cuts a model: its blocks (the residual stream enters the first
+    split and leaves the last gathered), the sublayers that gather their input (the colwise
+    layers' parents) and the norms that run on this rank's tokens."""
+
+    def __init__(self, blocks: list[str], sublayers: list[str], norms: list[str]) -> None:
+        self.blocks, self.sublayers, self.norms = blocks, sublayers, norms
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _sequence_layout(model: nn.Module, modules: dict[str, str]) -> _Layout:
+    """The blocks, sublayers and norms of `model` under its plan; refuses (one line) a model whose
+    blocks have no attention and MLP modules of their own, or hold other whole parameters."""
+    split = [p for p, st in modules.items() if st in _SEQUENCE_STYLES]
+    sublayers = sorted({_parent(p) for p, st in modules.items() if st in ("colwise", "colwise_qkv")})
+    blocks = sorted({_parent(s) for s in sublayers})
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    nested = [s for s in sublayers if not s or s in blocks]  # a block holding colwise layers itself
+    if nested or not blocks or "" in blocks:
+        raise ConfigError("sequence_parallel: each block's attention and MLP must be modules of their own "
+                          f"holding the colwise layers (found them under {sublayers[:2]}); leave "
+                          "sequence_parallel off for this model")
+    norms = []
+    for block in blocks:
+        for name, sub in model.get_submodule(block).named_modules(prefix=block):
+            if not sub._parameters or any(name == p or name.startswith(p + ".") for p in split):
+                continue
+            if "norm" not in type(sub).__name__.lower():
+                raise ConfigError(f"sequence_parallel: {name} ({type(sub).__name__}) holds whole "
+                                  "parameters between the split layers and is not a norm; leave "
+                                  "sequence_parallel off for this model")
+            norms.append(name)
+    return _Layout(sorted(blocks, key=order.__getitem__), sublayers, norms)
+
+
+def _split_sequence(model: nn.Module, layout: _Layout, mesh: DeviceMesh) -> None:
+    """Hook the cuts of `layout` into `model` (the split layers already reduce-scatter)."""
+    group = mesh.get_group()
+    parallelize_module(model, mesh, {n: SequenceParallel(use_local_output=True) for n in layout.norms})
+    first, last = model.get_submodule(layout.blocks[0]), model.get_submodule(layout.blocks[-1])
+    first.register_forward_pre_hook(_on_hidden(_SeqSplit, group), with_kwargs=True)
+    last.register_forward_hook(_gather_output(group))
+    for name in layout.sublayers:
+        model.get_submodule(name).register_forward_pre_hook(_on_hidden(_SeqGather, group), with_kwargs=True)
+
+
+def _on_hidden(fn: type[torch.autograd.Function], group: dist.ProcessGroup) -> Any:
+    """A forward pre-hook applying `fn` to the module's hidden states (first argument or
+    `hidden_states=`)."""
+    def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (fn.apply(args[0], group), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn.apply(kwargs["hidden_states"], group)}
+        raise ConfigError("sequence_parallel: a block or sublayer was called without its hidden states as "
+                          "the first argument or hidden_states=; leave sequence_parallel off for this model")
+    return hook
+
+
+def _gather_output(group: dist.ProcessGroup) -> Any:
+    def hook(_module: nn.Module, _args: Any, out: Any) -> Any:
+        if isinstance(out, tuple):
+            return (_SeqGatherWhole.apply(out[0], group), *out[1:])  # type: ignore[no-untyped-call]
+        return _SeqGatherWhole.apply(out, group)  # type: ignore[no-untyped-call]
+    return hook
+
+
+def _chunk(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's part of `x`'s sequence (dimension 1)."""
+    size = dist.get_world_size(group)
+    if x.size(1) % size:
+        raise ConfigError(f"sequence_parallel: the sequence length {x.size(1)} does not divide by "
+                          f"tensor_parallel_size={size}; pad the batches to a multiple of it")
+    return x.chunk(size, dim=1)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole sequence from every rank's part, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over the tp ranks of `x`, this rank's part of the sequence only."""
+    size = dist.get_world_size(group)
+    if x.size(1) % size:
+        raise ConfigError(f"sequence_parallel: the sequence length {x.size(1)} does not divide by "
+                          f"tensor_parallel_size={size}; pad the batches to a multiple of it")
+    parts = [c.contiguous() for c in x.chunk(size, dim=1)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _SeqSplit(torch.autograd.Function):
+    """Into the first block: the whole (replicated) hidden states -> this rank's tokens; in
+    backward every rank's gradient gathered (the layers below run whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _chunk(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad, ctx.group), None  # type: ignore[attr-defined]
+
+
+class _SeqGatherWhole(torch.autograd.Function):
+    """Out of the last block: every rank's tokens gathered; in backward this rank's part of the
+    gradient (the layers above run whole on every rank, so theirs is the same on each)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _chunk(grad, ctx.group), None  # type: ignore[attr-defined]
+
+
+class _SeqGather(torch.autograd.Function):
+    """Into a sublayer: every rank's tokens gathered for its colwise layers; in backward the
+    gradient summed over the tp ranks (each computed it from its own columns) and scattered."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter(grad, ctx.group), None  # type: ignore[attr-defined]
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Out of a rowwise layer under sequence parallelism: the partial sums reduce-scattered over
+    the sequence; in backward the gradient of this rank's tokens gathered."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad, ctx.group), None  # type: ignore[attr-defined]
 
 
 # -- colwise and rowwise computed on local shards (Conv1D, fused projections) ----------------------
@@ -210,7 +388,8 @@ def _group(module: nn.Module) -> dist.ProcessGroup:
 
 def _colwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     group = _group(self)
-    x = _GradAllReduce.apply(x, group)  # type: ignore[no-untyped-call]
+    if not self.__dict__["_tp_sequence"]:  # (sequence parallel: its sublayer's gather sums it)
+        x = _GradAllReduce.apply(x, group)  # type: ignore[no-untyped-call]
     weight, bias = _weights(self)
     if bias is not None and not isinstance(self.bias, DTensor):  # a fused projection's whole bias:
         # this rank's third of each of q, k, v; its gradient (nonzero on this rank's slices only)
@@ -227,9 +406,17 @@ def _colwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight, bias = _weights(self)
+    group = _group(self)
     partial = x @ weight if _transposed(self) else F.linear(x, weight)
-    out: torch.Tensor = _AllReduce.apply(partial, _group(self))  # type: ignore[no-untyped-call]
-    return out + bias if bias is not None else out  # the bias is whole: added once
+    if not self.__dict__["_tp_sequence"]:
+        out: torch.Tensor = _AllReduce.apply(partial, group)  # type: ignore[no-untyped-call]
+        return out + bias if bias is not None else out  # the bias is whole: added once
+    scattered: torch.Tensor = _ReduceScatter.apply(partial, group)  # type: ignore[no-untyped-call]
+    if bias is None:
+        return scattered
+    # added to this rank's tokens only: its gradient summed over the tp ranks in backward
+    whole: torch.Tensor = _GradAllReduce.apply(bias, group)  # type: ignore[no-untyped-call]
+    return scattered + whole
 
 
 _CLASSES: dict[tuple[type, str], type] = {}
@@ -253,9 +440,10 @@ class _LocalSplit(ParallelStyle):
     model's own (checkpoints, exports and FSDP see the ordinary weight). Communication: colwise
     all-reduces its input's gradient in backward, rowwise its output in forward."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, sequence: bool = False) -> None:
         super().__init__()
         self.kind = kind
+        self.sequence = sequence  # sequence parallel: the input gathered, the output scattered outside
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         out_dim = 1 if _transposed(module) else 0  # the weight's output-feature dimension
@@ -271,6 +459,7 @@ class _LocalSplit(ParallelStyle):
         if bias is not None and not rowwise and not fused:
             module.register_parameter("bias", nn.Parameter(distribute_tensor(bias, device_mesh, [Shard(0)])))
         module.__dict__["_tp_group"] = device_mesh.get_group()
+        module.__dict__["_tp_sequence"] = self.sequence
         module.__class__ = _local_class(type(module), "rowwise" if rowwise else "colwise")
         return module
 

@@ -1,0 +1,208 @@
+"""Sequence parallelism (`sequence_parallel: true` with tensor parallelism) against one plain
+process (fp32).
+
+Under sequence parallelism the activations between the split layers are split over the sequence
+across the tp ranks (each holds half the tokens of a norm, a residual, a block boundary), the
+sublayers all-gather their input and the rowwise layers reduce-scatter their output:
+  2 processes   tp 2 with ddp, zero2 and zero3 on the tiny transformers Llama (its own plan), zero3
+                with full activation checkpointing (the gathers recomputed in backward), and GPT-2
+                on its built-in plan (the fused q/k/v Conv1D, a rowwise bias added to half the
+                tokens) with zero3: losses and clipped gradient norms within 1e-5 of one process on
+                the same batches, final weights within 1e-5; each rank holds its plan's share (the
+                norms whole); the activations saved for backward measured (bytes of every tensor
+                autograd saves in one forward) below tp 2 without sequence parallelism; the zero3
+                checkpoint loads under zero3 without tp bit-identical and its export loads in
+                transformers' `from_pretrained` bit-identical; a sequence tp does not divide is
+                refused in one line;
+  4 processes   dp 2 x tp 2 with zero2 and zero3 (Llama) and zero3 (GPT-2): the same checks
+                against one process with the global batch.
+Tolerances: as tensor parallelism's (the sums of a matmul split in two, then added), a few ulps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import workloads as W
+from spawn import spawn
+from test_tensor_parallel import BATCH, PLANNED, STEPS, tp_share
+from torch.utils.data import DataLoader
+
+# case -> (model, strategy, activation checkpointing)
+TWO = {"ddp": ("llama", "ddp", "none"), "zero2": ("llama", "zero2", "none"),
+       "zero3": ("llama", "zero3", "none"), "zero3 AC": ("llama", "zero3", "full"),
+       "gpt2 zero3": ("gpt2", "zero3", "none")}
+FOUR = {"zero2": ("llama", "zero2"), "zero3": ("llama", "zero3"), "gpt2 zero3": ("gpt2", "zero3")}
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One sequence-parallel run: losses (averaged over processes), clipped norms, the final
+    full weights (gathered on every rank), the parameters this rank holds, the bytes autograd
+    saved in the first forward, and the batches each rank took."""
+
+    losses: list[float]
+    norms: list[float]
+    state: dict[str, torch.Tensor]
+    local: int
+    saved: int
+    batches: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _saved_bytes() -> tuple[Any, dict[int, int]]:
+    """saved_tensors_hooks that record each saved tensor's storage once (a DTensor's local one)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t
+        st = local.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
+
+
+def _train(engine: Any, dp: int, name: str) -> Run:
+    model = W.build(name)
+    opt = W.make_optimizer(model)
+    loader = DataLoader(W.Tokens(dp * BATCH * STEPS), batch_size=BATCH, shuffle=True)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    losses, norms, saved = [], [], 0
+    for i, ids in enumerate(loader):
+        hooks, seen = _saved_bytes()
+        with hooks:
+            loss = W.lm_loss(model, ids)
+        if i == 0:
+            saved = sum(seen.values())
+        engine.backward(loss)
+        losses.append(engine.reduce(loss.detach(), "mean").item())
+        norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    return Run(losses, norms, engine.get_state_dict(model), local, saved, len(loader), {"model": model})
+
+
+def _two(folder: str) -> dict[str, Any]:
+    import shardwise
+
+    out: dict[str, Any] = {}
+    for case, (name, strategy, ac) in TWO.items():
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                                  sequence_parallel=True, activation_checkpointing=ac,
+                                  checkpoint_dir=f"{folder}/{case.replace(' ', '_')}")
+        run = _train(engine, dp=1, name=name)
+        if case == "zero3":
+            engine.save_state()
+            engine.save_model(run.extra["model"], f"{folder}/export")
+            try:  # a sequence of 7 tokens: tp 2 does not divide it
+                W.lm_loss(run.extra["model"], torch.zeros(BATCH, 7, dtype=torch.long))
+            except Exception as err:  # noqa: BLE001 - the message is the result
+                out["odd sequence"] = f"{type(err).__name__}: {err}"
+        out[case] = Run(run.losses, run.norms, run.state, run.local, run.saved, run.batches)
+        engine.free_memory()
+    # the same Llama, tp 2 without sequence parallelism: what its saved activations weigh
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2)
+    out["no sp"] = _train(engine, dp=1, name="llama").saved
+    engine.free_memory()
+    # the sequence-parallel checkpoint under zero3 at 2 without tp
+    plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/zero3")
+    model = W.build("llama")
+    loader = DataLoader(W.Tokens(2 * BATCH * STEPS), batch_size=BATCH, shuffle=True)
+    model, _opt, _loader = plain.prepare(model, W.make_optimizer(model), loader)
+    out["into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    return out
+
+
+def _four() -> dict[str, Run]:
+    import shardwise
+
+    out: dict[str, Run] = {}
+    for case, (name, strategy) in FOUR.items():
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                                  sequence_parallel=True)
+        run = _train(engine, dp=2, name=name)
+        out[case] = Run(run.losses, run.norms, run.state, run.local, run.saved, run.batches)
+        engine.free_memory()
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sp")
+
+
+@pytest.fixture(scope="module")
+def two(folder: Path) -> list[dict[str, Any]]:
+    return spawn(_two, 2, str(folder))
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Run]]:
+    return spawn(_four, 4)
+
+
+def _reference(dp: int, name: str) -> Any:
+    return W.reference(name, world=dp, batch=BATCH, accum=1, steps=STEPS, clip=1.0)
+
+
+def _share(name: str) -> int:
+    """Parameters one tp rank holds: the planned weights halved, the rest (norms) whole."""
+    if name == "gpt2":
+        return tp_share("gpt2", lambda n: n.endswith(("c_attn.weight", "c_fc.weight", "c_fc.bias",
+                                                       "c_proj.weight")))
+    return tp_share("llama", lambda n: n.split(".")[-2] in PLANNED)
+
+
+@pytest.mark.parametrize("case", list(TWO))
+def test_sequence_parallel_tp2_matches_one_process(two: list[dict[str, Any]], case: str) -> None:
+    name = TWO[case][0]
+    ref = _reference(1, name)
+    for rank in two:
+        run: Run = rank[case]
+        assert run.batches == STEPS
+        assert W.close(run.losses, ref.losses) < 1e-5 and W.close(run.norms, ref.norms) < 1e-5
+        assert run.local == _share(name)
+    assert W.max_diff(two[0][case].state, ref.state) < 1e-5
+
+
+def test_sequence_parallel_saves_fewer_activation_bytes(two: list[dict[str, Any]]) -> None:
+    """Measured: the bytes autograd saves in one forward (weights included) are fewer than tp 2's
+    without sequence parallelism (norm inputs and the sublayers' inputs held for half the tokens)."""
+    for rank in two:
+        assert 0 < rank["zero3"].saved < rank["no sp"], (rank["zero3"].saved, rank["no sp"])
+
+
+def test_a_sequence_parallel_checkpoint_and_export_load_without_tp(two: list[dict[str, Any]],
+                                                                   folder: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    trained = two[0]["zero3"].state
+    for rank in two:
+        assert rank["into_zero3"]["step"] == STEPS
+    assert W.max_diff(two[0]["into_zero3"]["state"], trained) == 0.0
+    plain = LlamaForCausalLM.from_pretrained(folder / "export")
+    assert W.max_diff(dict(plain.state_dict()), trained) == 0.0
+
+
+def test_a_sequence_tp_does_not_divide_is_refused_in_one_line(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        message = rank["odd sequence"]
+        assert message.startswith("ConfigError: sequence_parallel: the sequence length 7 does not divide")
+        assert "\n" not in message
+
+
+@pytest.mark.parametrize("case", list(FOUR))
+def test_sequence_parallel_dp2_x_tp2_matches_one_process(four: list[dict[str, Run]], case: str) -> None:
+    name = FOUR[case][0]
+    ref = _reference(2, name)
+    for rank in four:
+        run = rank[case]
+        assert run.batches == STEPS
+        assert W.close(run.losses, ref.losses) < 1e-5 and W.close(run.norms, ref.norms) < 1e-5
+    assert W.max_diff(four[0][case].state, ref.state) < 1e-5
