@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -60,7 +61,15 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 # -- the 2-process side: training equivalence and measured peaks, in one spawn -------------------
-def _measure(strategy: str) -> dict[str, dict[str, float]]:
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One mode's real step: the peak of live storage, the most bytes sent through `to_host`."""
+
+    peak: float
+    to_host: float
+
+
+def _measure(strategy: str) -> dict[str, Measured]:
     """Per mode: this rank's peak of live tensor bytes over two real training steps (as in
     `test_plan._measure`), and the largest bytes one step sent through `blocks.to_host`."""
     import shardwise
@@ -77,7 +86,7 @@ def _measure(strategy: str) -> dict[str, dict[str, float]]:
         return original(t, pin)
 
     blocks.to_host = to_host  # type: ignore[assignment]
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, Measured] = {}
     for mode, every in MODES:
         engine = shardwise.Engine(strategy=strategy, cpu=True, **_kw(mode, every))
         model = copy.deepcopy(template)
@@ -99,37 +108,45 @@ def _measure(strategy: str) -> dict[str, dict[str, float]]:
                 optimizer.zero_grad()
                 sent["most"] = max(sent["most"], sent["step"])
             del result, batch
-        out[_name(mode, every)] = {"peak": float(live.peak), "to_host": sent["most"]}
+        out[_name(mode, every)] = Measured(float(live.peak), sent["most"])
         del model, optimizer, engine
         gc.collect()
     blocks.to_host = original  # type: ignore[assignment]
     return out
 
 
-def _two_process_runs() -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class TwoProcess:
+    """Rank 0's results: the training runs by (strategy, mode), the measured steps by strategy."""
+
+    train: dict[tuple[str, str], W.Trained]
+    measured: dict[str, dict[str, Measured]]
+
+
+def _two_process_runs() -> TwoProcess:
     train = {(s, _name(m, e)): W.train_engine("gpt2", {"strategy": s, "cpu": True, **_kw(m, e)}, **RUN)
              for s in ("zero3", "ddp") for m, e in MODES}
-    return {"train": train, "measured": {s: _measure(s) for s in ("zero3",)}}
+    return TwoProcess(train, {s: _measure(s) for s in ("zero3",)})
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, Any]:
+def runs() -> TwoProcess:
     return spawn(_two_process_runs, 2)[0]  # type: ignore[no-any-return]  # rank 0: full state dicts
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
-def test_every_mode_trains_what_no_checkpointing_trains_on_two_processes(runs: dict[str, Any],
+def test_every_mode_trains_what_no_checkpointing_trains_on_two_processes(runs: TwoProcess,
                                                                          strategy: str) -> None:
     ref = W.reference("gpt2", world=2, batch=RUN["batch"], accum=RUN["accum"], steps=RUN["steps"])
-    plain = runs["train"][(strategy, "none")]
-    assert W.close(plain["losses"], ref["losses"]) < 1e-5 and W.max_diff(plain["state"], ref["state"]) < 2e-5
+    plain = runs.train[(strategy, "none")]
+    assert W.close(plain.losses, ref.losses) < 1e-5 and W.max_diff(plain.state, ref.state) < 2e-5
     for mode, every in MODES[1:]:
-        run = runs["train"][(strategy, _name(mode, every))]
-        print(f"{strategy} {_name(mode, every)}: losses {W.close(run['losses'], plain['losses']):.1e}, "
-              f"weights {W.max_diff(run['state'], plain['state']):.1e} from no checkpointing")
-        assert W.close(run["losses"], plain["losses"]) <= SAME, (strategy, mode, every)
-        assert W.max_diff(run["state"], plain["state"]) <= SAME, (strategy, mode, every)
-        assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.max_diff(run["state"], ref["state"]) < 2e-5
+        run = runs.train[(strategy, _name(mode, every))]
+        print(f"{strategy} {_name(mode, every)}: losses {W.close(run.losses, plain.losses):.1e}, "
+              f"weights {W.max_diff(run.state, plain.state):.1e} from no checkpointing")
+        assert W.close(run.losses, plain.losses) <= SAME, (strategy, mode, every)
+        assert W.max_diff(run.state, plain.state) <= SAME, (strategy, mode, every)
+        assert W.close(run.losses, ref.losses) < 1e-5 and W.max_diff(run.state, ref.state) < 2e-5
 
 
 def _plan(device: str) -> Any:
@@ -140,23 +157,23 @@ def _plan(device: str) -> Any:
     return plan_model(_spec(), request)
 
 
-def test_planner_peak_of_every_mode_matches_a_real_two_process_run(runs: dict[str, Any]) -> None:
+def test_planner_peak_of_every_mode_matches_a_real_two_process_run(runs: TwoProcess) -> None:
     """CPU target: predicted per-process peak within 5% of the measured one, for each mode; the
     measured peaks differ by far more than that (so the check tells the modes apart)."""
-    measured = runs["measured"]["zero3"]
+    measured = runs.measured["zero3"]
     plan = _plan("cpu")
     report = []
     for mode, every in MODES:
-        real = measured[_name(mode, every)]["peak"]
+        real = measured[_name(mode, every)].peak
         predicted = plan.find("zero3", "none", mode, activation_checkpointing_every=every).peak
         report.append(f"{_name(mode, every):12s} predicted {predicted / 2**20:7.2f} MiB  measured "
                       f"{real / 2**20:7.2f} MiB  {predicted / real - 1:+.2%}")
     print("\n".join(report))
     for mode, every in MODES:
-        real = measured[_name(mode, every)]["peak"]
+        real = measured[_name(mode, every)].peak
         predicted = plan.find("zero3", "none", mode, activation_checkpointing_every=every).peak
         assert abs(predicted / real - 1) <= TOLERANCE, "\n".join(report)
-    peak = {_name(m, e): measured[_name(m, e)]["peak"] for m, e in MODES}
+    peak = {_name(m, e): measured[_name(m, e)].peak for m, e in MODES}
     assert peak["none"] > 1.3 * peak["selective"] > 1.3 * peak["full"], peak
     # on CPU offload copies nothing (host memory already): it holds what none holds, less the KV
     # cache `transformers` keeps without checkpointing (every mode turns it off)
@@ -167,11 +184,11 @@ def test_planner_peak_of_every_mode_matches_a_real_two_process_run(runs: dict[st
     assert flops["full"] > flops["selective/2"] > flops["selective"] == flops["offload"] == flops["none"]
 
 
-def test_planner_keeps_offloaded_activations_off_the_device_for_cuda(runs: dict[str, Any]) -> None:
+def test_planner_keeps_offloaded_activations_off_the_device_for_cuda(runs: TwoProcess) -> None:
     """CUDA target: the host figure of offload is what a real run sends through `to_host` (per
     process, one step), within 5%; the device peak drops by about as much; no other mode uses
     host memory."""
-    sent = runs["measured"]["zero3"]["offload"]["to_host"]
+    sent = runs.measured["zero3"]["offload"].to_host
     plan = _plan("cuda")
     off, none = plan.find("zero3", "none", "offload"), plan.find("zero3")
     print(f"offload to host: predicted {off.host / 2**20:.2f} MiB, real {sent / 2**20:.2f} MiB; device peak "
@@ -191,7 +208,7 @@ ONE = {"batch": 4, "accum": 1, "steps": 2}
 
 
 @functools.cache
-def _plain_one_process() -> dict[str, Any]:
+def _plain_one_process() -> W.Trained:
     return W.train_engine("gpt2", {"cpu": True, "strategy": "zero3"}, **ONE)
 
 
@@ -199,12 +216,12 @@ def _plain_one_process() -> dict[str, Any]:
 def test_every_mode_trains_what_no_checkpointing_trains_in_one_process(mode: str, every: int | None) -> None:
     plain = _plain_one_process()
     ref = W.reference("gpt2", world=1, **ONE)
-    assert W.close(plain["losses"], ref["losses"]) < 1e-5 and W.max_diff(plain["state"], ref["state"]) < 2e-5
+    assert W.close(plain.losses, ref.losses) < 1e-5 and W.max_diff(plain.state, ref.state) < 2e-5
     run = W.train_engine("gpt2", {"cpu": True, "strategy": "zero3", **_kw(mode, every)}, **ONE)
-    print(f"one process {_name(mode, every)}: losses {W.close(run['losses'], plain['losses']):.1e}, "
-          f"weights {W.max_diff(run['state'], plain['state']):.1e}")
-    assert W.close(run["losses"], plain["losses"]) <= SAME
-    assert W.max_diff(run["state"], plain["state"]) <= SAME
+    print(f"one process {_name(mode, every)}: losses {W.close(run.losses, plain.losses):.1e}, "
+          f"weights {W.max_diff(run.state, plain.state):.1e}")
+    assert W.close(run.losses, plain.losses) <= SAME
+    assert W.max_diff(run.state, plain.state) <= SAME
 
 
 def _held_after_forward(mode: str, every: int | None) -> tuple[int, list[torch.Tensor]]:
@@ -333,4 +350,4 @@ def test_auto_plans_the_configured_mode() -> None:
     assert engine.plan.best.candidate.activation_checkpointing == "selective"
     cfg = engine.config
     assert (cfg.activation_checkpointing, cfg.activation_checkpointing_every) == ("selective", 2)
-    assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.max_diff(run["state"], ref["state"]) < 2e-5
+    assert W.close(run.losses, ref.losses) < 1e-5 and W.max_diff(run.state, ref.state) < 2e-5

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,32 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if torch.is_tensor(v) and v.ndim)
 
 
-def _train(backend: str, strategy: str, folder: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Adapted:
+    """A LoRA run: losses, gathered weights, eval logits and greedy tokens after training, what a
+    lone save_pretrained on the main process said (None elsewhere), the trainable elements, and
+    the gradient and optimizer-state bytes this process held."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    refusal: str | None
+    trainable: int
+    grad_bytes: int
+    state_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """One plain process: losses, final weights, and the weights it started from."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    initial: dict[str, torch.Tensor]
+
+
+def _train(backend: str, strategy: str, folder: str) -> Adapted:
     import shardwise
 
     engine = shardwise.Engine(backend=backend, strategy=strategy, cpu=True, seed=W.SEED)
@@ -122,15 +148,14 @@ def _train(backend: str, strategy: str, folder: str) -> dict[str, Any]:
             refusal = str(err)
     engine.wait_for_everyone()  # (the others moved on: the main process knows it is alone at once)
     engine.free_memory()
-    return {"losses": losses, "state": state, "logits": logits, "tokens": tokens, "refusal": refusal,
-            "trainable": trainable, "grad_bytes": grads, "state_bytes": _state_bytes(inner)}
+    return Adapted(losses, state, logits, tokens, refusal, trainable, grads, _state_bytes(inner))
 
 
-def _runs(folder: str) -> dict[str, Any]:
+def _runs(folder: str) -> dict[tuple[str, str], Adapted]:
     return {case: _train(*case, f"{folder}/{_key(case)}") for case in CASES}
 
 
-def _reference(world: int) -> dict[str, Any]:
+def _reference(world: int) -> Reference:
     model = lora(W.build("gpt2"))
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = _optimizer(model)
@@ -141,7 +166,7 @@ def _reference(world: int) -> dict[str, Any]:
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "state": model.state_dict(), "initial": initial}
+    return Reference(losses, model.state_dict(), initial)
 
 
 @pytest.fixture(scope="module")
@@ -159,15 +184,15 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_lora_trains_as_one_process(runs: dict[str, Any], case: tuple[str, str]) -> None:
     got, ref = runs["ranks"][0][case], runs["ref"]
-    assert W.close(got["losses"], ref["losses"]) <= 1e-5, (got["losses"], ref["losses"])
-    lora_keys = {k for k in ref["state"] if "lora_" in k}
-    assert len(lora_keys) == 12 and got["state"].keys() == ref["state"].keys()
-    assert W.max_diff({k: got["state"][k] for k in lora_keys},
-                      {k: ref["state"][k] for k in lora_keys}) <= 2e-5
-    moved = max((ref["state"][k] - ref["initial"][k]).abs().max().item() for k in lora_keys)
+    assert W.close(got.losses, ref.losses) <= 1e-5, (got.losses, ref.losses)
+    lora_keys = {k for k in ref.state if "lora_" in k}
+    assert len(lora_keys) == 12 and got.state.keys() == ref.state.keys()
+    assert W.max_diff({k: got.state[k] for k in lora_keys},
+                      {k: ref.state[k] for k in lora_keys}) <= 2e-5
+    moved = max((ref.state[k] - ref.initial[k]).abs().max().item() for k in lora_keys)
     assert moved > 1e-3  # the adapter really trained
-    for k in ref["state"].keys() - lora_keys:  # the frozen base, bit for bit
-        assert torch.equal(got["state"][k], ref["initial"][k]), k
+    for k in ref.state.keys() - lora_keys:  # the frozen base, bit for bit
+        assert torch.equal(got.state[k], ref.initial[k]), k
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
@@ -176,9 +201,9 @@ def test_grads_and_optimizer_hold_the_trainable_share(runs: dict[str, Any], case
     moments (the LoRA shapes split evenly: no padding), nothing for the frozen base."""
     for rank in runs["ranks"]:
         got = rank[case]
-        share = 4 * got["trainable"] // 2
-        assert (got["grad_bytes"], got["state_bytes"]) == (share, 2 * share), (
-            got["grad_bytes"], got["state_bytes"])
+        share = 4 * got.trainable // 2
+        assert (got.grad_bytes, got.state_bytes) == (share, 2 * share), (
+            got.grad_bytes, got.state_bytes)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
@@ -186,7 +211,7 @@ def test_adapter_folder_reloads_in_a_plain_process(runs: dict[str, Any], case: t
     import peft
 
     folder = runs["folder"] / _key(case)
-    trained = runs["ranks"][0][case]["logits"]
+    trained = runs["ranks"][0][case].logits
     assert sorted(p.name for p in (folder / "adapter").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((folder / "adapter" / "adapter_config.json").read_text())["r"] == 4
@@ -194,7 +219,7 @@ def test_adapter_folder_reloads_in_a_plain_process(runs: dict[str, Any], case: t
     for name in ("adapter", "idiom"):  # save_model's, and save_pretrained given the full state dict
         reloaded = peft.PeftModel.from_pretrained(W.build("gpt2"), str(folder / name))
         assert (_logits(reloaded) - trained).abs().max().item() <= 1e-5, name
-        assert torch.equal(reloaded.generate(**_prompts()), runs["ranks"][0][case]["tokens"]), name
+        assert torch.equal(reloaded.generate(**_prompts()), runs["ranks"][0][case].tokens), name
     assert (base_logits - trained).abs().max().item() > 1e-3  # the adapter changes the output
 
 
@@ -209,12 +234,12 @@ def test_merged_export_loads_with_transformers(runs: dict[str, Any], case: tuple
     assert keys and not any("lora_" in k or "base_layer" in k or k.startswith("base_model.") for k in keys)
     model = AutoModelForCausalLM.from_pretrained(str(folder))
     assert isinstance(model, GPT2LMHeadModel)
-    assert (_logits(model) - runs["ranks"][0][case]["logits"]).abs().max().item() <= 1e-5
+    assert (_logits(model) - runs["ranks"][0][case].logits).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_main_process_save_pretrained_is_refused(runs: dict[str, Any], case: tuple[str, str]) -> None:
-    refusal = runs["ranks"][0][case]["refusal"]
+    refusal = runs["ranks"][0][case].refusal
     assert ("\n" not in refusal and "sharded" in refusal
             and "engine.save_model(model, dir)" in refusal), refusal
     assert not (runs["folder"] / _key(case) / "direct").exists()

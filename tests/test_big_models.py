@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,19 @@ def _gathered(engine: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     return {**state, **buffers}
 
 
-def _init_all() -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Init:
+    """A model built empty and prepared: its gathered weights and buffers ("buffer:NAME"), and
+    this process's shards of its sharded parameters (None: not taken)."""
+
+    state: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor] | None = None
+
+
+def _init_all() -> dict[tuple[str, str], Init]:
     import shardwise
 
-    out: dict[str, Any] = {}
+    out: dict[tuple[str, str], Init] = {}
     for strategy in INIT_STRATEGIES:
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED)
         for name, build in (("tiny", lambda: W.TinyLM()), ("gpt2", lambda: W.build("gpt2")),
@@ -87,25 +97,25 @@ def _init_all() -> dict[str, Any]:
             model = engine.prepare(model)
             local = {n: p._local_tensor.clone() for n, p in model.named_parameters()
                      if hasattr(p, "_local_tensor")}
-            out[(strategy, name)] = {"state": _gathered(engine, model), "local": local}
+            out[(strategy, name)] = Init(_gathered(engine, model), local)
         with torch.device("meta"):  # built by the user on the meta device: buffers too
             llama = tiny_llama()
-        out[(strategy, "llama")] = {"state": _gathered(engine, engine.prepare(llama))}
+        out[(strategy, "llama")] = Init(_gathered(engine, engine.prepare(llama)))
     return out
 
 
 @pytest.fixture(scope="module")
-def inits() -> dict[int, list[dict[str, Any]]]:
+def inits() -> dict[int, list[dict[tuple[str, str], Init]]]:
     return {world: spawn(_init_all, world) for world in (1, 2, 4)}
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "rotary", "llama", "own", "llama_empty"])
 def test_empty_init_does_not_depend_on_world_size_or_strategy(inits: dict, name: str) -> None:
-    first = inits[1][0][("ddp", name)]["state"]
+    first = inits[1][0][("ddp", name)].state
     assert first and all(torch.isfinite(v.float()).all() for v in first.values())
     for world, ranks in inits.items():
         for strategy in INIT_STRATEGIES:
-            state = ranks[0][(strategy, name)]["state"]
+            state = ranks[0][(strategy, name)].state
             assert state.keys() == first.keys()
             for k in first:
                 assert torch.equal(state[k], first[k]), (world, strategy, name, k)
@@ -115,8 +125,8 @@ def test_empty_init_does_not_depend_on_world_size_or_strategy(inits: dict, name:
 def test_no_two_shards_are_copies(inits: dict, world: int) -> None:
     for strategy in ("zero2", "zero3"):
         for name in ("tiny", "gpt2"):
-            full = inits[1][0][("ddp", name)]["state"]
-            shards = [rank[(strategy, name)]["local"] for rank in inits[world]]
+            full = inits[1][0][("ddp", name)].state
+            shards = [rank[(strategy, name)].local for rank in inits[world]]
             checked = 0
             for k, value in full.items():
                 if k not in shards[0] or value.unique().numel() < 2 or value.shape[0] < world:
@@ -141,13 +151,13 @@ def test_empty_init_equals_a_normal_build(inits: dict, name: str) -> None:
     want = {**normal.state_dict(), **{f"buffer:{n}": b for n, b in normal.named_buffers()}}
     for world, ranks in inits.items():
         for strategy in INIT_STRATEGIES:
-            got = ranks[0][(strategy, name)]["state"]
+            got = ranks[0][(strategy, name)].state
             assert [k for k in want if not torch.equal(got[k], want[k])] == [], (world, strategy, name)
     if name == "own":
         assert float(want["head.weight"].abs().sum()) == 0.0  # the zeroed head stays zero
     llama = tiny_llama()
     for n, b in llama.named_buffers():
-        assert torch.equal(inits[1][0][("zero3", "llama")]["state"][f"buffer:{n}"], b), n
+        assert torch.equal(inits[1][0][("zero3", "llama")].state[f"buffer:{n}"], b), n
 
 
 # -- loading pretrained weights ------------------------------------------------------------------
@@ -163,7 +173,7 @@ def save_pretrained_gpt2(folder: Path) -> Path:
     return out
 
 
-def plain_steps(path: Path, world: int) -> dict[str, Any]:
+def plain_steps(path: Path, world: int) -> W.Trained:
     """One plain process: load the files, train STEPS steps on the global batches."""
     from transformers import GPT2LMHeadModel
 
@@ -177,10 +187,10 @@ def plain_steps(path: Path, world: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return W.Trained(losses, state={k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
-def shardwise_steps(engine: Any, model: nn.Module, opt: Any) -> dict[str, Any]:
+def shardwise_steps(engine: Any, model: nn.Module, opt: Any) -> W.Trained:
     data = W.Tokens(STEPS * engine.num_processes * BATCH).data
     losses = []
     for step in range(STEPS):
@@ -191,17 +201,33 @@ def shardwise_steps(engine: Any, model: nn.Module, opt: Any) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(engine.reduce(loss.detach(), "mean").item())
-    return {"losses": losses, "state": engine.get_state_dict(model)}
+    return W.Trained(losses, state=engine.get_state_dict(model))
 
 
-def load_runs(backend: str, configs: list[dict[str, str]], path: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """Pretrained weights loaded under one config: the gathered weights right after loading, then
+    the losses and gathered weights of STEPS steps."""
+
+    loaded: dict[str, torch.Tensor]
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+
+
+def _loaded(engine: Any, model: nn.Module, opt: Any) -> Loaded:
+    loaded = engine.get_state_dict(model)
+    steps = shardwise_steps(engine, model, opt)
+    return Loaded(loaded, steps.losses, steps.state)
+
+
+def load_runs(backend: str, configs: list[dict[str, str]], path: str) -> dict[tuple[str, str], Loaded]:
     """Under each config: load_model into a prepared model, then from_pretrained + prepare;
     gathered weights right after loading, and two steps after."""
     from transformers import GPT2LMHeadModel
 
     import shardwise
 
-    out: dict[str, Any] = {}
+    out: dict[tuple[str, str], Loaded] = {}
     for cfg in configs:
         key = "+".join(cfg.values())
         engine = shardwise.Engine(backend=backend, cpu=True, seed=W.SEED, **cfg)
@@ -210,18 +236,16 @@ def load_runs(backend: str, configs: list[dict[str, str]], path: str) -> dict[st
         opt = W.make_optimizer(model)
         model, opt = engine.prepare(model, opt)
         engine.load_model(model, path)
-        loaded = engine.get_state_dict(model)
-        out[(key, "load_model")] = {"loaded": loaded, **shardwise_steps(engine, model, opt)}
+        out[(key, "load_model")] = _loaded(engine, model, opt)
         engine = shardwise.Engine(backend=backend, cpu=True, seed=W.SEED, **cfg)
         model = engine.from_pretrained(GPT2LMHeadModel, path)
         opt = W.make_optimizer(model)  # made over the empty model, rebound at prepare
         model, opt = engine.prepare(model, opt)
-        out[(key, "from_pretrained")] = {"loaded": engine.get_state_dict(model),
-                                         **shardwise_steps(engine, model, opt)}
+        out[(key, "from_pretrained")] = _loaded(engine, model, opt)
     return out
 
 
-def check_load_runs(runs: dict[str, Any], path: Path, configs: list[dict[str, str]]) -> None:
+def check_load_runs(runs: dict[tuple[str, str], Loaded], path: Path, configs: list[dict[str, str]]) -> None:
     from safetensors.torch import load_file
 
     saved: dict[str, torch.Tensor] = {}
@@ -233,11 +257,11 @@ def check_load_runs(runs: dict[str, Any], path: Path, configs: list[dict[str, st
         for way in ("load_model", "from_pretrained"):
             run = runs[("+".join(cfg.values()), way)]
             for k, v in saved.items():  # the files' tensors, bit for bit
-                assert torch.equal(run["loaded"][k], v), (cfg, way, k)
-            assert torch.equal(run["loaded"]["lm_head.weight"], saved["transformer.wte.weight"])  # tied
-            assert W.close(run["losses"], ref["losses"]) < 1e-5, (cfg, way)
-            assert W.max_diff(run["state"], ref["state"]) < 2e-5, (cfg, way)
-            assert W.max_diff(run["state"], run["loaded"]) > 1e-4  # the two steps moved the weights
+                assert torch.equal(run.loaded[k], v), (cfg, way, k)
+            assert torch.equal(run.loaded["lm_head.weight"], saved["transformer.wte.weight"])  # tied
+            assert W.close(run.losses, ref.losses) < 1e-5, (cfg, way)
+            assert W.max_diff(run.state, ref.state) < 2e-5, (cfg, way)
+            assert W.max_diff(run.state, run.loaded) > 1e-4  # the two steps moved the weights
 
 
 @pytest.fixture(scope="module")
@@ -246,11 +270,11 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def loads(pretrained: Path) -> dict[str, Any]:
+def loads(pretrained: Path) -> dict[tuple[str, str], Loaded]:
     return spawn(load_runs, 2, "torch", LOAD_CONFIGS, str(pretrained))[0]
 
 
-def test_pretrained_weights_load_under_every_strategy(loads: dict[str, Any], pretrained: Path) -> None:
+def test_pretrained_weights_load_under_every_strategy(loads: dict, pretrained: Path) -> None:
     check_load_runs(loads, pretrained, LOAD_CONFIGS)
 
 
@@ -308,30 +332,37 @@ BAD_SOURCES = ["missing file", "truncated file", "missing key", "extra key", "wr
                "no weights here"]
 
 
-def _bad_loads(cases: list[tuple[str, str]]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class BadLoads:
+    """Each case's error message (None: it loaded), and whether the weights stayed as they were."""
+
+    messages: dict[str, str | None]
+    unchanged: bool
+
+
+def _bad_loads(cases: list[tuple[str, str]]) -> BadLoads:
     import shardwise
     from shardwise.checkpoint.sharded import CheckpointError
 
     engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
     model = engine.prepare(W.build("gpt2"))
     before = engine.get_state_dict(model)
-    out: dict[str, Any] = {}
+    messages: dict[str, str | None] = {}
     for case, path in cases:
         try:
             engine.load_model(model, path)
-            out[case] = None
+            messages[case] = None
         except CheckpointError as err:
-            out[case] = str(err)
+            messages[case] = str(err)
     after = engine.get_state_dict(model)  # a collective: every process calls it
-    out["unchanged"] = W.max_diff(after, before) == 0.0 if engine.is_main_process else True
-    return out
+    return BadLoads(messages, W.max_diff(after, before) == 0.0 if engine.is_main_process else True)
 
 
 def test_bad_sources_are_refused_before_any_weight_changes(pretrained: Path, tmp_path: Path) -> None:
     broken = {case: _break(pretrained, tmp_path, case) for case in BAD_SOURCES}
     ranks = spawn(_bad_loads, 2, [(case, str(path)) for case, (path, _) in broken.items()])
     for case, (_, needle) in broken.items():
-        messages = [r[case] for r in ranks]
+        messages = [r.messages[case] for r in ranks]
         assert messages[0] is not None and all(m == messages[0] for m in messages), (case, messages)
         assert "\n" not in messages[0] and needle in messages[0], (case, messages[0])
-    assert all(r["unchanged"] for r in ranks)
+    assert all(r.unchanged for r in ranks)

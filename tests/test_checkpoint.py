@@ -26,7 +26,7 @@ G = 4
 
 
 def _train(engine: Any, steps: int, *, load: str | None = None, save: str | None = None,
-           noise: bool = False, name: str = "tiny", save_every: int = 0) -> dict[str, Any]:
+           noise: bool = False, name: str = "tiny", save_every: int = 0) -> W.Checkpointed:
     def with_noise(ids: torch.Tensor) -> torch.Tensor:  # uses every RNG the checkpoint restores
         import random
 
@@ -43,11 +43,10 @@ def _train(engine: Any, steps: int, *, load: str | None = None, save: str | None
                                                    transform=with_noise if noise else None, at_step=at_step)
     if save:
         engine.save_state(save) if save != "auto" else engine.save_state(keep_last=1)
-    return {"losses": losses, "state": engine.get_state_dict(model), "step": engine.step,
-            "lr": sched.get_last_lr()}
+    return W.Checkpointed(losses, engine.get_state_dict(model), engine.step, sched.get_last_lr())
 
 
-def _reference(steps: int = 8) -> dict[str, Any]:
+def _reference(steps: int = 8) -> W.Trained:
     """One plain process over the same global batches (the loader's seeded permutation)."""
     return W.plain_reference(steps, N, G)
 
@@ -60,24 +59,24 @@ def _engine(strategy: str) -> Any:
 
 
 # -- exact resume in new processes ------------------------------------------------------------
-def _straight(folder: str) -> dict[str, Any]:
+def _straight(folder: str) -> W.Checkpointed:
     os.chdir(folder)
     return _train(_engine("zero3"), 8, noise=True)
 
 
-def _first_half(folder: str) -> dict[str, Any]:
+def _first_half(folder: str) -> W.Checkpointed:
     os.chdir(folder)
     engine = _engine("zero3")
     out = _train(engine, 2, save="auto")  # checkpoints/step_2 ...
     return out
 
 
-def _second_half(folder: str) -> dict[str, Any]:
+def _second_half(folder: str) -> W.Checkpointed:
     os.chdir(folder)
     return _train(_engine("zero3"), 4, load="latest", noise=True)
 
 
-def _first_half_then_more(folder: str) -> dict[str, Any]:
+def _first_half_then_more(folder: str) -> W.Checkpointed:
     os.chdir(folder)
     engine = _engine("zero3")
     model_out = _train(engine, 4, noise=True, save="auto")
@@ -97,9 +96,9 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_exact_resume_in_new_processes_is_bit_identical(exact: dict) -> None:
     straight, first, second = exact["straight"], exact["first"], exact["second"]
-    assert first["losses"] + second["losses"] == straight["losses"]
-    assert W.max_diff(second["state"], straight["state"]) == 0.0
-    assert second["step"] == 8 and second["lr"] == straight["lr"]
+    assert first.losses + second.losses == straight.losses
+    assert W.max_diff(second.state, straight.state) == 0.0
+    assert second.step == 8 and second.lr == straight.lr
 
 
 def test_default_folders_latest_and_keep_last(exact: dict) -> None:
@@ -114,11 +113,11 @@ SOURCES = ["zero3", "zero2", "zero1", "ddp"]
 TARGETS = ["zero3", "ddp", "zero2+optimizer", "zero3+params", "zero1+optimizer"]
 
 
-def _save_sources(folder: str) -> dict[str, Any]:
+def _save_sources(folder: str) -> dict[str, W.Checkpointed]:
     return {s: _train(_engine(s), 4, save=f"{folder}/{s}") for s in SOURCES}
 
 
-def _resume_all(folder: str, targets: list[str]) -> dict[tuple[str, str], Any]:
+def _resume_all(folder: str, targets: list[str]) -> dict[tuple[str, str], W.Checkpointed]:
     return {(s, t): _train(_engine(t), 4, load=f"{folder}/{s}") for s in SOURCES for t in targets if t != s}
 
 
@@ -132,11 +131,11 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"saved": saved, 2: at2, 1: at1, 4: at4, "folder": Path(folder)}
 
 
-def _save_alone(folder: str) -> dict[str, Any]:
+def _save_alone(folder: str) -> W.Checkpointed:
     return _train(_engine("ddp"), 4, save=f"{folder}/alone")
 
 
-def _resume_alone(folder: str) -> dict[str, Any]:
+def _resume_alone(folder: str) -> dict[str, W.Checkpointed]:
     return {t: _train(_engine(t), 4, load=f"{folder}/alone") for t in ("zero2+optimizer",)}
 
 
@@ -144,8 +143,8 @@ def test_resume_one_process_checkpoint_on_two(tmp_path: Path) -> None:
     first = spawn(_save_alone, 1, str(tmp_path))[0]
     ref = _reference(8)
     for target, run in spawn(_resume_alone, 2, str(tmp_path))[0].items():
-        assert W.close(first["losses"] + run["losses"], ref["losses"]) < 1e-5, target
-        assert W.max_diff(run["state"], ref["state"]) < 2e-5, target
+        assert W.close(first.losses + run.losses, ref.losses) < 1e-5, target
+        assert W.max_diff(run.state, ref.state) < 2e-5, target
 
 
 @pytest.mark.parametrize("world", [2, 1, 4])
@@ -154,10 +153,10 @@ def test_resume_at_any_strategy_and_world_size(matrix: dict, world: int) -> None
     runs = matrix[world]
     assert len(runs) == {2: 4 * 5 - 2, 1: 4 - 1, 4: 4 - 1}[world]
     for (src, dst), run in runs.items():
-        losses = matrix["saved"][src]["losses"] + run["losses"]
-        assert W.close(losses, ref["losses"]) < 1e-5, (src, dst, world)
-        assert W.max_diff(run["state"], ref["state"]) < 2e-5, (src, dst, world)
-        assert run["step"] == 8
+        losses = matrix["saved"][src].losses + run.losses
+        assert W.close(losses, ref.losses) < 1e-5, (src, dst, world)
+        assert W.max_diff(run.state, ref.state) < 2e-5, (src, dst, world)
+        assert run.step == 8
 
 
 # -- atomic saves -------------------------------------------------------------------------------
@@ -178,7 +177,7 @@ def _killed_while_saving(folder: str) -> None:
     _train(engine, 6, save_every=3)
 
 
-def _resume_after_kill(folder: str) -> dict[str, Any]:
+def _resume_after_kill(folder: str) -> W.Checkpointed:
     os.chdir(folder)
     return _train(_engine("zero2"), 3, load="latest", save_every=3)  # saves step_6 again
 
@@ -199,13 +198,13 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert set(state) >= set(W.build("tiny").state_dict())
     # the run resumes from step_3; its next save to the same place removes what the killed one left
     resumed = spawn(_resume_after_kill, 2, str(tmp_path))[0]
-    assert resumed["step"] == 6
+    assert resumed.step == 6
     assert sorted(os.listdir(root)) == [".shardwise.lock", "latest", "step_3", "step_6"]
     assert (root / "latest").read_text().strip() == "step_6"
 
 
 # -- export and save_model -----------------------------------------------------------------------
-def _export_pair(folder: str) -> dict[str, Any]:
+def _export_pair(folder: str) -> torch.Tensor:
     engine = _engine("zero3")
     model, _ = W.one_step(engine, "gpt2")
     engine.save_state(f"{folder}/ckpt")
@@ -213,7 +212,7 @@ def _export_pair(folder: str) -> dict[str, Any]:
     engine.save_model(model, f"{folder}/model-one-file")
     with torch.no_grad():
         logits = model(W.Tokens(2, seed=3).data).logits
-    return {"logits": logits}
+    return logits
 
 
 def test_save_model_and_export_give_what_transformers_loads(tmp_path: Path) -> None:
@@ -226,7 +225,7 @@ def test_save_model_and_export_give_what_transformers_loads(tmp_path: Path) -> N
     for folder in ("model", "model-one-file"):
         back = GPT2LMHeadModel.from_pretrained(tmp_path / folder)
         with torch.no_grad():
-            assert torch.equal(back(W.Tokens(2, seed=3).data).logits, live["logits"])
+            assert torch.equal(back(W.Tokens(2, seed=3).data).logits, live)
     assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"),
                      "--max-shard-size", "40KB"]) == 0
     made = sorted(p.name for p in (tmp_path / "model").iterdir())

@@ -24,6 +24,7 @@ import os
 import signal
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,45 @@ def _slow_writes(seconds: float, marker: Path | None = None, first_only: bool = 
     return log
 
 
+@dataclass(frozen=True, slots=True)
+class Looped:
+    """A run of `_loop`: losses, gathered weights, this process's optimizer state, engine.step."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    optim: list[dict[str, torch.Tensor]]
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Saving(Looped):
+    """`_saving_run`: its run (Looped's fields), what it saw at steps 3 and 4 (staging bytes held
+    while a save is pending and those expected, `latest` then, the back-to-back call's seconds and
+    stall; staging after the wait, the checkpoints listing, `latest`), and every shard write
+    (folder, start, end)."""
+
+    staging: int
+    expected: int
+    latest_while_pending: str
+    second_call: float
+    second_stall: float
+    staging_after: int
+    listing: list[str]
+    latest: str
+    writes: list[tuple[str, float, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """`_resumed_runs`: the run resumed from step_3, and the failed write raised on this process
+    (message, engine.step; None: nothing raised)."""
+
+    resumed: Looped
+    raised: tuple[str, int] | None
+
+
 def _loop(engine: Any, steps: int, *, load: str | None = None, at_step: Any = None,
-          pause: float = 0.0) -> dict[str, Any]:
+          pause: float = 0.0) -> Looped:
     """`workloads.checkpoint_loop` until optimizer step `steps`: `at_step(engine.step, model, opt)`
     after each step, `pause` seconds before each batch."""
     def each(_done: int, model: Any, opt: Any) -> None:
@@ -78,8 +116,7 @@ def _loop(engine: Any, steps: int, *, load: str | None = None, at_step: Any = No
 
     losses, model, opt, _sched = W.checkpoint_loop(engine, steps, n=N, global_batch=4, load=load,
                                                    transform=paused, at_step=each, until_step=True)
-    return {"losses": losses, "state": engine.get_state_dict(model), "optim": _local_optim(opt),
-            "step": engine.step}
+    return Looped(losses, engine.get_state_dict(model), _local_optim(opt), engine.step)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -92,11 +129,11 @@ def _local_optim(opt: Any) -> list[dict[str, torch.Tensor]]:
 
 
 # -- resume, equality with a synchronous save, keep_last, one save in flight, staging bytes -----
-def _saving_run(folder: str) -> dict[str, Any]:
+def _saving_run(folder: str) -> Saving:
     root = Path(folder)
     engine = _engine(root, keep_last=2)
     writes = _slow_writes(0.4)
-    seen: dict[str, Any] = {}
+    seen: dict[str, Any] = {}  # Saving's fields, as the steps see them
 
     def at_step(step: int, model: Any, opt: Any) -> None:
         if step == 2:
@@ -124,10 +161,10 @@ def _saving_run(folder: str) -> dict[str, Any]:
 
     out = _loop(engine, 6, at_step=at_step)
     engine.end_training()
-    return {**out, **seen, "writes": writes}
+    return Saving(out.losses, out.state, out.optim, out.step, writes=writes, **seen)
 
 
-def _resumed_runs(folder: str, killed: str) -> dict[str, Any]:
+def _resumed_runs(folder: str, killed: str) -> Resumed:
     from shardwise.checkpoint.sharded import CheckpointError
 
     resumed = _loop(_engine(Path(folder)), 6, load=str(Path(folder) / "checkpoints" / "step_3"))
@@ -152,7 +189,7 @@ def _resumed_runs(folder: str, killed: str) -> dict[str, Any]:
     except CheckpointError as err:
         raised = (str(err), engine.step)
     engine.end_training()
-    return {"resumed": resumed, "raised": raised}
+    return Resumed(resumed, raised)
 
 
 def _full_disk_on_rank_1() -> None:
@@ -267,12 +304,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_async_resume_is_bit_identical_and_equals_a_synchronous_save(runs: dict) -> None:
     for rank in range(2):
-        straight, resumed = runs["saving"][rank], runs["resumed"][rank]["resumed"]
-        assert straight["step"] == resumed["step"] == 6
-        assert straight["losses"][3:] == resumed["losses"]  # steps 4-6, bit for bit
-        assert _identical(straight["state"], resumed["state"])  # the whole weights, torch.equal
-        assert len(straight["optim"]) == len(resumed["optim"]) == 23  # this rank's AdamW shards, each tensor
-        for mine, theirs in zip(straight["optim"], resumed["optim"]):
+        straight, resumed = runs["saving"][rank], runs["resumed"][rank].resumed
+        assert straight.step == resumed.step == 6
+        assert straight.losses[3:] == resumed.losses  # steps 4-6, bit for bit
+        assert _identical(straight.state, resumed.state)  # the whole weights, torch.equal
+        assert len(straight.optim) == len(resumed.optim) == 23  # this rank's AdamW shards, each tensor
+        for mine, theirs in zip(straight.optim, resumed.optim):
             assert _identical(mine, theirs)
     root = runs["a"]
     sync, async_ = _all_tensors(root / "sync_3"), _all_tensors(root / "checkpoints" / "step_3")
@@ -282,20 +319,20 @@ def test_async_resume_is_bit_identical_and_equals_a_synchronous_save(runs: dict)
 
 def test_keep_last_latest_one_save_in_flight_and_staging_bytes(runs: dict) -> None:
     r0 = runs["saving"][0]
-    assert r0["listing"] == [".shardwise.lock", "latest", "step_3", "step_4"]
-    assert r0["latest"] == "step_4"
-    assert r0["latest_while_pending"] == "step_2"  # `latest` moves only once the folder is in place
+    assert r0.listing == [".shardwise.lock", "latest", "step_3", "step_4"]
+    assert r0.latest == "step_4"
+    assert r0.latest_while_pending == "step_2"  # `latest` moves only once the folder is in place
     for r in runs["saving"]:
-        assert r["staging"] == r["expected"] > 0  # the shards of params + AdamW state, whole bytes
-        assert r["staging_after"] == 0
-        order = [name for name, _, _ in r["writes"]]
+        assert r.staging == r.expected > 0  # the shards of params + AdamW state, whole bytes
+        assert r.staging_after == 0
+        order = [name for name, _, _ in r.writes]
         assert order == [".step_2.incomplete", ".sync_3.incomplete", ".step_3.incomplete",
                          ".copy_3.incomplete", ".step_4.incomplete"]
-        ends = [end for _, _, end in r["writes"]]
-        starts = [start for _, start, _ in r["writes"]]
+        ends = [end for _, _, end in r.writes]
+        starts = [start for _, start, _ in r.writes]
         assert all(s >= e for s, e in zip(starts[1:], ends[:-1]))  # never two writes at once
         # the back-to-back save waited for step_3's write (slowed 0.4 s): that wait is its stall
-        assert r["second_stall"] >= 0.3 and r["second_call"] >= r["second_stall"] - 0.01
+        assert r.second_stall >= 0.3 and r.second_call >= r.second_stall - 0.01
 
 
 def test_sigkill_in_a_background_write_keeps_the_previous_checkpoint(runs: dict) -> None:
@@ -311,7 +348,7 @@ def test_sigkill_in_a_background_write_keeps_the_previous_checkpoint(runs: dict)
 
 
 def test_a_failed_background_write_is_raised_on_every_process(runs: dict) -> None:
-    lines = [r["raised"] for r in runs["resumed"]]
+    lines = [r.raised for r in runs["resumed"]]
     # the same line on both, at the second boundary after step 5 (the agreement is read one later)
     assert lines[0] == lines[1] and lines[0][1] == 6
     assert "failing: could not write the checkpoint's tensors" in lines[0][0]
@@ -342,7 +379,7 @@ def test_planner_predicts_the_staging_copy(runs: dict) -> None:
     from shardwise.plan import PlanRequest, plan_module
     from shardwise.plan.trace import Candidate
 
-    measured = runs["saving"][0]["staging"]
+    measured = runs["saving"][0].staging
     model = W.build("tiny")
     ids = next(iter(torch.utils.data.DataLoader(W.Tokens(8), batch_size=2)))
     cands = [Candidate(s, "none") for s in ("ddp", "zero1", "zero2", "zero3")]

@@ -107,15 +107,15 @@ def test_two_nodes_from_the_schedulers_variables_match_one_process(kind: str, tm
                                    f"node rank {node} (RANK), rendezvous host localhost (MASTER_ADDR)"), line
         assert f"running torchrun --nproc-per-node 2 --nnodes 2 --node-rank {node} " in line, line
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    assert sorted(r["node"] for r in results) == [0, 0, 1, 1]
-    assert all(r["world"] == 4 and r["local_world_size"] == 2 for r in results)
+    assert sorted(r.node for r in results) == [0, 0, 1, 1]
+    assert all(r.world == 4 and r.local_world_size == 2 for r in results)
     ref = W.reference("tiny", world=4, **RUN)
     main = results[0]
     print(f"{kind}: 2 nodes x 2 from the scheduler's variables: losses within "
-          f"{W.close(main['losses'], ref['losses']):.2e}, weights within "
-          f"{W.max_diff(main['state'], ref['state']):.2e} of one process")
-    assert W.close(main["losses"], ref["losses"]) < 1e-5
-    assert W.max_diff(main["state"], ref["state"]) < 2e-5
+          f"{W.close(main.losses, ref.losses):.2e}, weights within "
+          f"{W.max_diff(main.state, ref.state):.2e} of one process")
+    assert W.close(main.losses, ref.losses) < 1e-5
+    assert W.max_diff(main.state, ref.state) < 2e-5
 
 
 # -- preempted, requeued, resumed elsewhere --------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,21 @@ CASES: dict[str, dict[str, Any]] = {
 WEIGHTS_TOL, LOSS_TOL = 5e-5, 1e-5
 
 
-def _train(engine_kw: dict[str, Any], folder: Path | None) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A compiled (or eager) run: losses, dynamo's graph count after each optimizer step, the
+    gathered weights, the unwrapped model's state-dict keys and parameter names (sorted), and
+    compile_stats' recompiles."""
+
+    losses: list[float]
+    graphs: list[int]
+    state: dict[str, torch.Tensor]
+    keys: list[str]
+    names: list[str]
+    recompiles: dict[str, int]
+
+
+def _train(engine_kw: dict[str, Any], folder: Path | None) -> Compiled:
     """workloads.run_loop with the graph count after every optimizer step; with `folder`, a
     checkpoint and save_model of the result."""
     torch.compiler.reset()  # each case compiles afresh (dynamo's cache is per code object)
@@ -57,18 +72,16 @@ def _train(engine_kw: dict[str, Any], folder: Path | None) -> dict[str, Any]:
     graphs: list[int] = []
     start = dynamo_graphs()  # dynamo's own count, not compile_stats
     trained = W.train(engine, model, opt, loader, at_step=lambda: graphs.append(dynamo_graphs() - start))
-    losses = trained["losses"]
-    out = {"losses": losses, "graphs": graphs, "state": engine.get_state_dict(model),
-           "keys": sorted(engine.unwrap_model(model).state_dict()),
-           "names": sorted(n for n, _ in model.named_parameters())}
+    state = engine.get_state_dict(model)
+    keys = sorted(engine.unwrap_model(model).state_dict())
+    names = sorted(n for n, _ in model.named_parameters())
     if folder is not None:
         engine.save_state(folder / "ckpt")
         engine.save_model(model, folder / "model")
-    out["recompiles"] = dict(compile_stats().recompiles)
-    return out
+    return Compiled(trained.losses, graphs, state, keys, names, dict(compile_stats().recompiles))
 
 
-def _all_cases(folder: str) -> dict[str, Any]:
+def _all_cases(folder: str) -> dict[str, Compiled]:
     out = {name: _train({"compile": True, **cfg}, Path(folder) / name if name == "zero3" else None)
            for name, cfg in CASES.items()}
     out["eager zero3"] = _train({"strategy": "zero3"}, Path(folder) / "eager")
@@ -76,38 +89,38 @@ def _all_cases(folder: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Compiled], Path]:
     folder = tmp_path_factory.mktemp("compile")
     return spawn(_all_cases, 2, str(folder))[0], folder  # rank 0 holds the full state dicts
 
 
 @pytest.fixture(scope="module")
-def ref() -> dict[str, Any]:
+def ref() -> W.Trained:
     return W.reference("tiny", world=2, **RUN)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_compiled_training_equals_one_process(case: str, runs: tuple[dict[str, Any], Path],
-                                              ref: dict[str, Any]) -> None:
+def test_compiled_training_equals_one_process(case: str, runs: tuple[dict[str, Compiled], Path],
+                                              ref: W.Trained) -> None:
     run = runs[0][case]
-    assert W.close(run["losses"], ref["losses"]) < LOSS_TOL
-    assert W.max_diff(run["state"], ref["state"]) < WEIGHTS_TOL
+    assert W.close(run.losses, ref.losses) < LOSS_TOL
+    assert W.max_diff(run.state, ref.state) < WEIGHTS_TOL
     # one graph at least, all of them compiled in the first step; none in the 3 steps after it
-    assert run["graphs"][0] >= 1 and run["graphs"] == [run["graphs"][0]] * RUN["steps"], run["graphs"]
-    assert run["recompiles"] == {}
+    assert run.graphs[0] >= 1 and run.graphs == [run.graphs[0]] * RUN["steps"], run.graphs
+    assert run.recompiles == {}
 
 
-def test_compiled_equals_eager_and_keeps_its_names(runs: tuple[dict[str, Any], Path]) -> None:
+def test_compiled_equals_eager_and_keeps_its_names(runs: tuple[dict[str, Compiled], Path]) -> None:
     from shardwise.checkpoint.sharded import read_meta
 
     results, folder = runs
     compiled, eager = results["zero3"], results["eager zero3"]
-    assert W.close(compiled["losses"], eager["losses"]) < LOSS_TOL
-    assert W.max_diff(compiled["state"], eager["state"]) < WEIGHTS_TOL
-    assert eager["graphs"] == [0] * RUN["steps"] and compiled["graphs"] == [1] * RUN["steps"]
-    for key in ("keys", "names"):
-        assert compiled[key] == eager[key] and not any("_orig_mod" in k for k in compiled[key])
-    assert sorted(compiled["state"]) == sorted(W.build("tiny").state_dict())
+    assert W.close(compiled.losses, eager.losses) < LOSS_TOL
+    assert W.max_diff(compiled.state, eager.state) < WEIGHTS_TOL
+    assert eager.graphs == [0] * RUN["steps"] and compiled.graphs == [1] * RUN["steps"]
+    for compiled_names, eager_names in ((compiled.keys, eager.keys), (compiled.names, eager.names)):
+        assert compiled_names == eager_names and not any("_orig_mod" in k for k in compiled_names)
+    assert sorted(compiled.state) == sorted(W.build("tiny").state_dict())
 
     def meta_names(run: str) -> list[str]:  # the parameter names a checkpoint records
         return sorted(read_meta(folder / run / "ckpt")["models"][0]["params"])

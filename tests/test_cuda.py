@@ -31,8 +31,9 @@ def _key(cfg: dict[str, Any]) -> str:
     return "+".join(str(v) for v in cfg.values())
 
 
-def _all() -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
+def _all() -> dict[tuple[str, ...], Any]:
+    """W.Trained by (model or precision, config); ("resume", src, dst): (straight, first losses, resumed)."""
+    out: dict[tuple[str, ...], Any] = {}
     for name in ("tiny", "gpt2"):
         for cfg in TORCH + (DEEPSPEED if HAS_DS else []):
             out[(name, _key(cfg))] = W.train_engine(name, dict(cfg), **RUN)
@@ -50,7 +51,7 @@ def _all() -> dict[Any, Any]:
             straight = CK._train(_engine(dst), 8)
             first = CK._train(_engine(src), 4, save=f"{folder}/{src}")
             resumed = CK._train(_engine(dst), 4, load=f"{folder}/{src}")
-            out[("resume", src, dst)] = (straight, first["losses"], resumed)
+            out[("resume", src, dst)] = (straight, first.losses, resumed)
     return out
 
 
@@ -70,7 +71,7 @@ def runs() -> dict[Any, Any]:
 
 
 @pytest.fixture(scope="module")
-def refs() -> dict[str, Any]:
+def refs() -> dict[str, W.Trained]:
     return {name: W.reference(name, world=1, device="cuda", **RUN) for name in ("tiny", "gpt2")}
 
 
@@ -80,10 +81,10 @@ def test_cuda_matches_single_process(runs: dict, refs: dict, name: str, cfg: dic
     if cfg.get("backend") == "deepspeed" and not HAS_DS:
         pytest.skip("deepspeed not installed")
     run, ref = runs[(name, _key(cfg))], refs[name]
-    print(f"{name} {_key(cfg)}: losses {W.close(run['losses'], ref['losses']):.2e} "
-          f"weights {W.max_diff(run['state'], ref['state']):.2e}")
-    assert W.close(run["losses"], ref["losses"]) < 1e-5
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
+    print(f"{name} {_key(cfg)}: losses {W.close(run.losses, ref.losses):.2e} "
+          f"weights {W.max_diff(run.state, ref.state):.2e}")
+    assert W.close(run.losses, ref.losses) < 1e-5
+    assert W.max_diff(run.state, ref.state) < 2e-5
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -91,10 +92,10 @@ def test_cuda_low_precision_close_to_fp32(runs: dict, refs: dict, precision: str
     ran = [k for k in runs if k[0] == precision]
     assert len(ran) >= 2
     for key in ran:
-        losses = runs[key]["losses"]
-        print(key, f"{W.close(losses, refs['gpt2']['losses']):.2e}")
+        losses = runs[key].losses
+        print(key, f"{W.close(losses, refs['gpt2'].losses):.2e}")
         assert W.is_finite(losses)
-        assert W.close(losses, refs["gpt2"]["losses"]) < 2e-2
+        assert W.close(losses, refs["gpt2"].losses) < 2e-2
 
 
 def test_cuda_offloaded_optimizer_state_resumes(runs: dict) -> None:
@@ -102,6 +103,6 @@ def test_cuda_offloaded_optimizer_state_resumes(runs: dict) -> None:
     assert len(resumed) == 2
     for key in resumed:
         straight, first, run = runs[key]
-        print(key, f"{W.close(first + run['losses'], straight['losses']):.2e}")
-        assert W.close(first + run["losses"], straight["losses"]) < 1e-5, key
-        assert W.max_diff(run["state"], straight["state"]) < 2e-5, key
+        print(key, f"{W.close(first + run.losses, straight.losses):.2e}")
+        assert W.close(first + run.losses, straight.losses) < 1e-5, key
+        assert W.max_diff(run.state, straight.state) < 2e-5, key

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,17 @@ def _key(cfg: dict[str, Any]) -> str:
     return "+".join(str(v) for v in cfg.values())
 
 
-def _two_models(backend: str, strategy: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class TwoModels:
+    """Two models' final full weights; the optimizers' classes as the engine holds them (None: the
+    plain reference)."""
+
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+    types: list[str] | None = None
+
+
+def _two_models(backend: str, strategy: str) -> TwoModels:
     """Two models, each its own optimizer; the second optimizer is made after prepare."""
     import shardwise
 
@@ -65,11 +76,11 @@ def _two_models(backend: str, strategy: str) -> dict[str, Any]:
             engine.backward(loss)
             opt.step()
             opt.zero_grad()
-    return {"a": engine.get_state_dict(a), "b": engine.get_state_dict(b),
-            "types": [type(opt_a.optimizer).__name__, type(opt_b.optimizer).__name__]}
+    return TwoModels(engine.get_state_dict(a), engine.get_state_dict(b),
+                     [type(opt_a.optimizer).__name__, type(opt_b.optimizer).__name__])
 
 
-def _two_models_reference(world: int) -> dict[str, Any]:
+def _two_models_reference(world: int) -> TwoModels:
     a, b = W.build("tiny"), W.build("tiny")
     torch.manual_seed(5)
     for p in b.parameters():
@@ -81,17 +92,26 @@ def _two_models_reference(world: int) -> dict[str, Any]:
             W.lm_loss(model, ids).backward()
             opt.step()
             opt.zero_grad()
-    return {"a": a.state_dict(), "b": b.state_dict()}
+    return TwoModels(a.state_dict(), b.state_dict())
 
 
-def _save_model_zero3(folder: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """A ZeRO-3 model saved with save_model: its gathered weights, and this process's parameter
+    shapes."""
+
+    state: dict[str, torch.Tensor]
+    local_shapes: list[tuple[int, ...]]
+
+
+def _save_model_zero3(folder: str) -> Saved:
     import shardwise
 
     engine = shardwise.Engine(backend="deepspeed", strategy="zero3", cpu=True, seed=W.SEED)
     model, _ = W.one_step(engine, "gpt2")
     engine.save_model(model, folder)
     local = [tuple(p.shape) for p in engine.unwrap_model(model).parameters()]
-    return {"state": engine.get_state_dict(model), "local_shapes": local}
+    return Saved(engine.get_state_dict(model), local)
 
 
 def _engine(spec: str) -> Any:
@@ -123,8 +143,8 @@ KERNEL_CONFIGS: list[dict[str, str]] = [
 ]
 
 
-def _kernel_runs() -> dict[str, dict[str, Any]]:
-    """Each KERNEL_CONFIGS run, with the number of DeepSpeed kernel calls it made."""
+def _kernel_runs() -> dict[str, tuple[W.Trained, int]]:
+    """Each KERNEL_CONFIGS run, with the number of elements DeepSpeed's kernel stepped in it."""
     from shardwise.strategies.host_step import DeepSpeedAdam
 
     calls = []
@@ -140,8 +160,8 @@ def _kernel_runs() -> dict[str, dict[str, Any]]:
         out = {}
         for cfg in KERNEL_CONFIGS:
             before = len(calls)
-            out[_key(cfg)] = W.train_engine("gpt2", {"cpu": True, "host_kernel": "deepspeed", **cfg}, **RUN)
-            out[_key(cfg)]["kernel_elements"] = sum(calls[before:])  # elements the kernel stepped
+            run = W.train_engine("gpt2", {"cpu": True, "host_kernel": "deepspeed", **cfg}, **RUN)
+            out[_key(cfg)] = (run, sum(calls[before:]))  # and the elements the kernel stepped
     finally:
         DeepSpeedAdam.step = step  # type: ignore[method-assign]
     return out
@@ -170,7 +190,7 @@ def _everything(folder: str) -> dict[str, Any]:
     out["two_models"] = _two_models("deepspeed", "zero3")
     out["save_model"] = _save_model_zero3(f"{folder}/export")
     saved = {src: CK._train(_engine(src), 4, save=f"{folder}/{src}") for src, _ in CROSS}
-    out["cross"] = {(s, d): (saved[s]["losses"], CK._train(_engine(d), 4, load=f"{folder}/{s}"))
+    out["cross"] = {(s, d): (saved[s].losses, CK._train(_engine(d), 4, load=f"{folder}/{s}"))
                     for s, d in CROSS}
     out["load"] = BM.load_runs("deepspeed", LOAD_CONFIGS, f"{folder}/gpt2-pretrained")
     out["careless"] = DS.careless_user("deepspeed", f"{folder}/careless")  # last: it changes directory
@@ -189,7 +209,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def refs() -> dict[str, dict[str, Any]]:
+def refs() -> dict[str, W.Trained]:
     return {name: W.reference(name, world=2, **RUN) for name in MODELS}
 
 
@@ -198,45 +218,45 @@ def test_deepspeed_host_kernel_matches_single_process(runs: dict, refs: dict, cf
     """host_kernel="deepspeed" trains the plain process's model on both backends, and it is
     DeepSpeed's kernel that stepped: in each of the 4 steps at least this process's half of the
     model's elements (all of them under ddp)."""
-    run, ref = runs["kernel"][_key(cfg)], refs["gpt2"]
+    (run, kernel_elements), ref = runs["kernel"][_key(cfg)], refs["gpt2"]
     numel = sum(p.numel() for p in W.build("gpt2").parameters())
     share = numel if cfg["strategy"] == "ddp" else numel // 2
-    assert run["kernel_elements"] >= 4 * share
-    assert W.close(run["losses"], ref["losses"]) < 1e-5
-    assert W.close(run["norms"], ref["norms"]) < 1e-5 * max(ref["norms"])
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
-    assert W.max_diff(run["state"], W.build("gpt2").state_dict()) > 1e-3
+    assert kernel_elements >= 4 * share
+    assert W.close(run.losses, ref.losses) < 1e-5
+    assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
+    assert W.max_diff(run.state, ref.state) < 2e-5
+    assert W.max_diff(run.state, W.build("gpt2").state_dict()) > 1e-3
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_key)
 @pytest.mark.parametrize("name", MODELS)
 def test_deepspeed_matches_single_process(runs: dict, refs: dict, name: str, cfg: dict[str, str]) -> None:
     run, ref = runs[("eq", name, _key(cfg))], refs[name]
-    assert min(ref["norms"]) > CLIP  # so the clip really acts on every step
-    assert len(run["losses"]) == 8 and len(run["norms"]) == 4
-    assert W.close(run["losses"], ref["losses"]) < 1e-5
-    assert W.close(run["norms"], ref["norms"]) < 1e-5 * max(ref["norms"])
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
-    assert W.max_diff(run["state"], W.build(name).state_dict()) > 1e-3  # training moved the weights
+    assert min(ref.norms) > CLIP  # so the clip really acts on every step
+    assert len(run.losses) == 8 and len(run.norms) == 4
+    assert W.close(run.losses, ref.losses) < 1e-5
+    assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
+    assert W.max_diff(run.state, ref.state) < 2e-5
+    assert W.max_diff(run.state, W.build(name).state_dict()) > 1e-3  # training moved the weights
 
 
 def test_clipping_really_clips(runs: dict, refs: dict) -> None:
     """Without the clip the weights land far from the clipped reference: the clip is applied."""
     unclipped = W.reference("tiny", world=2, batch=2, accum=2, steps=4, clip=1e9)
-    assert W.max_diff(unclipped["state"], refs["tiny"]["state"]) > 1e-4
+    assert W.max_diff(unclipped.state, refs["tiny"].state) > 1e-4
     # the config's max_grad_norm is applied by DeepSpeed's step, with no clip call in the loop
-    assert W.max_diff(runs["config_clip"]["state"], refs["tiny"]["state"]) < 2e-5
+    assert W.max_diff(runs["config_clip"].state, refs["tiny"].state) < 2e-5
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_torch_and_deepspeed_engines_agree(runs: dict, precision: str) -> None:
     torch_run, ds_run = runs[("engines", "torch", precision)], runs[("engines", "deepspeed", precision)]
     tol = 1e-5 if precision == "fp32" else 2e-2
-    assert W.is_finite(ds_run["losses"]) and len(ds_run["losses"]) == 4
-    assert W.close(torch_run["losses"], ds_run["losses"]) < tol
-    assert W.close(torch_run["norms"], ds_run["norms"]) < tol * max(torch_run["norms"])
+    assert W.is_finite(ds_run.losses) and len(ds_run.losses) == 4
+    assert W.close(torch_run.losses, ds_run.losses) < tol
+    assert W.close(torch_run.norms, ds_run.norms) < tol * max(torch_run.norms)
     if precision == "bf16":  # bf16 really computed in bf16: it differs from fp32
-        assert W.close(runs[("engines", "deepspeed", "fp32")]["losses"], ds_run["losses"]) > 1e-6
+        assert W.close(runs[("engines", "deepspeed", "fp32")].losses, ds_run.losses) > 1e-6
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
@@ -247,9 +267,9 @@ def test_a_clip_bound_lasts_one_step(runs: dict, strategy: str) -> None:
 def test_two_models_each_with_its_optimizer(runs: dict) -> None:
     ref = _two_models_reference(2)
     run = runs["two_models"]
-    assert run["types"] == ["AdamW", "SGD"]  # the user's classes, never swapped
-    assert W.max_diff(run["a"], ref["a"]) < 2e-5
-    assert W.max_diff(run["b"], ref["b"]) < 2e-5
+    assert run.types == ["AdamW", "SGD"]  # the user's classes, never swapped
+    assert W.max_diff(run.a, ref.a) < 2e-5
+    assert W.max_diff(run.b, ref.b) < 2e-5
 
 
 def test_zero3_full_weights_and_save_model(runs: dict) -> None:
@@ -258,14 +278,14 @@ def test_zero3_full_weights_and_save_model(runs: dict) -> None:
 
     out, folder = runs["save_model"], runs["folder"] / "export"
     full = W.build("gpt2").state_dict()
-    assert set(out["state"]) == set(full)
-    assert all(out["state"][k].shape == full[k].shape for k in full)
-    assert all(s == (0,) for s in out["local_shapes"])  # ZeRO-3 really partitioned them
+    assert set(out.state) == set(full)
+    assert all(out.state[k].shape == full[k].shape for k in full)
+    assert all(s == (0,) for s in out.local_shapes)  # ZeRO-3 really partitioned them
     saved = load_file(folder / "model.safetensors")
     for k, v in saved.items():
-        assert torch.equal(v, out["state"][k]), k
+        assert torch.equal(v, out.state[k]), k
     model = GPT2LMHeadModel.from_pretrained(folder)
-    assert W.max_diff(model.state_dict(), out["state"]) == 0.0
+    assert W.max_diff(model.state_dict(), out.state) == 0.0
 
 
 def test_pretrained_weights_load_on_deepspeed(runs: dict) -> None:
@@ -281,9 +301,9 @@ def test_careless_user_loses_nothing_on_deepspeed(runs: dict, scenario: str) -> 
 def test_checkpoint_moves_between_engines(runs: dict, pair: tuple[str, str]) -> None:
     ref = CK._reference(8)
     first, run = runs["cross"][pair]
-    assert W.close(first + run["losses"], ref["losses"]) < 1e-5
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
-    assert run["step"] == 8 and run["lr"] == pytest.approx([1e-3 * 0.9**8] * 2)  # both groups
+    assert W.close(first + run.losses, ref.losses) < 1e-5
+    assert W.max_diff(run.state, ref.state) < 2e-5
+    assert run.step == 8 and run.lr == pytest.approx([1e-3 * 0.9**8] * 2)  # both groups
 
 
 # -- refused before any work ----------------------------------------------------------------------

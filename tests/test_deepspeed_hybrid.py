@@ -12,6 +12,7 @@ relative, weights 2e-5).
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 from spawn import spawn
@@ -84,9 +85,12 @@ def test_engine_refuses_a_hybrid_group_before_any_model() -> None:
 RUN = {"batch": 2, "accum": 2, "steps": 3, "clip": 0.5}  # 0.5: below every norm, so every step clips
 
 
-def _hpz_run(ds_json: str) -> dict:
-    """W.run_loop's loop under backend='deepspeed' with the JSON's hpZ; plus each parameter's
-    primary and secondary partition sizes on this rank (after prepare)."""
+def _hpz_run(ds_json: str) -> tuple[Any, dict[str, tuple[int, int, int | None]]]:
+    """W.run_loop's loop under backend='deepspeed' with the JSON's hpZ (its W.Trained, with the
+    final weights); plus each parameter's elements, primary and secondary partition sizes on this
+    rank (after prepare)."""
+    from dataclasses import replace
+
     import workloads as W
 
     import shardwise
@@ -99,8 +103,7 @@ def _hpz_run(ds_json: str) -> dict:
     # DeepSpeed drops the secondary copy after each step and rebuilds it at the next gather: read at rest
     parts = {n: (full[n], *partition_numels(p)) for n, p in engine.unwrap_model(model).named_parameters()}
     trained = W.train(engine, model, opt, loader, clip=RUN["clip"])
-    losses, norms = trained["losses"], trained["norms"]
-    return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "parts": parts}
+    return replace(trained, state=engine.get_state_dict(model)), parts
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
@@ -116,12 +119,12 @@ def test_hpz_from_a_deepspeed_json_runs_and_matches_one_process(tmp_path) -> Non
     outs = spawn(_hpz_run, 4, str(path), timeout=900)
     ref = W.reference("tiny", world=4, batch=RUN["batch"], accum=RUN["accum"], steps=RUN["steps"],
                       clip=RUN["clip"])
-    for out in outs:
-        for name, (full, primary, secondary) in out["parts"].items():
+    for _, parts in outs:
+        for name, (full, primary, secondary) in parts.items():
             assert primary == -(-full // 4), name  # DeepSpeed pads each partition up to 1/4
             assert secondary is not None and secondary == -(-full // 2), name
-    run = outs[0]
-    assert W.close(run["losses"], ref["losses"]) < 1e-5
-    assert max(abs(a - b) / b for a, b in zip(run["norms"], ref["norms"], strict=True)) < 1e-5
-    assert all(n > RUN["clip"] for n in ref["norms"])  # the clip changed every step
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
+    run = outs[0][0]
+    assert W.close(run.losses, ref.losses) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(run.norms, ref.norms, strict=True)) < 1e-5
+    assert all(n > RUN["clip"] for n in ref.norms)  # the clip changed every step
+    assert W.max_diff(run.state, ref.state) < 2e-5

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import workloads as W
 from spawn import spawn
-from test_tensor_parallel import STEPS, _planned, _prepared, _reference, _train, tp_share
+from test_tensor_parallel import STEPS, Moved, TPRun, _planned, _prepared, _reference, _train, tp_share
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -32,6 +32,7 @@ CASES = {"zero1": ("zero1", "none"), "zero2": ("zero2", "none"), "zero2 offload"
 
 
 def _two(folder: str) -> dict[str, Any]:
+    """TPRun by case; "into_zero3", "into_autotp": Moved."""
     import shardwise
 
     out: dict[str, Any] = {}
@@ -42,30 +43,29 @@ def _two(folder: str) -> dict[str, Any]:
         run = _train(engine, dp=1)
         if case == "zero2":
             engine.save_state()
-            engine.save_model(run["model"], f"{folder}/export")
-        out[case] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+            engine.save_model(run.model, f"{folder}/export")
+        out[case] = run.sent()
         engine.free_memory()
     # AutoTP's checkpoint into the torch backend's zero3 without tp; that one back into AutoTP
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/zero2")
     model, _opt, _loader = _prepared(plain, dp=2)
-    out["into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    out["into_zero3"] = Moved(plain.load_state(), plain.get_state_dict(model))
     plain.save_state(f"{folder}/from_zero3")
     plain.free_memory()
     back = shardwise.Engine(backend="deepspeed", strategy="zero2", cpu=True, seed=W.SEED,
                             tensor_parallel_size=2)
     model, _opt, _loader = _prepared(back, dp=1)
     step = back.load_state(f"{folder}/from_zero3")
-    out["into_autotp"] = {"step": step, "state": back.get_state_dict(model)}
+    out["into_autotp"] = Moved(step, back.get_state_dict(model))
     return out
 
 
-def _four() -> dict[str, Any]:
+def _four() -> TPRun:
     import shardwise
 
     engine = shardwise.Engine(backend="deepspeed", strategy="zero2", cpu=True, seed=W.SEED,
                               tensor_parallel_size=2)
-    run = _train(engine, dp=2)
-    return {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+    return _train(engine, dp=2).sent()
 
 
 def _autotp_share() -> int:
@@ -80,7 +80,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two(folder: Path) -> list[dict[str, Any]]:
+def two(folder: Path) -> list[dict[str, Any]]:  # (see _two)
     return spawn(_two, 2, str(folder))
 
 
@@ -89,34 +89,34 @@ def test_autotp_matches_one_process(two: list[dict[str, Any]], case: str) -> Non
     ref = _reference(dp=1)
     for rank in two:
         run = rank[case]
-        assert run["batches"] == STEPS
-        assert W.close(run["losses"], ref["losses"]) < 1e-5
-        assert W.close(run["norms"], ref["norms"]) < 1e-5
-        assert run["local"] == _autotp_share()
-    assert W.max_diff(two[0][case]["state"], ref["state"]) < 1e-5
+        assert run.batches == STEPS
+        assert W.close(run.losses, ref.losses) < 1e-5
+        assert W.close(run.norms, ref.norms) < 1e-5
+        assert run.local == _autotp_share()
+    assert W.max_diff(two[0][case].state, ref.state) < 1e-5
 
 
 def test_an_autotp_checkpoint_moves_to_the_torch_backend_and_back(two: list[dict[str, Any]]) -> None:
     for rank in two:
-        assert rank["into_zero3"]["step"] == STEPS and rank["into_autotp"]["step"] == STEPS
-    trained = two[0]["zero2"]["state"]
-    assert W.max_diff(two[0]["into_zero3"]["state"], trained) == 0.0
-    assert W.max_diff(two[0]["into_autotp"]["state"], trained) == 0.0
+        assert rank["into_zero3"].step == STEPS and rank["into_autotp"].step == STEPS
+    trained = two[0]["zero2"].state
+    assert W.max_diff(two[0]["into_zero3"].state, trained) == 0.0
+    assert W.max_diff(two[0]["into_autotp"].state, trained) == 0.0
 
 
 def test_the_autotp_export_loads_in_transformers(two: list[dict[str, Any]], folder: Path) -> None:
     from transformers import LlamaForCausalLM
 
     plain = LlamaForCausalLM.from_pretrained(folder / "export")
-    assert W.max_diff(dict(plain.state_dict()), two[0]["zero2"]["state"]) == 0.0
+    assert W.max_diff(dict(plain.state_dict()), two[0]["zero2"].state) == 0.0
 
 
 def test_dp2_x_autotp2_matches_one_process() -> None:
     four = spawn(_four, 4)
     ref = _reference(dp=2)
     for run in four:
-        assert run["batches"] == STEPS
-        assert W.close(run["losses"], ref["losses"]) < 1e-5
-        assert W.close(run["norms"], ref["norms"]) < 1e-5
-        assert run["local"] == _autotp_share()  # zero2 shards the optimizer state, not the parameters
-    assert W.max_diff(four[0]["state"], ref["state"]) < 1e-5
+        assert run.batches == STEPS
+        assert W.close(run.losses, ref.losses) < 1e-5
+        assert W.close(run.norms, ref.norms) < 1e-5
+        assert run.local == _autotp_share()  # zero2 shards the optimizer state, not the parameters
+    assert W.max_diff(four[0].state, ref.state) < 1e-5

@@ -16,6 +16,7 @@ its blocks) on 2 processes, torch zero2 and zero3 and DeepSpeed zero3:
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,45 +76,74 @@ def _encoder_step(model: nn.Module, opt: Any, ids: torch.Tensor, backward: Any) 
     return loss.item()
 
 
-def _run(backend: str, strategy: str, folder: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Direct:
+    """One process of a sharded run: BERT's tied embeddings still one parameter, its embeddings
+    not a unit of their own, its logits; T5's tied embeddings still one parameter, every call of
+    `_calls`, the parameter elements held after them and before (W.held_elements), the loss of the
+    step through the encoder, the gathered weights after it."""
+
+    bert_tied: bool
+    bert_embeddings_unit: bool
+    bert_logits: torch.Tensor
+    t5_tied: bool
+    calls: dict[str, torch.Tensor]
+    held_after: tuple[int, int]
+    loss: float
+    state: dict[str, torch.Tensor]
+
+
+Runs = dict[tuple[str, str], list[Direct]]  # each config's processes
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """One plain process: BERT's logits, T5's calls, the encoder step's loss and weights after it."""
+
+    bert_logits: torch.Tensor
+    calls: dict[str, torch.Tensor]
+    loss: float
+    state: dict[str, torch.Tensor]
+
+
+def _run(backend: str, strategy: str, folder: str) -> Direct:
     from torch.distributed.fsdp import FSDPModule
 
     import shardwise
 
     engine = shardwise.Engine(strategy=strategy, backend=backend, cpu=True)
-    out: dict[str, Any] = {}
     mlm = engine.prepare(bert())
     inner = engine.unwrap_model(mlm)
-    out["bert_tied"] = inner.bert.embeddings.word_embeddings.weight is inner.cls.predictions.decoder.weight
-    out["bert_embeddings_unit"] = isinstance(inner.bert.embeddings, FSDPModule)
+    bert_tied = inner.bert.embeddings.word_embeddings.weight is inner.cls.predictions.decoder.weight
+    bert_embeddings_unit = isinstance(inner.bert.embeddings, FSDPModule)
     with torch.no_grad():
-        out["bert_logits"] = mlm(input_ids=IDS).logits
+        bert_logits = mlm(input_ids=IDS).logits
     model = t5()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = engine.prepare(model, opt)
     inner = engine.unwrap_model(model)
-    out["t5_tied"] = inner.encoder.embed_tokens.weight is inner.shared.weight
+    t5_tied = inner.encoder.embed_tokens.weight is inner.shared.weight
     rest = W.held_elements(inner)
-    out["calls"] = _calls(inner)
-    out["held_after"] = (W.held_elements(inner), rest)
+    calls = _calls(inner)
+    held_after = (W.held_elements(inner), rest)
     mine = IDS[engine.process_index:engine.process_index + 1]
-    out["loss"] = _encoder_step(inner, opt, mine, engine.backward)
-    out["state"] = engine.get_state_dict(model)
+    loss = _encoder_step(inner, opt, mine, engine.backward)
+    state = engine.get_state_dict(model)
     # transformers' last line, on every process: gathered once, written by the main process
     inner.save_pretrained(f"{folder}/{backend}-{strategy}", is_main_process=engine.is_main_process)
-    return out
+    return Direct(bert_tied, bert_embeddings_unit, bert_logits, t5_tied, calls, held_after, loss, state)
 
 
-def _reference() -> dict[str, Any]:
+def _reference() -> Reference:
     mlm = bert()
     with torch.no_grad():
-        out: dict[str, Any] = {"bert_logits": mlm(input_ids=IDS).logits}
+        bert_logits = mlm(input_ids=IDS).logits
     model = t5()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out["calls"] = _calls(model)
-    out["loss"] = _encoder_step(model, opt, IDS, torch.Tensor.backward)  # the mean over both processes' rows
-    out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return out
+    calls = _calls(model)
+    loss = _encoder_step(model, opt, IDS, torch.Tensor.backward)  # the mean over both processes' rows
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Reference(bert_logits, calls, loss, state)
 
 
 @pytest.fixture(scope="module")
@@ -122,51 +152,51 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(saved: Path) -> dict[Any, Any]:
+def runs(saved: Path) -> Runs:
     return {config: spawn(_run, 2, *config, str(saved), timeout=600) for config in CONFIGS}
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, Any]:
+def reference() -> Reference:
     return _reference()
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(c))
-def test_tied_parameters_stay_one_parameter_in_one_unit(runs: dict[Any, Any], reference: dict[str, Any],
+def test_tied_parameters_stay_one_parameter_in_one_unit(runs: Runs, reference: Reference,
                                                         config: tuple[str, str]) -> None:
     for rank in runs[config]:
-        assert rank["bert_tied"] and rank["t5_tied"]
-        assert not rank["bert_embeddings_unit"]  # left to the root with its tied twin
-        torch.testing.assert_close(rank["bert_logits"], reference["bert_logits"], rtol=1e-5, atol=1e-5)
+        assert rank.bert_tied and rank.t5_tied
+        assert not rank.bert_embeddings_unit  # left to the root with its tied twin
+        torch.testing.assert_close(rank.bert_logits, reference.bert_logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(c))
-def test_generate_get_encoder_get_decoder_and_a_lone_submodule(runs: dict[Any, Any],
-                                                               reference: dict[str, Any],
+def test_generate_get_encoder_get_decoder_and_a_lone_submodule(runs: Runs,
+                                                               reference: Reference,
                                                                config: tuple[str, str]) -> None:
-    want = reference["calls"]
+    want = reference.calls
     for rank in runs[config]:
-        got = rank["calls"]
+        got = rank.calls
         assert torch.equal(got["generate"], want["generate"])
         for name in ("encoder", "decoder", "shared", "forward"):
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
-        held, rest = rank["held_after"]
+        held, rest = rank.held_after
         assert held == rest, "a direct call left parameters gathered"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(c))
-def test_a_training_step_through_a_directly_called_encoder(runs: dict[Any, Any], reference: dict[str, Any],
+def test_a_training_step_through_a_directly_called_encoder(runs: Runs, reference: Reference,
                                                            config: tuple[str, str]) -> None:
     ranks = runs[config]
-    assert sum(r["loss"] for r in ranks) / 2 == pytest.approx(reference["loss"], rel=1e-5)
-    state = ranks[0]["state"]
-    assert state.keys() == reference["state"].keys()
-    for name, value in reference["state"].items():
+    assert sum(r.loss for r in ranks) / 2 == pytest.approx(reference.loss, rel=1e-5)
+    state = ranks[0].state
+    assert state.keys() == reference.state.keys()
+    for name, value in reference.state.items():
         torch.testing.assert_close(state[name], value, rtol=2e-5, atol=2e-5, msg=name)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(c))
-def test_save_pretrained_on_every_process_writes_the_whole_model_once(runs: dict[Any, Any], saved: Path,
+def test_save_pretrained_on_every_process_writes_the_whole_model_once(runs: Runs, saved: Path,
                                                                        config: tuple[str, str]) -> None:
     """The engine's side of transformers' every-process `save_pretrained`: the folder holds the
     trained weights (the tied head written once, as transformers writes it) and reloads."""
@@ -178,5 +208,5 @@ def test_save_pretrained_on_every_process_writes_the_whole_model_once(runs: dict
         keys = set(f.keys())
     assert "lm_head.weight" not in keys and "shared.weight" in keys
     reloaded = T5ForConditionalGeneration.from_pretrained(str(folder)).state_dict()
-    for name, value in runs[config][0]["state"].items():
+    for name, value in runs[config][0].state.items():
         assert torch.equal(reloaded[name], value), name

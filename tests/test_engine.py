@@ -32,8 +32,9 @@ class IndexedStream(IterableDataset):
         return iter(torch.tensor(i) for i in range(self.n))
 
 
-def _two_models(engine: Any) -> dict[str, Any]:
-    """Two models, one optimizer made before prepare, one after, in one run."""
+def _two_models(engine: Any) -> dict[str, W.Trained]:
+    """Two models, one optimizer made before prepare, one after, in one run: each model's losses
+    (averaged over processes) and final weights, by name."""
     a, b = W.build("tiny"), W.build("gpt2")
     opt_a = W.make_optimizer(a)
     loader = DataLoader(W.Tokens(engine.num_processes * 2 * 2 * 3), batch_size=2, shuffle=True)
@@ -52,7 +53,8 @@ def _two_models(engine: Any) -> dict[str, Any]:
             for opt in (opt_a, opt_b):
                 opt.step()
                 opt.zero_grad()
-    return {"losses": losses, "tiny": engine.get_state_dict(a), "gpt2": engine.get_state_dict(b)}
+    return {"tiny": W.Trained(losses["tiny"], state=engine.get_state_dict(a)),
+            "gpt2": W.Trained(losses["gpt2"], state=engine.get_state_dict(b))}
 
 
 def _metrics(engine: Any) -> dict[str, Any]:
@@ -160,8 +162,8 @@ def test_two_models_two_optimizers(results: list) -> None:
     run = results[0]["two_models"]
     for name in ("tiny", "gpt2"):
         ref = W.reference(name, world=2, **RUN)
-        assert W.close(run["losses"][name], ref["losses"]) < 1e-5
-        assert W.max_diff(run[name], ref["state"]) < 2e-5
+        assert W.close(run[name].losses, ref.losses) < 1e-5
+        assert W.max_diff(run[name].state, ref.state) < 2e-5
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])

@@ -16,6 +16,7 @@ zero2 holds its blocks to the end of the forward, and DeepSpeed's zero3 prefetch
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,26 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("GPT2Block")]  # FSDP2 renames the class
 
 
-def _run(backend: str, strategy: str, kind: str, folder: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One process of a case: the model's and its largest block's elements; the elements held at
+    rest after a step, after each block of an eval forward (with memory_report's params bytes),
+    after it (and memory_report's params bytes then), after generate; the generated tokens; the
+    gathered weights; what each save_pretrained on the main process did ({} elsewhere)."""
+
+    full: int
+    block: int
+    rest: int
+    during: list[tuple[int, int]]
+    after_eval: int
+    report: int
+    after_generate: int
+    tokens: torch.Tensor
+    state: dict[str, torch.Tensor]
+    saved: dict[str, str]
+
+
+def _run(backend: str, strategy: str, kind: str, folder: str) -> Held:
     import shardwise
 
     engine = shardwise.Engine(backend=backend, strategy=strategy, cpu=True, seed=W.SEED)
@@ -92,12 +112,10 @@ def _run(backend: str, strategy: str, kind: str, folder: str) -> dict[str, Any]:
                 saved[name] = str(err)
     engine.wait_for_everyone()  # (the others moved on: the main process knows it is alone at once)
     engine.free_memory()
-    return {"full": full, "block": block, "rest": rest, "during": during, "after_eval": after_eval,
-            "report": report, "after_generate": after_generate, "tokens": tokens, "state": state,
-            "saved": saved}
+    return Held(full, block, rest, during, after_eval, report, after_generate, tokens, state, saved)
 
 
-def _all(folder: str) -> dict[tuple[str, str, str], dict[str, Any]]:
+def _all(folder: str) -> dict[tuple[str, str, str], Held]:
     return {case: _run(*case, folder) for case in CASES}
 
 
@@ -118,23 +136,23 @@ def test_eval_forward_and_generate_hold_only_the_shard(
     for r in runs["ranks"]:
         run = r[case]
         replicated = case[:2] == ("deepspeed", "zero2")  # DeepSpeed's zero2 keeps whole parameters
-        assert run["rest"] == (run["full"] if replicated
-                               else pytest.approx(run["full"] / 2, rel=0.02)), run["rest"]
-        assert run["after_eval"] == run["rest"] and run["after_generate"] == run["rest"], run
-        peak = max(h for h, _ in run["during"])
+        assert run.rest == (run.full if replicated
+                               else pytest.approx(run.full / 2, rel=0.02)), run.rest
+        assert run.after_eval == run.rest and run.after_generate == run.rest, run
+        peak = max(h for h, _ in run.during)
         if case[:2] == ("torch", "zero3"):  # FSDP2 reshards each block after its forward
-            root = run["full"] - 2 * run["block"]  # embeddings and final norm (tiny GPT-2: 2 blocks)
-            assert peak <= run["full"] / 2 + run["block"] + root, run["during"]
+            root = run.full - 2 * run.block  # embeddings and final norm (tiny GPT-2: 2 blocks)
+            assert peak <= run.full / 2 + run.block + root, run.during
         else:  # zero2 holds its blocks to the end of the forward; DeepSpeed prefetches a bucket ahead
-            assert peak <= run["rest"] + run["full"], run["during"]
+            assert peak <= run.rest + run.full, run.during
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_memory_report_counts_what_is_held(runs: dict[str, Any], case: tuple[str, str, str]) -> None:
     for r in runs["ranks"]:
         run = r[case]
-        assert run["report"] == 4 * run["after_eval"]
-        assert [rep for _, rep in run["during"]] == [4 * h for h, _ in run["during"]], run["during"]
+        assert run.report == 4 * run.after_eval
+        assert [rep for _, rep in run.during] == [4 * h for h, _ in run.during], run.during
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
@@ -142,7 +160,7 @@ def test_generate_with_different_lengths_per_rank_equals_one_process(
     runs: dict[str, Any], case: tuple[str, str, str]
 ) -> None:
     ref = _build(case[2])
-    ref.load_state_dict(runs["ranks"][0][case]["state"])
+    ref.load_state_dict(runs["ranks"][0][case].state)
     ref.eval()
     ids = W.Tokens(4).data
     for rank, r in enumerate(runs["ranks"]):
@@ -150,12 +168,12 @@ def test_generate_with_different_lengths_per_rank_equals_one_process(
         prompt = ids[rank : rank + 1, :n]
         want = ref.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
                             min_new_tokens=new, do_sample=False, pad_token_id=0)
-        assert torch.equal(r[case]["tokens"], want), (rank, r[case]["tokens"], want)
+        assert torch.equal(r[case].tokens, want), (rank, r[case].tokens, want)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_main_process_save_is_full_or_refused(runs: dict[str, Any], case: tuple[str, str, str]) -> None:
-    saved, folder = runs["ranks"][0][case]["saved"], Path(runs["folder"])
+    saved, folder = runs["ranks"][0][case].saved, Path(runs["folder"])
     for name, outcome in saved.items():
         target = folder / f"{'-'.join(case)}-{name}"
         if case[:2] == ("deepspeed", "zero2"):  # whole parameters on every process: a full save
@@ -163,7 +181,7 @@ def test_main_process_save_is_full_or_refused(runs: dict[str, Any], case: tuple[
 
             assert outcome == "written", outcome
             written = load_file(str(target / "model.safetensors"))
-            state = runs["ranks"][0][case]["state"]
+            state = runs["ranks"][0][case].state
             assert all(torch.equal(written[k], state[k]) for k in written), name
         else:
             assert "\n" not in outcome and "engine.save_model(model, dir)" in outcome, outcome

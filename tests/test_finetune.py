@@ -11,6 +11,7 @@ the reference must come out bit-identical to its initial weights.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -78,7 +79,34 @@ def dpo_loss(policy: nn.Module, ref: nn.Module, chosen: torch.Tensor, rejected: 
     return -F.logsigmoid(BETA * margin).mean()
 
 
-def _reference() -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class PlainDPO:
+    """One plain process: losses, the trained policy's and the frozen reference's weights."""
+
+    losses: list[float]
+    policy: dict[str, torch.Tensor]
+    ref: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class DPO:
+    """A DPO run on the engine: losses (averaged over processes), the gathered policy and
+    reference; the reference's weights before prepare, the class it came back as, the share of
+    its elements this process holds, how many of its parameters got gradients and how many the
+    optimizers hold; its weights after save_state + load_state ({}: not resumed)."""
+
+    losses: list[float]
+    policy: dict[str, torch.Tensor]
+    ref: dict[str, torch.Tensor]
+    ref_init: dict[str, torch.Tensor]
+    ref_type: str
+    ref_share: float
+    ref_grads: int
+    ref_in_optimizer: int
+    resumed_ref: dict[str, torch.Tensor]
+
+
+def _reference() -> PlainDPO:
     """One plain process on the whole global batch of every step."""
     policy, ref = _models()
     ref.requires_grad_(False)
@@ -91,7 +119,7 @@ def _reference() -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "policy": W.clone_state(policy), "ref": W.clone_state(ref)}
+    return PlainDPO(losses, W.clone_state(policy), W.clone_state(ref))
 
 
 def _local_numel(t: torch.Tensor) -> int:
@@ -99,7 +127,7 @@ def _local_numel(t: torch.Tensor) -> int:
     return int(local().numel()) if local is not None else t.numel()
 
 
-def _dpo(backend: str, strategy: str, mode: str, folder: str) -> dict[str, Any]:
+def _dpo(backend: str, strategy: str, mode: str, folder: str) -> DPO:
     import shardwise
 
     policy, ref = _models()
@@ -136,51 +164,51 @@ def _dpo(backend: str, strategy: str, mode: str, folder: str) -> dict[str, Any]:
     ref_ids = {id(p) for p in ref.parameters()}
     held = [p for o in engine.session.optimizers for p in [*o.runner.params(), *o.optimizer.state]
             if id(p) in ref_ids]
-    return {
-        "losses": losses,
-        "policy": engine.get_state_dict(policy),
-        "ref": engine.get_state_dict(ref),
-        "ref_init": ref_init,
-        "ref_type": type(ref).__name__,
-        "ref_share": sum(_local_numel(p) for p in engine.unwrap_model(ref).parameters()) / full_numel,
-        "ref_grads": sum(p.grad is not None for p in ref.parameters()),
-        "ref_in_optimizer": len(held),
-        "resumed_ref": resumed,
-    }
+    return DPO(
+        losses=losses,
+        policy=engine.get_state_dict(policy),
+        ref=engine.get_state_dict(ref),
+        ref_init=ref_init,
+        ref_type=type(ref).__name__,
+        ref_share=sum(_local_numel(p) for p in engine.unwrap_model(ref).parameters()) / full_numel,
+        ref_grads=sum(p.grad is not None for p in ref.parameters()),
+        ref_in_optimizer=len(held),
+        resumed_ref=resumed,
+    )
 
 
-def _all_runs(cases: list[tuple[str, str, str]], folder: str) -> dict[tuple[str, str, str], dict[str, Any]]:
+def _all_runs(cases: list[tuple[str, str, str]], folder: str) -> dict[tuple[str, str, str], DPO]:
     return {case: _dpo(*case, folder) for case in cases}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], DPO]:
     # one pair of processes for every case (DeepSpeed's start-up is paid once)
     folder = str(tmp_path_factory.mktemp("dpo"))
     return spawn(_all_runs, WORLD, CASES + (DS_CASES if HAS_DEEPSPEED else []), folder, timeout=1200)[0]
 
 
 @pytest.fixture(scope="module")
-def ref() -> dict[str, Any]:
+def ref() -> PlainDPO:
     return _reference()
 
 
-def _check(run: dict[str, Any], ref: dict[str, Any], case: tuple[str, str, str]) -> None:
+def _check(run: DPO, ref: PlainDPO, case: tuple[str, str, str]) -> None:
     _, strategy, mode = case
-    assert W.close(run["losses"], ref["losses"]) < 1e-5, (run["losses"], ref["losses"])
-    assert W.max_diff(run["policy"], ref["policy"]) < 2e-5
-    assert W.max_diff(run["policy"], W.clone_state(_models()[0])) > 1e-4  # the policy did train
-    assert all(torch.equal(run["ref"][k], run["ref_init"][k]) for k in run["ref_init"])  # reference unchanged
-    assert run["ref"].keys() == run["ref_init"].keys()
-    assert run["ref_grads"] == 0 and run["ref_in_optimizer"] == 0  # no gradients, no optimizer state
+    assert W.close(run.losses, ref.losses) < 1e-5, (run.losses, ref.losses)
+    assert W.max_diff(run.policy, ref.policy) < 2e-5
+    assert W.max_diff(run.policy, W.clone_state(_models()[0])) > 1e-4  # the policy did train
+    assert all(torch.equal(run.ref[k], run.ref_init[k]) for k in run.ref_init)  # reference unchanged
+    assert run.ref.keys() == run.ref_init.keys()
+    assert run.ref_grads == 0 and run.ref_in_optimizer == 0  # no gradients, no optimizer state
     if mode == "together":  # save_state + load_state with the reference prepared
-        assert run["resumed_ref"].keys() == run["ref_init"].keys()
-        assert all(torch.equal(run["resumed_ref"][k], run["ref_init"][k]) for k in run["ref_init"])
-    assert run["ref_type"] in ("GPT2LMHeadModel", "FSDPGPT2LMHeadModel")  # no DDP or DeepSpeed wrapper
+        assert run.resumed_ref.keys() == run.ref_init.keys()
+        assert all(torch.equal(run.resumed_ref[k], run.ref_init[k]) for k in run.ref_init)
+    assert run.ref_type in ("GPT2LMHeadModel", "FSDPGPT2LMHeadModel")  # no DDP or DeepSpeed wrapper
     if strategy == "zero3":  # sharded: each of 2 ranks holds about half of the elements
-        assert 0.45 < run["ref_share"] < 0.55, run["ref_share"]
+        assert 0.45 < run.ref_share < 0.55, run.ref_share
     else:  # a replica
-        assert run["ref_share"] == 1.0
+        assert run.ref_share == 1.0
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))

@@ -12,6 +12,7 @@ for bit; 3 is refused in one line before any model exists; ddp ignores the setti
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -48,7 +49,27 @@ def _key(cfg: dict[str, Any]) -> str:
     return "+".join(f"{k}={v}" for k, v in cfg.items())
 
 
-def _run(kw: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class HybridRun:
+    """One training run (W.Trained's fields), and what this rank really holds afterwards: the
+    sharding group's size, the mesh (shape, dimension names; None: no mesh), the ranks of the shard
+    and replicate groups, each parameter's local tensor and placements, the model's elements, the
+    per-element optimizer state's local elements."""
+
+    losses: list[float]
+    norms: list[float]
+    memory: Any
+    state: dict[str, torch.Tensor] | None
+    group: int
+    mesh: tuple[tuple[int, ...], Any] | None
+    ranks: tuple[list[int], list[int] | None]
+    local: dict[str, torch.Tensor]
+    placements: dict[str, str]
+    numel: int
+    state_numel: int
+
+
+def _run(kw: dict[str, Any]) -> HybridRun:
     """One training run, and what this rank really holds afterwards."""
     import torch.distributed as dist
 
@@ -56,21 +77,24 @@ def _run(kw: dict[str, Any]) -> dict[str, Any]:
     from shardwise.distributed.internals import local_tensor
 
     engine = shardwise.Engine(grad_accum_steps=RUN["accum"], seed=W.SEED, cpu=True, **kw)
-    out = W.run_loop(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])
+    trained = W.run_loop(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])
     session = engine.session
     strategy, model, runner = session.strategy, session.models[0], session.optimizers[0].runner
     shard, replicate = strategy.process_groups()
-    out["group"] = strategy.shard_group_size
     mesh = strategy.mesh
-    out["mesh"] = None if mesh is None else (tuple(mesh.shape), mesh.mesh_dim_names)
-    out["ranks"] = (dist.get_process_group_ranks(shard),
-                    None if replicate is None else dist.get_process_group_ranks(replicate))
     named = dict(strategy.unwrap(model).named_parameters())
-    out["local"] = {n: local_tensor(p).detach().clone() for n, p in named.items()}
-    out["placements"] = {n: str(getattr(p, "placements", None)) for n, p in named.items()}
-    out["numel"] = sum(p.numel() for p in named.values())  # the whole model's (DTensor: global)
-    # per-element optimizer state this rank keeps (AdamW: exp_avg and exp_avg_sq), local shards
-    out["state_numel"] = sum(local_tensor(t).numel() for t in runner.tensors() if t.dim() > 0)
+    out = HybridRun(
+        trained.losses, trained.norms, trained.memory, trained.state,
+        group=strategy.shard_group_size,
+        mesh=None if mesh is None else (tuple(mesh.shape), mesh.mesh_dim_names),
+        ranks=(dist.get_process_group_ranks(shard),
+               None if replicate is None else dist.get_process_group_ranks(replicate)),
+        local={n: local_tensor(p).detach().clone() for n, p in named.items()},
+        placements={n: str(getattr(p, "placements", None)) for n, p in named.items()},
+        numel=sum(p.numel() for p in named.values()),  # the whole model's (DTensor: global)
+        # per-element optimizer state this rank keeps (AdamW: exp_avg and exp_avg_sq), local shards
+        state_numel=sum(local_tensor(t).numel() for t in runner.tensors() if t.dim() > 0),
+    )
     engine.free_memory()
     return out
 
@@ -86,7 +110,15 @@ def _refused(kw: dict[str, Any]) -> str:
     return "accepted"
 
 
-def _collectives() -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Collectives:
+    """The collectives one backward called (kind, ranks of the group), and the FSDP units."""
+
+    calls: list[tuple[str, tuple[int, ...]]]
+    units: int
+
+
+def _collectives() -> Collectives:
     """Which collectives one hybrid zero3 backward calls, with the ranks of their groups."""
     import torch.distributed as dist
 
@@ -116,10 +148,22 @@ def _collectives() -> dict[str, Any]:
             setattr(dist, kind, fn)
     units = sum(1 for m in model.modules() if hasattr(m, "set_custom_reduce_scatter"))
     engine.free_memory()
-    return {"calls": calls, "units": units}
+    return Collectives(calls, units)
 
 
-def _work() -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One process's results: the runs by _key(config), the refusals by strategy, what the
+    shardwise logger said, the world size, the collectives of one backward."""
+
+    runs: dict[str, HybridRun]
+    refusals: dict[str, str]
+    log: list[str]
+    world: int
+    collectives: Collectives
+
+
+def _work() -> Work:
     import logging
     import os
 
@@ -137,93 +181,91 @@ def _work() -> dict[str, Any]:
     runs = {_key(cfg): _run(cfg) for cfg in HYBRID + OTHERS}
     collectives = _collectives()
     if dist.get_rank() != 0:  # full states are on rank 0; the local shards are what the others add
-        for run in runs.values():
-            del run["state"]
-    return {"runs": runs, "refusals": refusals, "log": lines, "world": dist.get_world_size(),
-            "collectives": collectives}
+        runs = {k: replace(run, state=None) for k, run in runs.items()}
+    return Work(runs, refusals, lines, dist.get_world_size(), collectives)
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results() -> list[Work]:
     return spawn(_work, WORLD)
 
 
 @pytest.fixture(scope="module")
-def ref() -> dict[str, Any]:
+def ref() -> W.Trained:
     return W.reference("tiny", world=WORLD, **RUN)
 
 
 def test_four_processes_at_most(results: list) -> None:
     assert len(results) == WORLD == 4
-    assert all(r["world"] == WORLD for r in results)
+    assert all(r.world == WORLD for r in results)
 
 
 @pytest.mark.parametrize("cfg", [c for c in HYBRID if c.get("precision", "fp32") == "fp32"], ids=_key)
 def test_hybrid_fp32_matches_one_process(results: list, ref: dict, cfg: dict[str, Any]) -> None:
-    run = results[0]["runs"][_key(cfg)]
-    assert len(run["losses"]) == 8 and len(run["norms"]) == 4
-    assert W.close(run["losses"], ref["losses"]) < 1e-5
-    assert W.close(run["norms"], ref["norms"]) < 1e-5 * max(ref["norms"])
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
-    assert W.max_diff(run["state"], W.build("tiny").state_dict()) > 1e-3  # it really trained
+    run = results[0].runs[_key(cfg)]
+    assert len(run.losses) == 8 and len(run.norms) == 4
+    assert W.close(run.losses, ref.losses) < 1e-5
+    assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
+    assert W.max_diff(run.state, ref.state) < 2e-5
+    assert W.max_diff(run.state, W.build("tiny").state_dict()) > 1e-3  # it really trained
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_hybrid_bf16_matches_full_sharding_and_follows_fp32(results: list, ref: dict, strategy: str) -> None:
-    hybrid = results[0]["runs"][_key({"strategy": strategy, "precision": "bf16", "shard_group_size": 2})]
-    full = results[0]["runs"][_key({"strategy": strategy, "precision": "bf16"})]
-    assert W.close(hybrid["losses"], full["losses"]) < 1e-5
-    assert W.close(hybrid["norms"], full["norms"]) < 1e-5 * max(full["norms"])
-    assert W.max_diff(hybrid["state"], full["state"]) < 2e-5
-    assert W.is_finite(hybrid["losses"]) and W.close(hybrid["losses"], ref["losses"]) < 2e-2
-    assert W.close(hybrid["losses"], ref["losses"]) > 1e-5  # bf16 really computed in bf16
+    hybrid = results[0].runs[_key({"strategy": strategy, "precision": "bf16", "shard_group_size": 2})]
+    full = results[0].runs[_key({"strategy": strategy, "precision": "bf16"})]
+    assert W.close(hybrid.losses, full.losses) < 1e-5
+    assert W.close(hybrid.norms, full.norms) < 1e-5 * max(full.norms)
+    assert W.max_diff(hybrid.state, full.state) < 2e-5
+    assert W.is_finite(hybrid.losses) and W.close(hybrid.losses, ref.losses) < 2e-2
+    assert W.close(hybrid.losses, ref.losses) > 1e-5  # bf16 really computed in bf16
 
 
 @pytest.mark.parametrize("cfg", HYBRID, ids=_key)
 def test_hybrid_groups_are_consecutive_ranks(results: list, cfg: dict[str, Any]) -> None:
     for rank, res in enumerate(results):
-        run = res["runs"][_key(cfg)]
-        assert run["group"] == GROUP
-        assert run["mesh"] == ((2, 2), ("dp_replicate", "dp_shard"))
+        run = res.runs[_key(cfg)]
+        assert run.group == GROUP
+        assert run.mesh == ((2, 2), ("dp_replicate", "dp_shard"))
         first = rank - rank % GROUP
-        assert run["ranks"] == ([first, first + 1], [rank % GROUP, rank % GROUP + GROUP])
+        assert run.ranks == ([first, first + 1], [rank % GROUP, rank % GROUP + GROUP])
 
 
 @pytest.mark.parametrize("cfg", [c for c in HYBRID if c["strategy"] != "zero1"], ids=_key)
 def test_each_rank_holds_half_of_the_parameters(results: list, cfg: dict[str, Any]) -> None:
     """Under zero2 and zero3 (at rest) every parameter is a (Replicate, Shard(0)) DTensor: the two
     ranks of a group hold its two halves, and the same half as their peer in the other group."""
-    runs = [res["runs"][_key(cfg)] for res in results]
-    full = runs[0]["state"]
+    runs = [res.runs[_key(cfg)] for res in results]
+    full = runs[0].state
     for rank, run in enumerate(runs):
-        assert sum(t.numel() for t in run["local"].values()) * GROUP == run["numel"], rank
-        assert set(run["placements"].values()) == {"(Replicate(), Shard(dim=0))"}, rank
+        assert sum(t.numel() for t in run.local.values()) * GROUP == run.numel, rank
+        assert set(run.placements.values()) == {"(Replicate(), Shard(dim=0))"}, rank
     for name, whole in full.items():
-        if name not in runs[0]["local"]:
+        if name not in runs[0].local:
             continue  # a buffer
         for first in (0, GROUP):
-            halves = [runs[first]["local"][name], runs[first + 1]["local"][name]]
+            halves = [runs[first].local[name], runs[first + 1].local[name]]
             assert halves[0].shape[0] * 2 == whole.shape[0], name
             assert torch.equal(torch.cat(halves), whole), name
         for rank in range(GROUP):  # replicas: bit for bit the same shard
-            assert torch.equal(runs[rank]["local"][name], runs[rank + GROUP]["local"][name]), name
+            assert torch.equal(runs[rank].local[name], runs[rank + GROUP].local[name]), name
 
 
 @pytest.mark.parametrize("cfg", [c for c in HYBRID if "offload" not in c], ids=_key)
 def test_each_rank_holds_half_of_the_optimizer_state(results: list, cfg: dict[str, Any]) -> None:
     """AdamW keeps 2 per-element tensors: per rank 2 x numel / 2, not / 4, not all."""
     for rank, res in enumerate(results):
-        run = res["runs"][_key(cfg)]
-        assert run["state_numel"] == 2 * run["numel"] // GROUP, (rank, run["state_numel"], run["numel"])
-    ddp = results[0]["runs"][_key({"strategy": "ddp"})]
-    assert ddp["state_numel"] == 2 * ddp["numel"]
+        run = res.runs[_key(cfg)]
+        assert run.state_numel == 2 * run.numel // GROUP, (rank, run.state_numel, run.numel)
+    ddp = results[0].runs[_key({"strategy": "ddp"})]
+    assert ddp.state_numel == 2 * ddp.numel
 
 
 def test_memory_report_counts_by_group(results: list) -> None:
     """memory_report (what the metrics records carry): hybrid zero3 holds 1/2 of ddp's bytes,
     twice full sharding's over 4; hybrid zero1 half of ddp's optimizer bytes and all its params."""
     for res in results:
-        mem = {k: res["runs"][_key(c)]["memory"] for k, c in (
+        mem = {k: res.runs[_key(c)].memory for k, c in (
             ("ddp", {"strategy": "ddp"}), ("full", {"strategy": "zero3"}),
             ("hybrid", {"strategy": "zero3", "shard_group_size": 2}),
             ("zero1", {"strategy": "zero1", "shard_group_size": 2}))}
@@ -239,30 +281,30 @@ def test_memory_report_counts_by_group(results: list) -> None:
 def test_group_of_the_world_is_full_sharding(results: list, strategy: str) -> None:
     """shard_group_size=4 at 4 processes: today's 1-D mesh, the same numbers bit for bit."""
     for res in results:
-        plain, four = (res["runs"][_key(c)] for c in ({"strategy": strategy},
-                                                      {"strategy": strategy, "shard_group_size": 4}))
-        assert plain["mesh"] == four["mesh"] == ((4,), None)
-        assert four["group"] == 4 and four["ranks"] == ([0, 1, 2, 3], None)
-        assert four["losses"] == plain["losses"] and four["norms"] == plain["norms"]
-        assert all(torch.equal(four["local"][n], t) for n, t in plain["local"].items())
-        assert four["state_numel"] == plain["state_numel"] == 2 * plain["numel"] // 4
+        plain, four = (res.runs[_key(c)] for c in ({"strategy": strategy},
+                                                   {"strategy": strategy, "shard_group_size": 4}))
+        assert plain.mesh == four.mesh == ((4,), None)
+        assert four.group == 4 and four.ranks == ([0, 1, 2, 3], None)
+        assert four.losses == plain.losses and four.norms == plain.norms
+        assert all(torch.equal(four.local[n], t) for n, t in plain.local.items())
+        assert four.state_numel == plain.state_numel == 2 * plain.numel // 4
 
 
 def test_ddp_ignores_the_group_and_says_so(results: list) -> None:
     for rank, res in enumerate(results):
-        plain, two = res["runs"][_key({"strategy": "ddp"})], res["runs"][_key({"strategy": "ddp",
-                                                                              "shard_group_size": 2})]
-        assert two["losses"] == plain["losses"] and two["mesh"] is None and two["group"] == WORLD
-        said = [line for line in res["log"] if "shard_group_size" in line]
+        plain, two = res.runs[_key({"strategy": "ddp"})], res.runs[_key({"strategy": "ddp",
+                                                                          "shard_group_size": 2})]
+        assert two.losses == plain.losses and two.mesh is None and two.group == WORLD
+        said = [line for line in res.log if "shard_group_size" in line]
         assert len(said) == (1 if rank == 0 else 0), said
-    assert "ignored" in next(line for line in results[0]["log"] if "shard_group_size" in line)
-    assert W.max_diff(results[0]["runs"][_key({"strategy": "ddp", "shard_group_size": 2})]["state"],
-                      results[0]["runs"][_key({"strategy": "ddp"})]["state"]) == 0.0
+    assert "ignored" in next(line for line in results[0].log if "shard_group_size" in line)
+    assert W.max_diff(results[0].runs[_key({"strategy": "ddp", "shard_group_size": 2})].state,
+                      results[0].runs[_key({"strategy": "ddp"})].state) == 0.0
 
 
 def test_a_group_that_does_not_divide_the_world_is_refused(results: list) -> None:
     for res in results:
-        for strategy, message in res["refusals"].items():
+        for strategy, message in res.refusals.items():
             assert "\n" not in message and "shard_group_size=3" in message, (strategy, message)
             assert "4 processes" in message, message
 
@@ -273,6 +315,6 @@ def test_gradients_reduce_within_the_group_then_across(results: list) -> None:
     for rank, res in enumerate(results):
         first = rank - rank % GROUP
         shard, replicate = (first, first + 1), (rank % GROUP, rank % GROUP + GROUP)
-        calls, units = res["collectives"]["calls"], res["collectives"]["units"]
+        calls, units = res.collectives.calls, res.collectives.units
         assert units == 4  # 3 blocks and the root
         assert sorted(calls) == sorted([("all_reduce", shard)] * units + [("all_reduce", replicate)] * units)

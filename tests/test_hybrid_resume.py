@@ -48,7 +48,7 @@ def _engine(settings: dict[str, Any]) -> Any:
 
 
 def _train(settings: dict[str, Any], steps: int, *, load: str | None = None, resave: str | None = None,
-           save: str | None = None) -> dict[str, Any]:
+           save: str | None = None) -> W.Checkpointed:
     """`steps` optimizer steps of the tiny model (AdamW, a scheduler, a shuffled loader); after
     `load` the state goes straight back to disk at `resave`; at the end it is saved at `save`."""
     engine = _engine(settings)
@@ -57,25 +57,26 @@ def _train(settings: dict[str, Any], steps: int, *, load: str | None = None, res
         after_load=(lambda: engine.save_state(resave)) if resave else None)
     if save:
         engine.save_state(save)
-    return {"losses": losses, "state": engine.get_state_dict(model), "step": engine.step}
+    return W.Checkpointed(losses, engine.get_state_dict(model), engine.step)
 
 
-def _reference(steps: int = 8) -> dict[str, Any]:
+def _reference(steps: int = 8) -> W.Trained:
     """One plain process over the same global batches (the loader's seeded permutation)."""
     return W.plain_reference(steps, N, G)
 
 
-def _resume(folder: str, sources: list[str], targets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _resume(folder: str, sources: list[str],
+            targets: dict[str, dict[str, Any]]) -> dict[tuple[str, str], W.Checkpointed]:
     return {(s, t): _train(cfg, 4, load=f"{folder}/{s}", resave=f"{folder}/re/{s}->{t}")
             for s in sources for t, cfg in targets.items()}
 
 
 # -- the spawns: 1, 2, 4 (saves, then the reverse resumes), 2, 1 processes -----------------------
-def _at_1_save(folder: str) -> dict[str, Any]:
+def _at_1_save(folder: str) -> dict[str, W.Checkpointed]:
     return {"ddp@1": _train(TO_1["ddp@1"], 4, save=f"{folder}/ddp@1")}
 
 
-def _at_2_save(folder: str) -> dict[str, Any]:
+def _at_2_save(folder: str) -> dict[str, W.Checkpointed]:
     return {"zero3@2": _train(TO_2["zero3@2"], 4, save=f"{folder}/zero3@2")}
 
 
@@ -115,8 +116,9 @@ def _save_load_times(folder: str, rounds: int = 5) -> dict[str, list[float]]:
     return times
 
 
-def _at_4(folder: str) -> dict[str, Any]:
-    out: dict[str, Any] = {f"hybrid {k}@4": _train(cfg, 4, save=f"{folder}/hybrid {k}@4")
+def _at_4(folder: str) -> dict[Any, Any]:
+    """The runs by name or (source, target), W.Checkpointed each; "times": _save_load_times."""
+    out: dict[Any, Any] = {f"hybrid {k}@4": _train(cfg, 4, save=f"{folder}/hybrid {k}@4")
                            for k, cfg in HYBRID.items()}
     out["zero3@4"] = _train({"strategy": "zero3"}, 4, save=f"{folder}/zero3@4")
     out["straight"] = _train(HYBRID["zero3"], 8)  # the uninterrupted hybrid run
@@ -130,11 +132,11 @@ def _at_4(folder: str) -> dict[str, Any]:
 SOURCES = [f"hybrid {k}@4" for k in HYBRID]
 
 
-def _at_2_resume(folder: str) -> dict[str, Any]:
+def _at_2_resume(folder: str) -> dict[tuple[str, str], W.Checkpointed]:
     return _resume(folder, SOURCES, TO_2)
 
 
-def _at_1_resume(folder: str) -> dict[str, Any]:
+def _at_1_resume(folder: str) -> dict[tuple[str, str], W.Checkpointed]:
     return _resume(folder, SOURCES, TO_1)
 
 
@@ -216,20 +218,20 @@ def test_every_resume_continues_as_the_uninterrupted_run(matrix: dict) -> None:
     ref = _reference(8)
     worst = [0.0, 0.0]
     for (src, dst), run in ((k, v) for k, v in matrix.items() if isinstance(k, tuple)):
-        losses = matrix[src]["losses"] + run["losses"]
-        assert W.close(losses, ref["losses"]) < 1e-5, (src, dst)
-        assert W.max_diff(run["state"], ref["state"]) < 2e-5, (src, dst)
-        assert run["step"] == 8, (src, dst)
-        worst = [max(worst[0], W.close(losses, ref["losses"])),
-                 max(worst[1], W.max_diff(run["state"], ref["state"]))]
+        losses = matrix[src].losses + run.losses
+        assert W.close(losses, ref.losses) < 1e-5, (src, dst)
+        assert W.max_diff(run.state, ref.state) < 2e-5, (src, dst)
+        assert run.step == 8, (src, dst)
+        worst = [max(worst[0], W.close(losses, ref.losses)),
+                 max(worst[1], W.max_diff(run.state, ref.state))]
     print(f"resumed runs vs one plain process: losses within {worst[0]:.2e}, weights within {worst[1]:.2e}")
-    assert W.max_diff(matrix["straight"]["state"], W.build("tiny").state_dict()) > 1e-3  # weights moved
+    assert W.max_diff(matrix["straight"].state, W.build("tiny").state_dict()) > 1e-3  # weights moved
 
 
 def test_hybrid_resumed_as_the_same_hybrid_is_bit_exact(matrix: dict) -> None:
     first, second, straight = matrix["hybrid zero3@4"], matrix["same"], matrix["straight"]
-    assert first["losses"] + second["losses"] == straight["losses"]
-    assert W.max_diff(second["state"], straight["state"]) == 0.0
+    assert first.losses + second.losses == straight.losses
+    assert W.max_diff(second.state, straight.state) == 0.0
 
 
 def test_each_shard_is_written_once(matrix: dict) -> None:

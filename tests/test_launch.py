@@ -38,12 +38,12 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[st
     return run_command(cmd, cwd=ROOT, env=env, timeout=timeout)
 
 
-def _result(path: Path) -> dict[str, Any]:
+def _result(path: Path) -> W.Launched:
     return torch.load(path, weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, Any]:
+def reference() -> W.Trained:
     return W.reference("tiny", world=2, **RUN)
 
 
@@ -58,10 +58,10 @@ def test_each_strategy_from_yaml_matches_the_reference(
     proc = _run(shardwise_cmd("launch", "--config", str(cfg), str(TRAIN), "--out", str(out)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = _result(out)
-    assert res["world"] == 2 and res["config"]["strategy"] == settings["strategy"]
-    assert res["config"]["offload"] == settings.get("offload", "none")
-    assert W.close(res["losses"], reference["losses"]) < 1e-5
-    assert W.max_diff(res["state"], reference["state"]) < 2e-5
+    assert res.world == 2 and res.config["strategy"] == settings["strategy"]
+    assert res.config["offload"] == settings.get("offload", "none")
+    assert W.close(res.losses, reference.losses) < 1e-5
+    assert W.max_diff(res.state, reference.state) < 2e-5
 
 
 def _two_nodes(out: Path) -> tuple[list[int | None], list[str]]:
@@ -91,9 +91,9 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_p
     assert codes == [0, 0], "\n".join(o[-2000:] for o in outs)
     (written,) = list(tmp_path.glob("node*.pt"))  # only global rank 0 writes
     res = _result(written)
-    assert res["world"] == 2
-    assert W.close(res["losses"], reference["losses"]) < 1e-5
-    assert W.max_diff(res["state"], reference["state"]) < 2e-5
+    assert res.world == 2
+    assert W.close(res.losses, reference.losses) < 1e-5
+    assert W.max_diff(res.state, reference.state) < 2e-5
 
 
 @pytest.mark.parametrize(
@@ -116,12 +116,12 @@ def test_tutorial_deepspeed_json_runs_with_autos_filled(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "have no effect here" in proc.stderr  # unsupported keys, listed once
     res = _result(out)
-    cfg = res["config"]
+    cfg = res.config
     assert cfg["precision"] == precision and cfg["max_grad_norm"] == 1.0
     assert cfg["backend"] == ("deepspeed" if "--backend" in extra else "torch")
-    assert res["optimizer"] == "AdamW" and W.is_finite(res["losses"]) and len(res["losses"]) == 4
+    assert res.optimizer == "AdamW" and W.is_finite(res.losses) and len(res.losses) == 4
     # WarmupDecayLR with every value "auto": lr 5e-5, no warm-up, linear decay over one epoch
-    assert res["lrs"] == pytest.approx([5e-5 * (1 - k / 4) for k in range(1, 5)])
+    assert res.lrs == pytest.approx([5e-5 * (1 - k / 4) for k in range(1, 5)])
 
 
 def test_plain_torchrun_picks_up_config_argument(tmp_path: Path) -> None:
@@ -131,7 +131,7 @@ def test_plain_torchrun_picks_up_config_argument(tmp_path: Path) -> None:
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                  str(TRAIN), "--out", str(out), "--config", str(cfg)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _result(out)["config"]["strategy"] == "zero2"
+    assert _result(out).config["strategy"] == "zero2"
 
 
 def test_script_exit_code_comes_back() -> None:

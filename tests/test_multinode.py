@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -33,7 +32,7 @@ NODE_TAG = "SHARDWISE_TEST_NODE"  # set per launcher: which "node" a worker was 
 LAUNCH_TIMEOUT_S = 300  # both launchers; the run takes ~75 s on 2 shared cores
 
 
-def _groups(model: torch.nn.Module) -> dict[str, Any]:
+def _groups(model: torch.nn.Module) -> W.Groups:
     """The mesh every sharded parameter of `model` lives on: its (replicate, shard) groups,
     as global ranks, and the share of the parameters this rank holds."""
     import torch.distributed as dist
@@ -50,8 +49,7 @@ def _groups(model: torch.nn.Module) -> dict[str, Any]:
         replicate = dist.get_process_group_ranks(mesh.get_group(0)) if mesh.ndim == 2 else []
         local += p.to_local().numel()
         total += p.numel()
-    return {"meshes": sorted(meshes), "shard": sorted(shard), "replicate": sorted(replicate),
-            "share": local / total}
+    return W.Groups(sorted(meshes), sorted(shard), sorted(replicate), local / total)
 
 
 def _train(out: Path) -> None:
@@ -62,15 +60,14 @@ def _train(out: Path) -> None:
 
     engine = shardwise.Engine()
     model, opt, loader = W.prepared(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])
-    losses = W.train(engine, model, opt, loader)["losses"]
-    result = {
-        "rank": dist.get_rank(), "world": engine.num_processes, "node": int(os.environ[NODE_TAG]),
-        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "groups": _groups(model),
-        "losses": losses, "config": shardwise.config.files.to_dict(engine.config),
-    }
+    losses = W.train(engine, model, opt, loader).losses
+    groups = _groups(model)
     state = engine.get_state_dict(model)  # a collective; the full weights land on rank 0
-    if engine.is_main_process:
-        result["state"] = state
+    result = W.NodeRun(
+        rank=dist.get_rank(), world=engine.num_processes, node=int(os.environ[NODE_TAG]),
+        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]), groups=groups, losses=losses,
+        config=shardwise.config.files.to_dict(engine.config), state=state if engine.is_main_process else None,
+    )
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
     engine.end_training()
 
@@ -100,27 +97,27 @@ def test_two_nodes_shard_within_each_node_and_match_one_process(tmp_path: Path) 
         codes, outs = _launch(tmp_path)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    ranks_of = {node: sorted(r["rank"] for r in results if r["node"] == node) for node in (0, 1)}
+    ranks_of = {node: sorted(r.rank for r in results if r.node == node) for node in (0, 1)}
     assert [len(ranks_of[0]), len(ranks_of[1])] == [2, 2], ranks_of
     for res in results:
-        g = res["groups"]
-        assert res["world"] == 4 and res["local_world_size"] == 2
-        assert res["config"]["shard_group_size"] == "node"
+        g = res.groups
+        assert res.world == 4 and res.local_world_size == 2
+        assert res.config["shard_group_size"] == "node"
         # HSDP: every parameter on the one (replicate, shard) mesh
-        assert g["meshes"] == [(("Replicate", None), ("Shard", 0))], g["meshes"]
-        assert g["shard"] == ranks_of[res["node"]], (res["rank"], g, ranks_of)
-        assert len(g["replicate"]) == 2 and res["rank"] in g["replicate"], g
-        assert {results[r]["node"] for r in g["replicate"]} == {0, 1}, g
-        assert abs(g["share"] - 0.5) < 0.02, g["share"]  # 1/2: the node's share
+        assert g.meshes == [(("Replicate", None), ("Shard", 0))], g.meshes
+        assert g.shard == ranks_of[res.node], (res.rank, g, ranks_of)
+        assert len(g.replicate) == 2 and res.rank in g.replicate, g
+        assert {results[r].node for r in g.replicate} == {0, 1}, g
+        assert abs(g.share - 0.5) < 0.02, g.share  # 1/2: the node's share
     ref = W.reference("tiny", world=4, **RUN)
     main = results[0]
-    assert len(main["losses"]) == RUN["accum"] * RUN["steps"]
-    print(f"2 nodes x 2, zero3, shard_group_size node: groups {[r['groups']['shard'] for r in results]}, "
-          f"losses within {W.close(main['losses'], ref['losses']):.2e}, "
-          f"weights within {W.max_diff(main['state'], ref['state']):.2e} of one process")
-    assert W.close(main["losses"], ref["losses"]) < 1e-5
-    assert W.max_diff(main["state"], ref["state"]) < 2e-5
-    assert W.max_diff(main["state"], W.build("tiny").state_dict()) > 1e-3  # training moved the weights
+    assert len(main.losses) == RUN["accum"] * RUN["steps"]
+    print(f"2 nodes x 2, zero3, shard_group_size node: groups {[r.groups.shard for r in results]}, "
+          f"losses within {W.close(main.losses, ref.losses):.2e}, "
+          f"weights within {W.max_diff(main.state, ref.state):.2e} of one process")
+    assert W.close(main.losses, ref.losses) < 1e-5
+    assert W.max_diff(main.state, ref.state) < 2e-5
+    assert W.max_diff(main.state, W.build("tiny").state_dict()) > 1e-3  # training moved the weights
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,18 @@ from torch.utils.data import DataLoader
 STEPS = 4
 
 
-def _tracked_run(out: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Tracked:
+    """The tracked run's losses (the script's own means) and clip norms; a Linear built on this
+    process before prepare (`init`), and its gathered weights after (`full`)."""
+
+    losses: list[float]
+    norms: list[float]
+    init: dict[str, torch.Tensor]
+    full: dict[str, torch.Tensor]
+
+
+def _tracked_run(out: str) -> Tracked:
     """zero3, log_with jsonl and tensorboard, a record every step; the script's own mean losses."""
     import shardwise
 
@@ -48,26 +60,26 @@ def _tracked_run(out: str) -> dict[str, Any]:
     init = {k: v.clone() for k, v in lin.state_dict().items()}
     full = engine.get_state_dict(engine.prepare(lin))
     engine.end_training()
-    return {"losses": losses, "norms": norms, "init": init, "full": full}
+    return Tracked(losses, norms, init, full)
 
 
 def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path) -> None:
     results = spawn(_tracked_run, 2, str(tmp_path))
     r0, r1 = results
-    assert not torch.equal(r0["init"]["weight"], r1["init"]["weight"])
-    assert all(torch.equal(r0["full"][k], r0["init"][k]) for k in r0["init"])  # process 0's, not a mix
+    assert not torch.equal(r0.init["weight"], r1.init["weight"])
+    assert all(torch.equal(r0.full[k], r0.init[k]) for k in r0.init)  # process 0's, not a mix
     path = tmp_path / "logs" / "run" / "metrics.jsonl"
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     records = [x for x in lines if "tokens_per_s" in x]
     assert [x["step"] for x in records] == list(range(1, STEPS + 1))  # one line per logged step
-    for rec, loss in zip(records, results[0]["losses"]):
+    for rec, loss in zip(records, results[0].losses):
         assert rec["loss"] == pytest.approx(loss, rel=1e-6, abs=1e-6)  # what the script computed
         assert rec["tokens_per_s"] > 0 and rec["samples_per_s"] > 0 and rec["step_time_s"] > 0
         assert 0 < rec["mfu"] < 1 and rec["tflops_per_s"] > 0
         assert [m["rank"] for m in rec["memory"]] == [0, 1]
         assert all(m["params"] > 0 and m["optimizer"] > 0 and m["peak"] > 0 for m in rec["memory"])
         assert rec["skipped_steps"] == 0 and "loss_scale" not in rec  # fp32: no scaler
-    assert [r["grad_norm"] for r in records] == pytest.approx(results[0]["norms"], rel=1e-6)
+    assert [r["grad_norm"] for r in records] == pytest.approx(results[0].norms, rel=1e-6)
     assert [x["script_metric"] for x in lines if "script_metric" in x] == [1.5]
     # rank 0 only: one writer, one file, and nothing else under logs/
     assert sorted(p.name for p in (tmp_path / "logs" / "run").iterdir()
@@ -78,7 +90,7 @@ def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path
     events = EventAccumulator(str(tmp_path / "logs" / "run"))
     events.Reload()
     tb_loss = [e.value for e in events.Scalars("shardwise/loss")]  # the engine's tags, apart from the user's
-    assert tb_loss == pytest.approx(results[0]["losses"], rel=1e-5)
+    assert tb_loss == pytest.approx(results[0].losses, rel=1e-5)
     assert "shardwise/memory/rank1/params" in events.Tags()["scalars"]
     assert [e.value for e in events.Scalars("script_metric")] == [1.5]
     # wandb, offline: one run whose record file holds the per-rank keys and the losses
@@ -104,57 +116,79 @@ class _Dropout(nn.Module):
         return self.drop(self.inner(input_ids))
 
 
-def _rules(out: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """What `_rules` measured on one process, in the order it measured them (`state`: the
+    Accelerator's use_distributed, num_processes, sync_gradients, free_memory(...), is_last_process)."""
+
+    rand_after_engine: bool
+    distributed_type: Any
+    mixed_precision: str
+    epochs: list[list[int]]
+    lr_accelerator: float
+    max: float
+    min: float
+    trigger: bool
+    trigger_again: bool
+    last: int | None
+    no_sync_grad: torch.Tensor
+    triggered_grad: torch.Tensor
+    uneven: list[list[int]]
+    split: list[list[int]]
+    state: tuple[Any, ...]
+
+
+def _rules(out: str) -> Rules:
     """The rules Accelerate's scripts depend on, measured on 2 processes."""
     import shardwise
 
-    res: dict[str, Any] = {}
     # seeding: Engine() without a seed leaves the script's seeding alone
     torch.manual_seed(42)
     expected = torch.rand(3)
     torch.manual_seed(42)
     engine = shardwise.Accelerator(cpu=True, mixed_precision=None)
-    res["rand_after_engine"] = torch.allclose(torch.rand(3), expected)
-    res["distributed_type"] = engine.distributed_type
-    res["mixed_precision"] = engine.mixed_precision
+    rand_after_engine = torch.allclose(torch.rand(3), expected)
+    distributed_type = engine.distributed_type
+    mixed_precision = engine.mixed_precision
     # data order: the loader's own generator decides it, as in plain torch
     data = list(range(24))
     loader = engine.prepare(DataLoader(data, batch_size=3, shuffle=True,
                                        generator=torch.Generator().manual_seed(5)))
-    res["epochs"] = [torch.cat(engine.gather(list(loader))).tolist() for _ in range(2)]
+    epochs = [torch.cat(engine.gather(list(loader))).tolist() for _ in range(2)]
     # the scheduler: once per process per optimizer step under Accelerator
-    res["lr_accelerator"] = _lr_after_three_steps(engine)
+    lr_accelerator = _lr_after_three_steps(engine)
     # reduce max/min
-    res["max"] = engine.reduce(torch.tensor([float(engine.process_index)]), "max").item()
-    res["min"] = engine.reduce(torch.tensor([float(engine.process_index)]), "min").item()
+    top = engine.reduce(torch.tensor([float(engine.process_index)]), "max").item()
+    bottom = engine.reduce(torch.tensor([float(engine.process_index)]), "min").item()
     # triggers
     if engine.process_index == 1:
         engine.set_trigger()
-    res["trigger"] = engine.check_trigger()
-    res["trigger_again"] = engine.check_trigger()
-    res["last"] = engine.on_last_process(lambda: engine.process_index)()
+    trigger = engine.check_trigger()
+    trigger_again = engine.check_trigger()
+    last = engine.on_last_process(lambda: engine.process_index)()
     # no_sync keeps gradients local; trigger_sync_in_backward all-reduces one backward anyway (DDP)
     torch.manual_seed(0)
     net = engine.prepare(nn.Linear(2, 1, bias=False))
     x = torch.tensor([[1.0 + engine.process_index, 2.0]])
     with engine.no_sync(net):
         engine.backward(net(x).sum())
-    res["no_sync_grad"] = net.module.weight.grad.clone()
+    no_sync_grad = net.module.weight.grad.clone()
     net.module.weight.grad = None
     with engine.no_sync(net), engine.trigger_sync_in_backward(net):
         engine.backward(net(x).sum())
-    res["triggered_grad"] = net.module.weight.grad.clone()
+    triggered_grad = net.module.weight.grad.clone()
     # even_batches=False: the last batch as it is; split_batches: the loader's batch is the global one
-    uneven = shardwise.Accelerator(cpu=True,
-                                   dataloader_config=shardwise.DataLoaderConfiguration(even_batches=False))
-    res["uneven"] = [b.tolist() for b in uneven.prepare(DataLoader(list(range(10)), batch_size=3))]
-    split = shardwise.Accelerator(cpu=True,
-                                  dataloader_config=shardwise.DataLoaderConfiguration(split_batches=True))
-    res["split"] = [b.tolist() for b in split.prepare(DataLoader(list(range(8)), batch_size=4))]
-    res["state"] = (engine.use_distributed, engine.state.num_processes, engine.gradient_state.sync_gradients,
-                    engine.free_memory(net, x), engine.is_last_process)
+    uneven_engine = shardwise.Accelerator(
+        cpu=True, dataloader_config=shardwise.DataLoaderConfiguration(even_batches=False))
+    uneven = [b.tolist() for b in uneven_engine.prepare(DataLoader(list(range(10)), batch_size=3))]
+    split_engine = shardwise.Accelerator(
+        cpu=True, dataloader_config=shardwise.DataLoaderConfiguration(split_batches=True))
+    split = [b.tolist() for b in split_engine.prepare(DataLoader(list(range(8)), batch_size=4))]
+    state = (engine.use_distributed, engine.state.num_processes, engine.gradient_state.sync_gradients,
+             engine.free_memory(net, x), engine.is_last_process)
     engine.end_training()
-    return res
+    return Rules(rand_after_engine, distributed_type, mixed_precision, epochs, lr_accelerator, top, bottom,
+                 trigger, trigger_again, last, no_sync_grad, triggered_grad, uneven, split, state)
 
 
 def _lr_after_three_steps(engine: Any) -> float:
@@ -171,8 +205,9 @@ def _lr_after_three_steps(engine: Any) -> float:
     return float(sched.get_last_lr()[0])
 
 
-def _resume_with_dropout(out: str, phase: str) -> dict[str, Any]:
-    """8 steps with dropout straight, or 4 + save (mid-epoch) then, in new processes, load + 4."""
+def _resume_with_dropout(out: str, phase: str) -> list[float]:
+    """8 steps with dropout straight, or 4 + save (mid-epoch) then, in new processes, load + 4:
+    the losses (averaged over processes)."""
     import shardwise
 
     torch.manual_seed(3)
@@ -195,13 +230,13 @@ def _resume_with_dropout(out: str, phase: str) -> dict[str, Any]:
             break
         if engine.step == 8:
             break
-    return {"losses": losses}
+    return losses
 
 
 def test_accelerate_rules_on_two_processes(tmp_path: Path) -> None:
     r0, r1 = spawn(_rules, 2, str(tmp_path))
-    assert r0["rand_after_engine"] and r1["rand_after_engine"]  # the script's set_seed stands
-    assert r0["distributed_type"] == "MULTI_CPU" and r0["mixed_precision"] == "no"
+    assert r0.rand_after_engine and r1.rand_after_engine  # the script's set_seed stands
+    assert r0.distributed_type == "MULTI_CPU" and r0.mixed_precision == "no"
     # data order: the generator's, exactly what plain torch gives one process for the same loader
     g = torch.Generator().manual_seed(5)
     plain = DataLoader(list(range(24)), batch_size=3, shuffle=True, generator=g)
@@ -209,24 +244,24 @@ def test_accelerate_rules_on_two_processes(tmp_path: Path) -> None:
 
     for epoch in range(2):
         # gathered batch k is [rank 0's k-th batch, rank 1's]: global batch k of the epoch's order
-        assert r0["epochs"][epoch] == expect[epoch]
+        assert r0.epochs[epoch] == expect[epoch]
     # 3 optimizer steps x 2 processes scheduler steps: lr = 1/(1+6)
-    assert r0["lr_accelerator"] == pytest.approx(1 / 7)
-    assert (r0["max"], r0["min"]) == (1.0, 0.0)
-    assert r0["trigger"] and r1["trigger"] and not r0["trigger_again"]
-    assert (r0["last"], r1["last"]) == (None, 1)
-    assert not torch.equal(r0["no_sync_grad"], r1["no_sync_grad"])  # each its own x
-    assert torch.equal(r0["triggered_grad"], r1["triggered_grad"])  # averaged in that backward
-    assert torch.allclose(r0["triggered_grad"], (r0["no_sync_grad"] + r1["no_sync_grad"]) / 2)
-    assert (r0["uneven"], r1["uneven"]) == ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9]])
-    assert (r0["split"], r1["split"]) == ([[0, 1], [4, 5]], [[2, 3], [6, 7]])
-    assert r0["state"] == (True, 2, True, (None, None), False) and r1["state"][4] is True
+    assert r0.lr_accelerator == pytest.approx(1 / 7)
+    assert (r0.max, r0.min) == (1.0, 0.0)
+    assert r0.trigger and r1.trigger and not r0.trigger_again
+    assert (r0.last, r1.last) == (None, 1)
+    assert not torch.equal(r0.no_sync_grad, r1.no_sync_grad)  # each its own x
+    assert torch.equal(r0.triggered_grad, r1.triggered_grad)  # averaged in that backward
+    assert torch.allclose(r0.triggered_grad, (r0.no_sync_grad + r1.no_sync_grad) / 2)
+    assert (r0.uneven, r1.uneven) == ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9]])
+    assert (r0.split, r1.split) == ([[0, 1], [4, 5]], [[2, 3], [6, 7]])
+    assert r0.state == (True, 2, True, (None, None), False) and r1.state[4] is True
 
 
 def test_mid_epoch_resume_is_bit_exact_with_dropout(tmp_path: Path) -> None:
-    straight = spawn(_resume_with_dropout, 2, str(tmp_path / "a"), "straight")[0]["losses"]
-    first = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "first")[0]["losses"]
-    second = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "second")[0]["losses"]
+    straight = spawn(_resume_with_dropout, 2, str(tmp_path / "a"), "straight")[0]
+    first = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "first")[0]
+    second = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "second")[0]
     assert len(straight) == 8
     assert first + second == straight  # bit for bit
 

@@ -65,7 +65,12 @@ def test_tp_candidates_names_settings_and_layouts() -> None:
     assert len(req.chosen()) == 2 * len(plain)
     hybrid = PlanRequest(world_size=8, nodes=2, device_memory="8GB", tensor_parallel_size=2,
                          activation_checkpointing="none").chosen()
-    assert not [x for x in hybrid if x.tensor_parallel_size == 2 and x.shard_group_size is not None]
+    # every hybrid plan (groups of a node's 4 devices) has a tp twin: groups of 4 / 2 = 2 dp ranks
+    twins = [x for x in hybrid if x.tensor_parallel_size == 2 and x.shard_group_size is not None]
+    assert [(x.strategy, x.offload) for x in twins] == [
+        (x.strategy, x.offload) for x in hybrid if x.tensor_parallel_size == 1 and x.shard_group_size == 4]
+    assert twins and {x.shard_group_size for x in twins} == {2}
+    assert twins[0].name.startswith("zero1 hybrid 2 + tp 2")
     # zero1 on one data-parallel rank is ddp's layout: traced once
     assert layout(Candidate("zero1"), 1) == Candidate("ddp")
     assert layout(Candidate("zero1"), 2) == Candidate("zero1")
@@ -77,8 +82,9 @@ def test_tp_candidates_names_settings_and_layouts() -> None:
     ({"tensor_parallel_size": 3}, "--tensor-parallel-size 3 does not divide the 4 devices"),
     ({"tensor_parallel_size": 4, "nodes": 2},
      "--tensor-parallel-size 4 does not divide the 2 devices per node"),
-    ({"candidates": [Candidate("zero3", shard_group_size=2, tensor_parallel_size=2)]},
-     "does not trace tensor parallelism with hybrid sharding"),
+    ({"candidates": [Candidate("zero3", shard_group_size=3, tensor_parallel_size=2)]},
+     "shard_group_size=3 does not divide the 2 data-parallel ranks"),
+    ({"sequence_parallel": True}, "--sequence-parallel splits the activations over the tensor-parallel"),
 ])
 def test_request_refuses_bad_tp_sizes(kw: dict[str, object], message: str) -> None:
     with pytest.raises(PlanError, match=message):
@@ -176,6 +182,51 @@ def test_sequence_parallel_candidates_gather_and_scatter_instead_and_hold_fewer_
     sent = {kind: sp.comm.intra[kind] - dp.intra[kind] for kind in ("reduce_scatter", "all_gather")}
     assert sent["reduce_scatter"] == pytest.approx(4 * LAYERS * one * ring)
     assert sent["all_gather"] == pytest.approx((4 * LAYERS + 2) * one * ring)
+
+
+def test_hybrid_sharding_with_tp_is_traced_on_the_3d_mesh(tmp_path: Path) -> None:
+    """8 devices on 2 nodes, tp 2: zero3 hybrid 2 + tp 2 (each node's 2 data-parallel ranks shard,
+    the nodes replicate) holds twice the optimizer state of zero3 + tp 2 (sharded over all 4
+    data-parallel ranks); TP's all-reduces stay within a node and are the same bytes as without
+    hybrid; across nodes only the replicas' gradient all-reduce (1/2 of what a tp rank holds)."""
+    cands = [Candidate("zero3", tensor_parallel_size=2),
+             Candidate("zero3", shard_group_size=2, tensor_parallel_size=2)]
+    req = PlanRequest(world_size=8, nodes=2, device_memory="1GB", batch=2, device="cpu", candidates=cands)
+    plan = plan_named(str(_llama(tmp_path)), req, seq_len=SEQ)
+    full, hybrid = plan.find("zero3", tensor_parallel_size=2), plan.find("zero3", shard_group_size=2,
+                                                                        tensor_parallel_size=2)
+    half, rest = _block_and_rest(2)
+    assert full.breakdown["optimizer"] == pytest.approx(8 * (half + rest) / 4, rel=0.02)
+    assert hybrid.breakdown["optimizer"] == pytest.approx(8 * (half + rest) / 2, rel=0.02)
+    tp_bytes = 7 * LAYERS * 2 * SEQ * HIDDEN * 4  # as `test_tp_candidates_hold_their_share...`
+    dp_full = step_comm("zero3", half + rest, "fp32", world_size=4, nodes=2)
+    dp_hybrid = step_comm("zero3", half + rest, "fp32", world_size=4, nodes=2, group_size=2)
+    for run, dp in ((full, dp_full), (hybrid, dp_hybrid)):
+        assert run.comm is not None
+        assert run.comm.intra["all_reduce"] - dp.intra.get("all_reduce", 0.0) == pytest.approx(tp_bytes)
+    assert hybrid.comm is not None and full.comm is not None
+    assert hybrid.comm.inter == pytest.approx(dp_hybrid.inter)
+    assert hybrid.comm.inter_bytes < full.comm.inter_bytes
+    assert hybrid.settings() == {"strategy": "zero3", "offload": "none", "activation_checkpointing": "none",
+                                 "shard_group_size": 2, "tensor_parallel_size": 2}
+
+
+def test_one_process_traces_world_after_world_with_the_right_groups(tmp_path: Path) -> None:
+    """Traces run one after another in one process (a worker of `shardwise plan`): each fake world
+    makes its own process groups, and DTensor's cached shardings (keyed by a mesh's shape, not its
+    groups) are dropped between worlds, so a later trace's TP all-reduces name its own tp group
+    (before: the earlier world's group of the same name, counted as a data-parallel collective)."""
+    from shardwise.plan.planner import _trace_candidates
+    from shardwise.plan.presets import resolve_model
+
+    cands = [Candidate("zero3", shard_group_size=2, tensor_parallel_size=2),
+             Candidate("zero3", tensor_parallel_size=2)]
+    req = PlanRequest(world_size=8, nodes=2, device_memory="1GB", batch=2, device="cpu", candidates=cands)
+    spec = resolve_model(str(_llama(tmp_path)), SEQ)
+    traces = _trace_candidates(spec, cands, req, batch=2, grad_accum_steps=1)
+    for cand in cands:
+        keys = set(traces[cand][(None, 2)].comm_bytes)
+        assert "allreduce@2" in keys and not {"allreduce", "allreduce@4:2"} & keys, (cand.name, keys)
 
 
 def test_cli_lists_tp_candidates_at_about_half_the_parameters(

@@ -8,6 +8,7 @@ fp16 within 5e-3. bf16 matmuls are very slow on this CPU, hence the tiny sizes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,7 +21,23 @@ RUN = {"batch": 2, "accum": 2, "steps": 2}
 CASES = [("bf16", "zero3"), ("bf16", "ddp"), ("fp16", "zero3"), ("fp16", "zero1")]
 
 
-def _overflow_run(strategy: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Overflow:
+    """An fp16 run whose step 1 overflowed on rank 0: its losses; the weights, loss scale and LRs
+    around that step; whether it was skipped; how far step 2 then moved the weights (rank 0)."""
+
+    losses: list[float]
+    before: dict[str, torch.Tensor]
+    after: dict[str, torch.Tensor]
+    skipped: bool
+    scale_before: float
+    scale_after: float
+    lr_before: list[float]
+    lr_after: list[float]
+    moved_after_skip: float | None
+
+
+def _overflow_run(strategy: str) -> Overflow:
     """fp16 training where rank 0 alone gets an inf in one gradient at step 1."""
     import shardwise
 
@@ -30,15 +47,15 @@ def _overflow_run(strategy: str) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     loader = DataLoader(W.Tokens(2 * 2 * 3), batch_size=2, shuffle=True)
     model, opt, sched, loader = engine.prepare(model, opt, sched, loader)
-    out: dict[str, Any] = {"losses": []}
+    losses: list[float] = []
+    moved_after_skip = None
     for i, ids in enumerate(loader):
         loss = W.lm_loss(model, ids)
         engine.backward(loss)
-        out["losses"].append(loss.item())
+        losses.append(loss.item())
         if i == 1:
-            out["before"] = engine.get_state_dict(model)
-            out["scale_before"] = engine.loss_scale
-            out["lr_before"] = sched.get_last_lr()
+            before, scale_before = engine.get_state_dict(model), engine.loss_scale
+            lr_before = sched.get_last_lr()
             if engine.process_index == 0:  # only one rank sees the overflow
                 grad = next(model.parameters()).grad
                 getattr(grad, "_local_tensor", grad).view(-1)[0] = float("inf")
@@ -47,55 +64,62 @@ def _overflow_run(strategy: str) -> dict[str, Any]:
         sched.step()
         opt.zero_grad()
         if i == 1:
-            out["after"] = engine.get_state_dict(model)
-            out["skipped"] = opt.step_was_skipped
-            out["scale_after"] = engine.loss_scale
-            out["lr_after"] = sched.get_last_lr()
+            after, skipped = engine.get_state_dict(model), opt.step_was_skipped
+            scale_after, lr_after = engine.loss_scale, sched.get_last_lr()
         if i == 2:
             final = engine.get_state_dict(model)  # a collective: every rank calls it
-            out["moved_after_skip"] = W.max_diff(final, out["after"]) if engine.is_main_process else None
-    return out
+            moved_after_skip = W.max_diff(final, after) if engine.is_main_process else None
+    return Overflow(losses, before, after, skipped, scale_before, scale_after, lr_before, lr_after,
+                    moved_after_skip)
 
 
-def _work() -> dict[str, Any]:
-    runs = {
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One process's results: the training runs by (precision, strategy) (and "gpt2-bf16"), the
+    overflow runs by strategy."""
+
+    runs: dict[Any, W.Trained]
+    overflow: dict[str, Overflow]
+
+
+def _work() -> Work:
+    runs: dict[Any, W.Trained] = {
         (p, s): W.train_engine("tiny", {"cpu": True, "strategy": s, "precision": p}, **RUN) for p, s in CASES
     }
     runs["gpt2-bf16"] = W.train_engine("gpt2", {"cpu": True, "strategy": "zero3", "precision": "bf16"}, **RUN)
-    overflow = {s: _overflow_run(s) for s in ("zero3", "ddp")}
-    return {"runs": runs, "overflow": overflow}
+    return Work(runs, {s: _overflow_run(s) for s in ("zero3", "ddp")})
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results() -> list[Work]:
     return spawn(_work, 2)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
 def test_low_precision_follows_fp32(results: list, case: tuple[str, str]) -> None:
-    run = results[0]["runs"][case]
+    run = results[0].runs[case]
     ref = W.reference("tiny", world=2, **RUN)
     tol = 2e-2 if case[0] == "bf16" else 5e-3
-    assert W.is_finite(run["losses"])
-    assert W.close(run["losses"], ref["losses"]) < tol
-    assert W.max_diff(run["state"], ref["state"]) < 5e-3  # fp32 masters: weights stay close
-    assert all(v.dtype == torch.float32 for v in run["state"].values())
+    assert W.is_finite(run.losses)
+    assert W.close(run.losses, ref.losses) < tol
+    assert W.max_diff(run.state, ref.state) < 5e-3  # fp32 masters: weights stay close
+    assert all(v.dtype == torch.float32 for v in run.state.values())
 
 
 def test_bf16_transformers_gpt2(results: list) -> None:
-    run = results[0]["runs"]["gpt2-bf16"]
+    run = results[0].runs["gpt2-bf16"]
     ref = W.reference("gpt2", world=2, **RUN)
-    assert W.close(run["losses"], ref["losses"]) < 2e-2
+    assert W.close(run.losses, ref.losses) < 2e-2
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_fp16_skips_overflow_step_on_every_rank(results: list, strategy: str) -> None:
     for rank, res in enumerate(results):
-        r = res["overflow"][strategy]
-        assert r["skipped"], f"rank {rank} did not skip"
-        assert r["scale_after"] == r["scale_before"] * 0.5
-        assert r["lr_after"] == r["lr_before"]  # the schedule waits too
-        assert W.is_finite(r["losses"])
-    main = results[0]["overflow"][strategy]
-    assert W.max_diff(main["after"], main["before"]) == 0.0  # the skipped step left weights alone
-    assert main["moved_after_skip"] > 0  # and the next step trained again
+        r = res.overflow[strategy]
+        assert r.skipped, f"rank {rank} did not skip"
+        assert r.scale_after == r.scale_before * 0.5
+        assert r.lr_after == r.lr_before  # the schedule waits too
+        assert W.is_finite(r.losses)
+    main = results[0].overflow[strategy]
+    assert W.max_diff(main.after, main.before) == 0.0  # the skipped step left weights alone
+    assert main.moved_after_skip > 0  # and the next step trained again

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,18 @@ def test_a_hung_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> Non
 
 
 # -- elastic world size: the global batch is kept ---------------------------------------------------
-def _elastic(folder: str, phase: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Elastic:
+    """An elastic run: the step it resumed at (None: not resumed), its accumulation steps, the
+    final weights, and each optimizer step's loss (the mean of its micro-batches' process means)."""
+
+    start: int | None
+    accum: int
+    state: dict[str, torch.Tensor]
+    losses: dict[int, float]
+
+
+def _elastic(folder: str, phase: str) -> Elastic:
     from torch.utils.data import DataLoader
 
     import shardwise
@@ -219,18 +231,18 @@ def _elastic(folder: str, phase: str) -> dict[str, Any]:
                 engine.save_state()
             if engine.step == 4:
                 break
-    return {"start": start, "accum": engine.config.grad_accum_steps, "state": engine.get_state_dict(model),
-            "losses": {k: sum(v) / len(v) for k, v in losses.items()}}
+    return Elastic(start, engine.config.grad_accum_steps, engine.get_state_dict(model),
+                   {k: sum(v) / len(v) for k, v in losses.items()})
 
 
 def test_a_checkpoint_at_4_processes_resumes_at_2_keeping_the_global_batch(tmp_path: Path) -> None:
     four = spawn(_elastic, 4, str(tmp_path), "save")[0]
     two = spawn(_elastic, 2, str(tmp_path), "resume")[0]
-    assert four["accum"] == 1 and two["accum"] == 2 and two["start"] == 2
-    assert sorted(two["losses"]) == [3, 4]
-    assert W.close([two["losses"][k] for k in (3, 4)], [four["losses"][k] for k in (3, 4)]) < 1e-5
-    assert W.max_diff(two["state"], four["state"]) < 2e-5
-    assert W.max_diff(two["state"], W.build("tiny").state_dict()) > 1e-3
+    assert four.accum == 1 and two.accum == 2 and two.start == 2
+    assert sorted(two.losses) == [3, 4]
+    assert W.close([two.losses[k] for k in (3, 4)], [four.losses[k] for k in (3, 4)]) < 1e-5
+    assert W.max_diff(two.state, four.state) < 2e-5
+    assert W.max_diff(two.state, W.build("tiny").state_dict()) > 1e-3
 
 
 # -- the launcher is SIGKILLed: its workers stop at a boundary, after a checkpoint ------------------

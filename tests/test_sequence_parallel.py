@@ -29,7 +29,7 @@ import pytest
 import torch
 import workloads as W
 from spawn import spawn
-from test_tensor_parallel import BATCH, PLANNED, STEPS, tp_share
+from test_tensor_parallel import BATCH, PLANNED, STEPS, Moved, tp_share
 from torch.utils.data import DataLoader
 
 # case -> (model, strategy, activation checkpointing)
@@ -115,7 +115,7 @@ def _two(folder: str) -> dict[str, Any]:
     model = W.build("llama")
     loader = DataLoader(W.Tokens(2 * BATCH * STEPS), batch_size=BATCH, shuffle=True)
     model, _opt, _loader = plain.prepare(model, W.make_optimizer(model), loader)
-    out["into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    out["into_zero3"] = Moved(plain.load_state(), plain.get_state_dict(model))
     return out
 
 
@@ -184,8 +184,8 @@ def test_a_sequence_parallel_checkpoint_and_export_load_without_tp(two: list[dic
 
     trained = two[0]["zero3"].state
     for rank in two:
-        assert rank["into_zero3"]["step"] == STEPS
-    assert W.max_diff(two[0]["into_zero3"]["state"], trained) == 0.0
+        assert rank["into_zero3"].step == STEPS
+    assert W.max_diff(two[0]["into_zero3"].state, trained) == 0.0
     plain = LlamaForCausalLM.from_pretrained(folder / "export")
     assert W.max_diff(dict(plain.state_dict()), trained) == 0.0
 

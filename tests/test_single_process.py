@@ -16,8 +16,8 @@ RUN = {"batch": 4, "accum": 2, "steps": 2}
 def test_world_of_one_matches_plain_pytorch(strategy: str) -> None:
     run = W.train_engine("tiny", {"cpu": True, "strategy": strategy}, **RUN)
     ref = W.reference("tiny", world=1, **RUN)
-    assert W.close(run["losses"], ref["losses"]) < 1e-5
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
+    assert W.close(run.losses, ref.losses) < 1e-5
+    assert W.max_diff(run.state, ref.state) < 2e-5
 
 
 def test_dataloader_order_is_seeded_and_reshuffles_per_epoch() -> None:

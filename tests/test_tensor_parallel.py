@@ -23,6 +23,7 @@ dimension, then the all-reduce adds the halves), a few ulps per step in fp32.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,38 @@ BATCH, STEPS = 2, 4
 PLANNED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+@dataclass(frozen=True, slots=True)
+class TPRun:
+    """One tensor-parallel run: losses (averaged over processes), clipped norms, the final full
+    weights (gathered on process 0), the parameter elements this rank holds, the batches its
+    loader served, the loss's type (a DTensor under loss parallelism); at 4 processes what
+    `gather` of the data-parallel rank, a summing and a mean `reduce` returned. `model` is the
+    prepared model, in the worker only (`sent` drops it: it does not travel back)."""
+
+    losses: list[float]
+    norms: list[float]
+    state: dict[str, torch.Tensor]
+    local: int
+    batches: int
+    loss_type: str = ""
+    gathered: list[int] = field(default_factory=list)
+    summed: list[float] = field(default_factory=list)
+    mean: list[float] = field(default_factory=list)
+    model: Any = None
+
+    def sent(self, **more: Any) -> TPRun:
+        """The record as it travels back from a worker (without the model), with `more` set."""
+        return replace(self, model=None, **more)
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """A checkpoint loaded elsewhere: the step load_state returned, the gathered weights then."""
+
+    step: int
+    state: dict[str, torch.Tensor]
+
+
 def _prepared(engine: Any, dp: int, name: str = "llama") -> tuple[Any, Any, Any]:
     """The tiny Llama (or GPT-2), its AdamW and a loader of STEPS global batches of dp * BATCH, prepared."""
     model = W.build(name)
@@ -44,7 +77,7 @@ def _prepared(engine: Any, dp: int, name: str = "llama") -> tuple[Any, Any, Any]
     return engine.prepare(model, opt, DataLoader(data, batch_size=BATCH, shuffle=True))
 
 
-def _train(engine: Any, dp: int, name: str = "llama") -> dict[str, Any]:
+def _train(engine: Any, dp: int, name: str = "llama") -> TPRun:
     """STEPS optimizer steps of the tiny Llama (or GPT-2) on `engine`; dp data-parallel ranks share a
     global batch of dp * BATCH (the processes of a tp group take the same one)."""
     model, opt, loader = _prepared(engine, dp, name)
@@ -58,8 +91,8 @@ def _train(engine: Any, dp: int, name: str = "llama") -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model), "local": local,
-            "model": model, "opt": opt, "batches": len(loader), "loss_type": type(loss).__name__}
+    return TPRun(losses, norms, engine.get_state_dict(model), local, len(loader), type(loss).__name__,
+                 model=model)
 
 
 def _two(folder: str) -> dict[str, Any]:
@@ -74,8 +107,8 @@ def _two(folder: str) -> dict[str, Any]:
         run = _train(engine, dp=1)
         if strategy == "zero3":
             engine.save_state()
-            engine.save_model(run["model"], f"{folder}/export")  # whole tensors, as transformers loads
-        out[strategy] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+            engine.save_model(run.model, f"{folder}/export")  # whole tensors, as transformers loads
+        out[strategy] = run.sent()
         engine.free_memory()
     # a user's plan that splits the embedding and the head too (transformers' full Llama plan)
     from shardwise.strategies.tensor_parallel import model_plan
@@ -85,22 +118,22 @@ def _two(folder: str) -> dict[str, Any]:
     engine = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, tensor_parallel_size=2,
                               tensor_parallel_plan=plan)
     run = _train(engine, dp=1)
-    out["full plan"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+    out["full plan"] = run.sent()
     engine.free_memory()
     # loss parallelism: the head's logits split over the vocabulary, the loss computed on them
     engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2,
                               tensor_parallel_plan={**plan, "lm_head": "colwise_loss_parallel"})
     run = _train(engine, dp=1)
-    out["loss parallel"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches", "loss_type")}
+    out["loss parallel"] = run.sent()
     engine.free_memory()
     # the tp 2 checkpoint into zero3 without tp, and that one back into tp 2
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/zero3")
     model, _opt, _loader = _prepared(plain, dp=2)
-    out["into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    out["into_zero3"] = Moved(plain.load_state(), plain.get_state_dict(model))
     plain.save_state(f"{folder}/from_zero3")
     back = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, tensor_parallel_size=2)
     model, _opt, _loader = _prepared(back, dp=1)
-    out["into_tp"] = {"step": back.load_state(f"{folder}/from_zero3"), "state": back.get_state_dict(model)}
+    out["into_tp"] = Moved(back.load_state(f"{folder}/from_zero3"), back.get_state_dict(model))
     # the exported weights straight into tp shards of a freshly built model
     model, _opt, _loader = _prepared(back, dp=1)
     back.load_model(model, f"{folder}/export")
@@ -122,17 +155,17 @@ def _gpt2(folder: str) -> dict[str, Any]:
         run = _train(engine, dp=1, name="gpt2")
         if strategy == "zero3":
             engine.save_state()
-            engine.save_model(run["model"], f"{folder}/gpt2_export")
-        out[f"gpt2 {strategy}"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+            engine.save_model(run.model, f"{folder}/gpt2_export")
+        out[f"gpt2 {strategy}"] = run.sent()
         engine.free_memory()
     # the project's own GPT (examples/gpt.py), on the plan it carries (fused qkv: colwise_qkv)
     engine = shardwise.Engine(strategy="zero2", cpu=True, seed=W.SEED, tensor_parallel_size=2)
     run = _train(engine, dp=1, name="gpt")
-    out["gpt zero2"] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
+    out["gpt zero2"] = run.sent()
     engine.free_memory()
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/gpt2_zero3")
     model, _opt, _loader = _prepared(plain, dp=2, name="gpt2")
-    out["gpt2 into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    out["gpt2 into_zero3"] = Moved(plain.load_state(), plain.get_state_dict(model))
     out.update(_empty(folder))
     return out
 
@@ -179,12 +212,11 @@ def _four(folder: str) -> dict[str, Any]:
                                   tensor_parallel_size=2, shard_group_size=group,
                                   checkpoint_dir=f"{folder}/four_{case.replace(' ', '_')}")
         run = _train(engine, dp=2, name=name)
-        out[case] = {k: run[k] for k in ("losses", "norms", "state", "local", "batches")}
         # the processes of a tp pair hold the same data: gathered and summed once
         dp_rank = torch.tensor([dist.get_rank() // 2])
-        out[case]["gathered"] = engine.gather(dp_rank).tolist()
-        out[case]["summed"] = engine.reduce(torch.tensor([1.0, 2.0]), "sum").tolist()
-        out[case]["mean"] = engine.reduce(dp_rank.float(), "mean").tolist()
+        out[case] = run.sent(gathered=engine.gather(dp_rank).tolist(),
+                             summed=engine.reduce(torch.tensor([1.0, 2.0]), "sum").tolist(),
+                             mean=engine.reduce(dp_rank.float(), "mean").tolist())
         if case == "zero1":
             engine.save_state()
         engine.free_memory()
@@ -192,11 +224,11 @@ def _four(folder: str) -> dict[str, Any]:
     # zero3 without tp at 4
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/four_zero1")
     model, _opt, _loader = _prepared(plain, dp=4)
-    out["zero1 into_zero3"] = {"step": plain.load_state(), "state": plain.get_state_dict(model)}
+    out["zero1 into_zero3"] = Moved(plain.load_state(), plain.get_state_dict(model))
     return out
 
 
-def _reference(dp: int, name: str = "llama") -> dict[str, Any]:
+def _reference(dp: int, name: str = "llama") -> W.Trained:
     return W.reference(name, world=dp, batch=BATCH, accum=1, steps=STEPS, clip=1.0)
 
 
@@ -232,13 +264,13 @@ def two(folder: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_tp2_matches_one_process(two: list[dict[str, Any]], strategy: str) -> None:
     ref = _reference(dp=1)
-    assert W.max_diff(two[0][strategy]["state"], ref["state"]) < 1e-5  # (gathered on process 0)
+    assert W.max_diff(two[0][strategy].state, ref.state) < 1e-5  # (gathered on process 0)
     for rank in two:
         run = rank[strategy]
-        assert run["batches"] == STEPS  # both tp ranks took every batch: one data-parallel rank
-        assert W.close(run["losses"], ref["losses"]) < 1e-5
-        assert W.close(run["norms"], ref["norms"]) < 1e-5
-        assert run["local"] == _share(1)  # the plan's share: planned weights halved, the rest whole
+        assert run.batches == STEPS  # both tp ranks took every batch: one data-parallel rank
+        assert W.close(run.losses, ref.losses) < 1e-5
+        assert W.close(run.norms, ref.norms) < 1e-5
+        assert run.local == _share(1)  # the plan's share: planned weights halved, the rest whole
 
 
 @pytest.mark.parametrize("case", ["full plan", "loss parallel"])
@@ -249,29 +281,29 @@ def test_a_users_plan_splitting_embedding_and_head_matches_one_process(two: list
     ref = _reference(dp=1)
     for rank in two:
         run = rank[case]
-        assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
+        assert W.close(run.losses, ref.losses) < 1e-5 and W.close(run.norms, ref.norms) < 1e-5
         model = W.build("llama")
         norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
         whole = sum(p.numel() for p in model.parameters())
-        assert run["local"] == (whole - norms) // 2 + norms  # all but the norms split: embedding, head too
-    assert W.max_diff(two[0][case]["state"], ref["state"]) < 1e-5
+        assert run.local == (whole - norms) // 2 + norms  # all but the norms split: embedding, head too
+    assert W.max_diff(two[0][case].state, ref.state) < 1e-5
     if case == "loss parallel":  # the loss came from split logits: a DTensor
-        assert {rank[case]["loss_type"] for rank in two} == {"DTensor"}
+        assert {rank[case].loss_type for rank in two} == {"DTensor"}
 
 
 def test_a_tp_checkpoint_resumes_without_tp_and_back(two: list[dict[str, Any]]) -> None:
     for rank in two:
-        assert rank["into_zero3"]["step"] == STEPS and rank["into_tp"]["step"] == STEPS
-    trained = two[0]["zero3"]["state"]  # (gathered on process 0)
-    assert W.max_diff(two[0]["into_zero3"]["state"], trained) == 0.0
-    assert W.max_diff(two[0]["into_tp"]["state"], trained) == 0.0
+        assert rank["into_zero3"].step == STEPS and rank["into_tp"].step == STEPS
+    trained = two[0]["zero3"].state  # (gathered on process 0)
+    assert W.max_diff(two[0]["into_zero3"].state, trained) == 0.0
+    assert W.max_diff(two[0]["into_tp"].state, trained) == 0.0
 
 
 def test_exported_weights_load_in_transformers_and_into_tp_shards(two: list[dict[str, Any]],
                                                                    folder: Path) -> None:
     from transformers import LlamaForCausalLM
 
-    trained = two[0]["zero3"]["state"]
+    trained = two[0]["zero3"].state
     plain = LlamaForCausalLM.from_pretrained(folder / "export")  # one plain process
     assert W.max_diff(dict(plain.state_dict()), trained) == 0.0
     assert W.max_diff(two[0]["loaded"], trained) == 0.0  # load_model into a tp 2 model's shards
@@ -282,23 +314,23 @@ def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]
     ref = _reference(dp=2, name=FOUR[strategy][0])
     for rank in four:
         run = rank[strategy]
-        assert run["batches"] == STEPS
-        assert W.close(run["losses"], ref["losses"]) < 1e-5
-        assert W.close(run["norms"], ref["norms"]) < 1e-5
-    assert W.max_diff(four[0][strategy]["state"], ref["state"]) < 1e-5
+        assert run.batches == STEPS
+        assert W.close(run.losses, ref.losses) < 1e-5
+        assert W.close(run.norms, ref.norms) < 1e-5
+    assert W.max_diff(four[0][strategy].state, ref.state) < 1e-5
     for rank in four:  # metrics count data-parallel ranks, not processes
-        assert rank[strategy]["gathered"] == [0, 1]
-        assert rank[strategy]["summed"] == [2.0, 4.0] and rank[strategy]["mean"] == [0.5]
-    assert four[0]["zero3"]["local"] <= _share(2) + 64  # 1/2 of the tp share on each dp rank (+ padding)
-    assert four[0]["zero3 hybrid"]["local"] == _share(1)  # groups of one dp rank: the tp share whole
-    assert four[0]["ddp"]["local"] == _share(1)  # ddp: every dp rank a replica of its tp share
-    assert four[0]["zero1"]["local"] == _share(1)  # zero1 too (its optimizer state split instead)
+        assert rank[strategy].gathered == [0, 1]
+        assert rank[strategy].summed == [2.0, 4.0] and rank[strategy].mean == [0.5]
+    assert four[0]["zero3"].local <= _share(2) + 64  # 1/2 of the tp share on each dp rank (+ padding)
+    assert four[0]["zero3 hybrid"].local == _share(1)  # groups of one dp rank: the tp share whole
+    assert four[0]["ddp"].local == _share(1)  # ddp: every dp rank a replica of its tp share
+    assert four[0]["zero1"].local == _share(1)  # zero1 too (its optimizer state split instead)
 
 
 def test_a_zero1_tp_checkpoint_resumes_under_zero3_without_tp(four: list[dict[str, Any]]) -> None:
     for rank in four:
-        assert rank["zero1 into_zero3"]["step"] == STEPS
-    assert W.max_diff(four[0]["zero1 into_zero3"]["state"], four[0]["zero1"]["state"]) == 0.0
+        assert rank["zero1 into_zero3"].step == STEPS
+    assert W.max_diff(four[0]["zero1 into_zero3"].state, four[0]["zero1"].state) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -320,10 +352,10 @@ def test_gpt2_on_its_built_in_plan_matches_one_process(two: list[dict[str, Any]]
     ref = _reference(dp=1, name="gpt2")
     for rank in two:
         run = rank[f"gpt2 {strategy}"]
-        assert run["batches"] == STEPS
-        assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
-        assert run["local"] == _gpt2_share()
-    assert W.max_diff(two[0][f"gpt2 {strategy}"]["state"], ref["state"]) < 1e-5
+        assert run.batches == STEPS
+        assert W.close(run.losses, ref.losses) < 1e-5 and W.close(run.norms, ref.norms) < 1e-5
+        assert run.local == _gpt2_share()
+    assert W.max_diff(two[0][f"gpt2 {strategy}"].state, ref.state) < 1e-5
 
 
 def test_gpt2_tp_checkpoint_and_export(two: list[dict[str, Any]], folder: Path) -> None:
@@ -331,10 +363,10 @@ def test_gpt2_tp_checkpoint_and_export(two: list[dict[str, Any]], folder: Path) 
     global layout is the model's own), and its export loads in transformers."""
     from transformers import GPT2LMHeadModel
 
-    trained = two[0]["gpt2 zero3"]["state"]
+    trained = two[0]["gpt2 zero3"].state
     for rank in two:
-        assert rank["gpt2 into_zero3"]["step"] == STEPS
-    assert W.max_diff(two[0]["gpt2 into_zero3"]["state"], trained) == 0.0
+        assert rank["gpt2 into_zero3"].step == STEPS
+    assert W.max_diff(two[0]["gpt2 into_zero3"].state, trained) == 0.0
     plain = GPT2LMHeadModel.from_pretrained(folder / "gpt2_export")
     assert W.max_diff(dict(plain.state_dict()), trained) == 0.0
 
@@ -346,9 +378,9 @@ def test_the_projects_own_gpt_on_the_plan_it_carries_matches_one_process(two: li
                                                    "mlp.2.weight")))
     for rank in two:
         run = rank["gpt zero2"]
-        assert W.close(run["losses"], ref["losses"]) < 1e-5 and W.close(run["norms"], ref["norms"]) < 1e-5
-        assert run["local"] == share
-    assert W.max_diff(two[0]["gpt zero2"]["state"], ref["state"]) < 1e-5
+        assert W.close(run.losses, ref.losses) < 1e-5 and W.close(run.norms, ref.norms) < 1e-5
+        assert run.local == share
+    assert W.max_diff(two[0]["gpt zero2"].state, ref.state) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "gpt"])
@@ -359,4 +391,4 @@ def test_init_empty_under_tp_gives_a_normal_builds_weights(two: list[dict[str, A
 
 
 def test_from_pretrained_reads_the_export_into_tp_shards(two: list[dict[str, Any]]) -> None:
-    assert W.max_diff(two[0]["gpt2 from_pretrained"], two[0]["gpt2 zero3"]["state"]) == 0.0
+    assert W.max_diff(two[0]["gpt2 from_pretrained"], two[0]["gpt2 zero3"].state) == 0.0

@@ -69,7 +69,7 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     return total, (targets != -100).sum()
 
 
-def reference(name: str) -> dict[str, Any]:
+def reference(name: str) -> W.Trained:
     """One plain process: each optimizer step's whole global batch in one forward, token mean."""
     model = W.build(name)
     opt = W.make_optimizer(model)
@@ -86,10 +86,10 @@ def reference(name: str) -> dict[str, Any]:
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "norms": norms, "state": W.clone_state(model)}
+    return W.Trained(losses, norms, state=W.clone_state(model))
 
 
-def train(name: str, engine_kw: dict[str, Any], *, weighted: bool = True) -> dict[str, Any]:
+def train(name: str, engine_kw: dict[str, Any], *, weighted: bool = True) -> W.Trained:
     """The loop at 2 processes: `backward(loss_sum, num_items=n)` (or, `weighted=False`, the
     usual per-micro-batch mean); each step's token mean over both processes is recorded."""
     import shardwise
@@ -115,7 +115,7 @@ def train(name: str, engine_kw: dict[str, Any], *, weighted: bool = True) -> dic
                     norms.append(float(engine.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
             opt.zero_grad()
-    return {"losses": losses, "norms": norms, "state": engine.get_state_dict(model)}
+    return W.Trained(losses, norms, state=engine.get_state_dict(model))
 
 
 def careless() -> list[str]:
@@ -143,8 +143,9 @@ def careless() -> list[str]:
     return lines
 
 
-def _everything() -> dict[Any, Any]:
-    out: dict[Any, Any] = {_key(case): train(*case) for case in CASES}
+def _everything() -> dict[str, Any]:
+    """W.Trained by case (and "mean ddp", "mean zero3"); "careless": careless()'s lines."""
+    out: dict[str, Any] = {_key(case): train(*case) for case in CASES}
     out["mean ddp"] = train("tiny", {"strategy": "ddp"}, weighted=False)
     out["mean zero3"] = train("tiny", {"strategy": "zero3"}, weighted=False)
     out["careless"] = careless()
@@ -152,12 +153,12 @@ def _everything() -> dict[Any, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[Any, Any]:
+def runs() -> dict[str, Any]:
     return spawn(_everything, WORLD)[0]  # rank 0 holds the full state dicts
 
 
 @pytest.fixture(scope="module")
-def refs() -> dict[str, dict[str, Any]]:
+def refs() -> dict[str, W.Trained]:
     return {name: reference(name) for name in ("tiny", "gpt2")}
 
 
@@ -165,15 +166,15 @@ def refs() -> dict[str, dict[str, Any]]:
 def test_token_weighted_loss_matches_one_process(runs: dict, refs: dict,
                                                  case: tuple[str, dict[str, Any]]) -> None:
     run, ref = runs[_key(case)], refs[case[0]]
-    assert len(run["losses"]) == STEPS
-    assert W.close(run["losses"], ref["losses"]) < 1e-5
-    if run["norms"]:  # the script clipped (else the config's max_grad_norm did)
-        assert min(ref["norms"]) > CLIP  # every step really clipped, after the rescale
-        assert W.close(run["norms"], ref["norms"]) < 1e-5 * max(ref["norms"])
-    print(f"\n{_key(case)}: losses {W.close(run['losses'], ref['losses']):.1e}, "
-          f"weights {W.max_diff(run['state'], ref['state']):.1e}")
-    assert W.max_diff(run["state"], ref["state"]) < 2e-5
-    assert W.max_diff(run["state"], W.build(case[0]).state_dict()) > 1e-3  # the weights moved
+    assert len(run.losses) == STEPS
+    assert W.close(run.losses, ref.losses) < 1e-5
+    if run.norms:  # the script clipped (else the config's max_grad_norm did)
+        assert min(ref.norms) > CLIP  # every step really clipped, after the rescale
+        assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
+    print(f"\n{_key(case)}: losses {W.close(run.losses, ref.losses):.1e}, "
+          f"weights {W.max_diff(run.state, ref.state):.1e}")
+    assert W.max_diff(run.state, ref.state) < 2e-5
+    assert W.max_diff(run.state, W.build(case[0]).state_dict()) > 1e-3  # the weights moved
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
@@ -181,8 +182,8 @@ def test_per_micro_batch_mean_drifts(runs: dict, refs: dict, strategy: str) -> N
     """The usual per-micro-batch mean trains another model than the token mean (so the test above
     can fail): its distance is printed for docs/finetuning.md (`pytest -s`)."""
     run, ref = runs[f"mean {strategy}"], refs["tiny"]
-    loss_drift = W.close(run["losses"][1:], ref["losses"][1:])  # step 0's loss is taken before any step
-    weight_drift = W.max_diff(run["state"], ref["state"])
+    loss_drift = W.close(run.losses[1:], ref.losses[1:])  # step 0's loss is taken before any step
+    weight_drift = W.max_diff(run.state, ref.state)
     print(f"\nper-micro-batch mean vs token mean ({strategy}, {STEPS} steps): "
           f"step losses {loss_drift:.2e}, weights {weight_drift:.2e}")
     assert weight_drift > 1e-3 and loss_drift > 1e-4

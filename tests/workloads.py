@@ -11,6 +11,7 @@ import copy
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,6 +58,73 @@ class TinyLM(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.norm(x))
+
+
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """One training run: the micro-batch losses (averaged over processes), the norms of the
+    clipped steps, the memory report after the last step (None: a plain process), the final full
+    weights (None: not taken). Module-level, so it pickles back from spawned workers."""
+
+    losses: list[float]
+    norms: list[float] = field(default_factory=list)
+    memory: Any = None
+    state: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointed:
+    """A checkpoint test's run (`checkpoint_loop`): its losses (averaged over processes), the final
+    full weights, `engine.step` at the end, the scheduler's last LRs (None: not taken)."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    step: int
+    lr: list[float] | None = None
+
+
+# Records that scripts started by a launcher save with torch.save (they run as __main__, so their
+# records live here, where the test process finds them by this module's name).
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """What tests/scripts/train_from_config.py saves (rank 0): the losses, clip norms and final
+    weights of its run, the resolved config, the world size; with --config-optimizer the LR after
+    each optimizer step and the class of the optimizer the config built (no norms then)."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    world: int
+    norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    optimizer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """The mesh every sharded parameter lives on: its placements (sorted kinds and dims), the
+    shard and replicate groups as global ranks, and the share of the parameters this rank holds."""
+
+    meshes: list[tuple[tuple[str, int | None], ...]]
+    shard: list[int]
+    replicate: list[int]
+    share: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRun:
+    """What tests/test_multinode.py's worker saves, each rank: where it ran (rank, world, the node
+    its launcher stands for, the launcher's local world size), its groups, the losses (averaged
+    over processes), the resolved config, the final full weights (rank 0; None elsewhere)."""
+
+    rank: int
+    world: int
+    node: int
+    local_world_size: int
+    groups: Groups
+    losses: list[float]
+    config: dict[str, Any]
+    state: dict[str, torch.Tensor] | None = None
 
 
 def build(name: str) -> nn.Module:
@@ -151,16 +219,12 @@ def reference(
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), bound).item())
             opt.step()
             opt.zero_grad()
-    return {
-        "losses": losses,
-        "norms": norms,
-        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-    }
+    return Trained(losses, norms, state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
 
 
 def train_engine(
     name: str, engine_kw: dict[str, Any], *, batch: int, accum: int, steps: int, clip: Clip = 1.0
-) -> dict[str, Any]:
+) -> Trained:
     """The same loop written against shardwise (optimizer created before prepare)."""
     import shardwise
 
@@ -168,10 +232,10 @@ def train_engine(
     return run_loop(engine, name, batch=batch, steps=steps, clip=clip)
 
 
-def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: Clip = 1.0) -> dict[str, Any]:
+def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: Clip = 1.0) -> Trained:
     """The training loop of `train_engine`, on an engine configured elsewhere (a config file)."""
     model, opt, loader = prepared(engine, name, batch=batch, steps=steps)
-    return {**train(engine, model, opt, loader, clip=clip), "state": engine.get_state_dict(model)}
+    return replace(train(engine, model, opt, loader, clip=clip), state=engine.get_state_dict(model))
 
 
 def prepared(engine: Any, name: str, *, batch: int, steps: int) -> tuple[Any, Any, Any]:
@@ -184,7 +248,7 @@ def prepared(engine: Any, name: str, *, batch: int, steps: int) -> tuple[Any, An
 
 
 def train(engine: Any, model: Any, opt: Any, loader: Any, *, clip: Clip = 1.0,
-          at_step: Callable[[], None] | None = None) -> dict[str, Any]:
+          at_step: Callable[[], None] | None = None) -> Trained:
     """One pass over `loader` with the Engine's verbs: losses (averaged over processes), the
     clipped norms, the memory report after the last step; `at_step()` after each optimizer step."""
     accum = engine.config.grad_accum_steps
@@ -203,7 +267,7 @@ def train(engine: Any, model: Any, opt: Any, loader: Any, *, clip: Clip = 1.0,
             opt.zero_grad()
             if at_step is not None and engine.sync_gradients:
                 at_step()
-    return {"losses": losses, "norms": norms, "memory": memory}
+    return Trained(losses, norms, memory)
 
 
 def checkpoint_loop(engine: Any, steps: int, *, n: int, global_batch: int, name: str = "tiny",
@@ -277,10 +341,10 @@ def clone_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
 
 
-def plain_reference(steps: int, n: int, batch: int) -> dict[str, Any]:
+def plain_reference(steps: int, n: int, batch: int) -> Trained:
     """One plain process over the global batches a seeded loader of `n` samples serves in
     batches of `batch` (the permutation `randperm(n, SEED + epoch)`), clipping at 1.0 and an LR
-    decayed 0.9 per step: the checkpoint tests' reference."""
+    decayed 0.9 per step: the checkpoint tests' reference (losses and final weights; no norms)."""
     model = build("tiny")
     opt = make_optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
@@ -296,7 +360,7 @@ def plain_reference(steps: int, n: int, batch: int) -> dict[str, Any]:
             opt.zero_grad()
             losses.append(loss.item())
             if len(losses) == steps:
-                return {"losses": losses, "state": model.state_dict()}
+                return Trained(losses, state=model.state_dict())
     raise AssertionError(f"{steps} steps need more than two epochs of {n} samples")
 
 

@@ -18,7 +18,10 @@ import workloads as W
 import shardwise
 
 
-def config_optimizer_loop(engine: shardwise.Engine, name: str, batch: int, steps: int) -> dict:
+def config_optimizer_loop(engine: shardwise.Engine, name: str, batch: int,
+                          steps: int) -> tuple[W.Trained, list[float], str]:
+    """The loop on the optimizer and scheduler the config built: the run (no clip), the LR after
+    each optimizer step, the optimizer's class name."""
     model = W.build(name)
     loader = torch.utils.data.DataLoader(
         W.Tokens(engine.num_processes * batch * engine.config.grad_accum_steps * steps),
@@ -38,12 +41,7 @@ def config_optimizer_loop(engine: shardwise.Engine, name: str, batch: int, steps
             opt.zero_grad()
             if engine.sync_gradients:
                 lrs.append(sched.get_last_lr()[0])
-    return {
-        "losses": losses,
-        "lrs": lrs,
-        "optimizer": type(opt.optimizer).__name__,
-        "state": engine.get_state_dict(model),
-    }
+    return W.Trained(losses, state=engine.get_state_dict(model)), lrs, type(opt.optimizer).__name__
 
 
 def main() -> None:
@@ -56,11 +54,11 @@ def main() -> None:
     args, _unknown = ap.parse_known_args()  # a plain-torchrun run also carries --config FILE
     engine = shardwise.Engine()
     if args.config_optimizer:
-        result = config_optimizer_loop(engine, args.model, args.batch, args.steps)
+        run, lrs, optimizer = config_optimizer_loop(engine, args.model, args.batch, args.steps)
     else:
-        result = W.run_loop(engine, args.model, batch=args.batch, steps=args.steps)
-    result["config"] = shardwise.config.files.to_dict(engine.config)
-    result["world"] = engine.num_processes
+        run, lrs, optimizer = W.run_loop(engine, args.model, batch=args.batch, steps=args.steps), [], None
+    result = W.Launched(run.losses, run.state, shardwise.config.files.to_dict(engine.config),
+                        engine.num_processes, norms=run.norms, lrs=lrs, optimizer=optimizer)
     if engine.is_main_process:
         torch.save(result, args.out)
     engine.end_training()

@@ -115,8 +115,11 @@ def choose(
     if plan.best is None:
         raise ConfigError(f"strategy='auto': no strategy fits: {plan.why}")
     chosen = plan.best.settings()
+    tp = chosen.get("tensor_parallel_size", 1)
+    # under tensor parallelism a sharding group counts data-parallel ranks: the plan's own
+    shard_group = cfg.shard_group_size if tp == 1 else chosen.get("shard_group_size")
     out = dataclasses.replace(cfg, strategy=chosen["strategy"], offload=chosen["offload"],
-                              tensor_parallel_size=chosen.get("tensor_parallel_size", 1))
+                              tensor_parallel_size=tp, shard_group_size=shard_group)
     message = f"shardwise: strategy='auto' chose {plan.best.name}: {plan.why}"
     log.info(message)
     if info.is_main:

@@ -19,8 +19,12 @@ here only, each behind a function or a re-export (checked against torch 2.13.0):
   `torch.utils._pytree.tree_leaves` / `tree_map`, `torch._subclasses.fake_tensor.FakeTensorMode`
   (`fake_mode`), `torch._guards.detect_fake_mode` (`current_fake_mode`),
   `torch._subclasses.fake_tensor.unset_fake_temporarily` (`real_mesh_slices`) and `is_fake`.
-- `torch._C._distributed_c10d.ProcessGroup.unbox` and c10d's `_world.pg_names`
+- `torch._C._distributed_c10d.ProcessGroup.unbox` and c10d's `_resolve_process_group`
   (`process_group_ranks`: the group a collective's argument names).
+- `torch.distributed.tensor.debug._clear_sharding_prop_cache` (`_forget_shardings`): DTensor caches
+  each op's output sharding by a mesh's shape and names, not its process groups, so a fake
+  world's sharding (and its group names) would otherwise serve the next world's mesh of the same
+  shape: another fake world's, or a live job's.
 - `DeviceMesh._concatenate` (`real_mesh_slices`: FSDP2 joins the dp and tp meshes).
 - `UntypedStorage._cdata` (`storage_key`: the address that names a storage while it lives) and
   an operator's `_overloadpacket` (`overload_packet`: the key of torch's FLOP formulas).
@@ -82,9 +86,12 @@ def process_group_ranks(obj: Any) -> list[int] | None:
     its registered name (functional collectives: DTensor's); None for any other argument."""
     from torch.distributed import distributed_c10d as c10d
 
-    if isinstance(obj, str):
-        group = next((g for g, name in c10d._world.pg_names.items() if name == obj), None)
-        return None if group is None else list(dist.get_process_group_ranks(group))
+    if isinstance(obj, str):  # resolved where c10d registers it (a name is reused by the next
+        # fake world of the same process: `pg_names` may still hold the last world's group)
+        try:
+            return list(dist.get_process_group_ranks(c10d._resolve_process_group(obj)))  # type: ignore[arg-type]
+        except (RuntimeError, ValueError):  # not a group's name
+            return None
     if not isinstance(obj, torch.ScriptObject):
         return None
     try:
@@ -176,9 +183,11 @@ def fake_world(world_size: int) -> Iterator[None]:
         c10d._update_default_pg(None)
         c10d._world.group_count = 0
     try:
+        _forget_shardings()
         dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
         yield
     finally:
+        _forget_shardings()
         if dist.is_initialized():
             dist.destroy_process_group()
         if hidden:
@@ -191,6 +200,14 @@ def fake_world(world_size: int) -> Iterator[None]:
             c10d._update_default_pg(default_pg)
             for pg, name in saved_maps["_pg_names"].items():
                 c10d._register_process_group(name, pg)
+
+
+def _forget_shardings() -> None:
+    """Drop DTensor's cached output shardings (see the module docstring): they hold the meshes,
+    and so the process-group names, of the world they were computed in."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
 
 
 @contextlib.contextmanager

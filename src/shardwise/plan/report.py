@@ -118,14 +118,19 @@ def _hybrid_lines(plan: Plan, u: str) -> list[str]:
     hw = plan.hardware
     per_node = plan.world_size // plan.nodes
     lines = [f"{plan.nodes} nodes x {per_node} devices; hybrid G = sharded within a group of G "
-             f"(one node), replicated across nodes; intra / inter = {u} each rank sends per optimizer "
+             "(one node; with tp N, G data-parallel ranks of N devices each), replicated across nodes; "
+             f"intra / inter = {u} each rank sends per optimizer "
              f"step within a node / across nodes (links: {hw.interconnect / 1e9:g} / "
              f"{hw.inter_node / 1e9:g} GB/s per process)"]
     for p in plan.plans:
         c = p.candidate
         if c.shard_group_size is None or c.offload_spec.any or c.checkpointed:
             continue
-        full = plan.find(c.strategy)
+        try:  # its twin sharding over all data-parallel ranks (with the same tensor parallelism)
+            full = plan.find(c.strategy, tensor_parallel_size=c.tensor_parallel_size,
+                             sequence_parallel=c.sequence_parallel)
+        except KeyError:
+            continue
         if full.comm is None or p.comm is None or not (p.traced and full.traced):
             continue
         t_full = full.comm.seconds(hw.interconnect, hw.inter_node)

@@ -38,10 +38,20 @@ CANDIDATES: tuple[Candidate, ...] = _candidates()
 
 def tp_candidates(base: Sequence[Candidate], tp: int, sequence_parallel: bool = False) -> list[Candidate]:
     """The tensor-parallel twins (tp `tp`, with `sequence_parallel` or not) of the candidates in
-    `base`: every strategy and offload, each activation-checkpointing mode; not hybrid sharding
-    (not traced with tp yet)."""
-    return [replace(c, tensor_parallel_size=tp, sequence_parallel=sequence_parallel) for c in base
-            if c.shard_group_size is None and c.tensor_parallel_size == 1]
+    `base`: every strategy and offload, each activation-checkpointing mode, and hybrid sharding,
+    whose group of G processes (a node) becomes G / tp data-parallel ranks (the tp ranks of a node
+    split its layers; `shard_group_size` counts data-parallel ranks under tensor parallelism);
+    not where that leaves a group of one rank."""
+    out = []
+    for c in base:
+        if c.tensor_parallel_size != 1:
+            continue
+        group = None if c.shard_group_size is None else c.shard_group_size // tp
+        if group is not None and group < 2:
+            continue
+        out.append(replace(c, tensor_parallel_size=tp, sequence_parallel=sequence_parallel,
+                           shard_group_size=group))
+    return out
 
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
@@ -112,8 +122,8 @@ class PlanRequest:
     sharding strategies are also planned hybrid (sharded within a node, replicated across nodes)
     and every plan's communication is split into bytes within a node and across nodes"""
     tensor_parallel_size: int = 1
-    """above 1: every plan (but hybrid ones) is also planned with tensor parallelism of this size (the
-    model's planned layers split over that many ranks of a node; `Candidate.tensor_parallel_size`)"""
+    """above 1: every plan is also planned with tensor parallelism of this size (the model's planned
+    layers split over that many ranks of a node; `Candidate.tensor_parallel_size`; `tp_candidates`)"""
     sequence_parallel: bool = False
     """the tensor-parallel plans with sequence parallelism (`Candidate.sequence_parallel`)"""
 
@@ -147,7 +157,7 @@ class PlanRequest:
             if self.nodes > 1 and c.strategy_spec.shards_optimizer and c.shard_group_size is None:
                 out.append(replace(c, shard_group_size=self.gpus_per_node))
         if self.tensor_parallel_size > 1:  # after every plan without: a tie goes to the simpler
-            out += tp_candidates(base, self.tensor_parallel_size, self.sequence_parallel)
+            out += tp_candidates(list(out), self.tensor_parallel_size, self.sequence_parallel)
         return out
 
     @property
@@ -194,15 +204,12 @@ class PlanRequest:
             raise PlanError("--sequence-parallel splits the activations over the tensor-parallel ranks: give "
                             "--tensor-parallel-size N (N > 1) with it")
         for c in self.candidates or ():
-            group = c.shard_group_size
-            if group is not None and (group < 1 or world % group):
-                raise PlanError(f"shard_group_size={group} does not divide the {world} devices")
+            group, dp = c.shard_group_size, world // max(1, c.tensor_parallel_size)
             self._check_tp(c.tensor_parallel_size, f"{c.name}: tensor_parallel_size")
-            if c.tensor_parallel_size > 1 and c not in tp_candidates(
-                    [replace(c, tensor_parallel_size=1, sequence_parallel=False)], c.tensor_parallel_size,
-                    c.sequence_parallel):
-                raise PlanError(f"{c.name}: the planner does not trace tensor parallelism with hybrid "
-                                "sharding yet; plan it with shard_group_size or tensor_parallel_size")
+            if group is not None and (group < 1 or dp % group):
+                raise PlanError(f"shard_group_size={group} does not divide the {dp} data-parallel ranks")
+            if c.sequence_parallel and c.tensor_parallel_size == 1:
+                raise PlanError(f"{c.name}: sequence_parallel needs tensor_parallel_size above 1")
         if self.device not in ("cuda", "cpu"):
             raise PlanError(f"device {self.device!r} is not valid; choose cuda or cpu")
         if gb is not None and (not isinstance(gb, int) or gb < 1):
