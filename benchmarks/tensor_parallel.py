@@ -7,10 +7,13 @@ global batch (8 sequences of 128 tokens, AdamW, fp32), as:
   ddp           4 replicas;
   zero3         sharded over 4 data-parallel ranks;
   dp2 x tp2     zero3 over 2 data-parallel ranks, each layer split over a pair (tensor_parallel_size 2);
-  tp4           each layer split over all 4 (one data-parallel rank).
+  tp4           each layer split over all 4 (one data-parallel rank);
+  ... + sp      the same with sequence parallelism (sequence_parallel: the activations between the
+                split layers split over the sequence too).
 For each: the median step time over `--steps` steps (after 2 warm-up steps), this rank's tensor
 bytes by role after an optimizer step (`engine.memory_report()`: parameters, gradients,
-optimizer state), and the bytes
+optimizer state), the bytes autograd saves for backward in one forward (each storage once: the
+activations a step holds at its peak, weights it saves included), and the bytes
 each collective kind moved in one step, counted as the tensors passed to the collective ops
 (c10d's and DTensor's functional ones, seen by a TorchDispatchMode): the input of an all-reduce,
 the gathered output of an all-gather, the input of a reduce-scatter. Rank 0 prints the table and
@@ -36,7 +39,8 @@ from common import finish_distributed
 
 import shardwise
 
-CASES = {"ddp": ("ddp", 1), "zero3": ("zero3", 1), "dp2 x tp2": ("zero3", 2), "tp4": ("zero3", 4)}
+CASES = {"ddp": ("ddp", 1, False), "zero3": ("zero3", 1, False), "dp2 x tp2": ("zero3", 2, False),
+         "dp2 x tp2 + sp": ("zero3", 2, True), "tp4": ("zero3", 4, False), "tp4 + sp": ("zero3", 4, True)}
 KINDS = {"all_reduce": "all_reduce", "allreduce": "all_reduce", "all_gather": "all_gather",
          "allgather": "all_gather", "reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
 
@@ -55,8 +59,13 @@ class CollectiveBytes(TorchDispatchMode):
             kind = next((v for k, v in KINDS.items() if k in name.split("::")[1]), None)
             if kind is not None:
                 tensors = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-                # an all-gather's first tensor is its output buffer(s) (c10d) or its input (functional)
-                size = sum(t.numel() * t.element_size() for t in tensors[:1])
+                # an all-gather's first tensor is its output buffer(s) (c10d) or its input (functional);
+                # c10d's list forms pass their parts: all the outputs (all-gather), inputs (reduce-scatter)
+                op = name.split("::")[1].split(".")[0]
+                parts = args[0] if op == "allgather_" else args[1] if op == "reduce_scatter_" else None
+                counted = tensors[:1] if parts is None else [
+                    a for a in torch.utils._pytree.tree_leaves(parts) if isinstance(a, torch.Tensor)]
+                size = sum(t.numel() * t.element_size() for t in counted)
                 if kind == "all_gather" and name.startswith("_c10d_functional::"):
                     size *= dist.get_world_size()  # (its group's size at most: an upper bound)
                 self.bytes[kind] += size
@@ -81,9 +90,9 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
-    strategy, tp = CASES[case]
+    strategy, tp, sp = CASES[case]
     engine = shardwise.Engine(strategy=strategy, cpu=args.device == "cpu", seed=0, tensor_parallel_size=tp,
-                              progress=False)
+                              sequence_parallel=sp, progress=False)
     model = llama(args.hidden, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)
@@ -103,6 +112,16 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
 
     for i in range(2):
         step(i)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_of(model, batches[0])
+    del loss
     counted = CollectiveBytes()
     with counted:
         step(0)
@@ -117,6 +136,7 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
     report = held[0]
     engine.free_memory()
     roles = {"params": report.params, "grads": report.grads, "optimizer": report.optimizer}
+    roles["saved"] = float(sum(saved.values()))
     return {"step_s": statistics.median(times), "mib": {k: round(v / 2**20, 2) for k, v in roles.items()},
             "collective_mib": {k: round(v / 2**20, 3) for k, v in sorted(counted.bytes.items())},
             "collective_calls": dict(sorted(counted.calls.items())), "dp": dp, "tp": tp}
@@ -134,14 +154,14 @@ def main() -> None:
     args = ap.parse_args()
     results = {case: measure(case, args) for case in args.cases}
     if dist.get_rank() == 0:
-        print(f"{'case':10s} {'step s':>7s} {'params':>7s} {'grads':>7s} {'optim':>7s}  "
+        print(f"{'case':14s} {'step s':>7s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'saved':>7s}  "
               "collectives (MiB per step)")
         for case, r in results.items():
             mib = r["mib"]
             comm = ", ".join(f"{k} {v:.2f} ({r['collective_calls'][k]} calls)"
                              for k, v in r["collective_mib"].items())
-            print(f"{case:10s} {r['step_s']:7.3f} {mib.get('params', 0):7.2f} {mib.get('grads', 0):7.2f} "
-                  f"{mib.get('optimizer', 0):7.2f}  {comm}")
+            print(f"{case:14s} {r['step_s']:7.3f} {mib.get('params', 0):7.2f} {mib.get('grads', 0):7.2f} "
+                  f"{mib.get('optimizer', 0):7.2f} {mib.get('saved', 0):7.2f}  {comm}")
     finish_distributed("tensor_parallel", {"model": f"Llama d{args.hidden} L{args.layers} vocab4096 seq128",
                                            "global_batch": args.global_batch, "steps": args.steps,
                                            "results": results}, args.out)

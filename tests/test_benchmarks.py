@@ -166,7 +166,8 @@ def test_tensor_parallel_benchmark_measures_memory_and_collectives(tmp_path: Pat
     """benchmarks/tensor_parallel.py at 4 processes on a small Llama, 1 step: every case ran;
     per-rank parameters order as the layouts say (zero3 a quarter of ddp; tp splits only the
     planned layers, so dp2 x tp2 and tp4 hold more than zero3, less than ddp); tensor parallelism
-    adds all-reduces of activations (more calls than zero3's gradient reductions)."""
+    adds all-reduces of activations (more calls than zero3's gradient reductions); with sequence
+    parallelism the same parameters and fewer bytes saved for backward."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "tensor_parallel.py"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script),
@@ -176,8 +177,11 @@ def test_tensor_parallel_benchmark_measures_memory_and_collectives(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.iterdir()
     results = json.loads(path.read_text())["results"]
-    assert set(results) == {"ddp", "zero3", "dp2 x tp2", "tp4"}
+    assert set(results) == {"ddp", "zero3", "dp2 x tp2", "dp2 x tp2 + sp", "tp4", "tp4 + sp"}
     params = {case: r["mib"]["params"] for case, r in results.items()}
+    for case in ("dp2 x tp2", "tp4"):  # sequence parallelism: the same weights, fewer saved activations
+        assert params[f"{case} + sp"] == params[case]
+        assert results[f"{case} + sp"]["mib"]["saved"] < results[case]["mib"]["saved"]
     assert params["zero3"] < params["dp2 x tp2"] < params["tp4"] < params["ddp"]
     assert abs(params["zero3"] * 4 - params["ddp"]) < 0.05
     zero3_reductions = results["zero3"]["collective_calls"]["all_reduce"]
