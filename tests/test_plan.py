@@ -237,9 +237,11 @@ def test_a_candidate_is_left_untraced_only_where_its_floor_overflows(device: str
     below every traced peak, for every candidate the table allows at 2 devices, their tp 2 twins
     included; a device between the smallest and the largest floor leaves exactly the candidates
     over it untraced (reported fits=False, max_batch 0, the floor as a lower bound), and a full
-    trace of those confirms that none of them fits even batch 1."""
+    trace of those confirms that none of them fits even batch 1. (On a CPU target, where offload
+    moves nothing off the device, the floor alone is checked, without checkpointing twins.)"""
     spec = _spec("gpt2-tiny")
-    every = PlanRequest(world_size=2, device_memory="1TB", device=device, workers=2, tensor_parallel_size=2)
+    every = PlanRequest(world_size=2, device_memory="1TB", device=device, workers=2, tensor_parallel_size=2,
+                        activation_checkpointing=None if device == "cuda" else "none")
     roomy = plan_model(spec, every)
     assert all(p.traced for p in roomy.plans)
     with fake_mode():
@@ -249,6 +251,8 @@ def test_a_candidate_is_left_untraced_only_where_its_floor_overflows(device: str
     for p in roomy.plans:
         tensors = p.peak - p.breakdown["overhead"]
         assert floors[p.candidate] <= tensors, (p.name, floors[p.candidate], tensors)
+    if device == "cpu":
+        return
     overhead = Overheads()
     frag, fixed = overhead.frag(device), overhead.fixed(device, 2)
     distinct = sorted(set(floors.values()))

@@ -217,7 +217,7 @@ def _four(folder: str) -> dict[str, Any]:
         out[case] = run.sent(gathered=engine.gather(dp_rank).tolist(),
                              summed=engine.reduce(torch.tensor([1.0, 2.0]), "sum").tolist(),
                              mean=engine.reduce(dp_rank.float(), "mean").tolist())
-        if case == "zero1":
+        if case in ("zero1", "zero3"):
             engine.save_state()
         engine.free_memory()
     # zero1 under dp 2 x tp 2 (its optimizer state split over the replicas of each tp rank) into
@@ -225,6 +225,40 @@ def _four(folder: str) -> dict[str, Any]:
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/four_zero1")
     model, _opt, _loader = _prepared(plain, dp=4)
     out["zero1 into_zero3"] = Moved(plain.load_state(), plain.get_state_dict(model))
+    return out
+
+
+# the resume matrix: the dp 2 x tp 2 zero3 checkpoint (saved by `_four`) into zero3 at 2, tp 2 at
+# 2 and ddp at 1, each saving again; those three back into dp 2 x tp 2 (`_back_to_four`)
+ELSEWHERE = {"zero3 at 2": (2, "zero3", 1), "tp 2 at 2": (2, "zero2", 2), "ddp at 1": (1, "ddp", 1)}
+
+
+def _from_four(folder: str, world: int) -> dict[str, Moved]:
+    import shardwise
+
+    out: dict[str, Moved] = {}
+    for case, (size, strategy, tp) in ELSEWHERE.items():
+        if size != world:
+            continue
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=tp,
+                                  checkpoint_dir=f"{folder}/four_zero3")
+        model, _opt, _loader = _prepared(engine, dp=world // tp)
+        out[case] = Moved(engine.load_state(), engine.get_state_dict(model))
+        engine.save_state(f"{folder}/elsewhere_{case.replace(' ', '_')}")
+        engine.free_memory()
+    return out
+
+
+def _back_to_four(folder: str) -> dict[str, Moved]:
+    import shardwise
+
+    out: dict[str, Moved] = {}
+    for case in ELSEWHERE:
+        engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2)
+        model, _opt, _loader = _prepared(engine, dp=2)
+        out[case] = Moved(engine.load_state(f"{folder}/elsewhere_{case.replace(' ', '_')}"),
+                          engine.get_state_dict(model))
+        engine.free_memory()
     return out
 
 
@@ -336,6 +370,24 @@ def test_a_zero1_tp_checkpoint_resumes_under_zero3_without_tp(four: list[dict[st
 @pytest.fixture(scope="module")
 def four(folder: Path) -> list[dict[str, Any]]:
     return spawn(_four, 4, str(folder))
+
+
+def test_a_dp2_x_tp2_checkpoint_resumes_at_other_layouts_and_back(four: list[dict[str, Any]],
+                                                                   folder: Path) -> None:
+    """The dp 2 x tp 2 zero3 checkpoint loads under zero3 at 2 (no tp), tp 2 at 2 (one dp rank) and
+    ddp at 1 process, each bit-identical; what each of those saves loads back under dp 2 x tp 2,
+    bit-identical again."""
+    trained = four[0]["zero3"].state  # (gathered on process 0)
+    elsewhere = {**spawn(_from_four, 2, str(folder), 2)[0], **spawn(_from_four, 1, str(folder), 1)[0]}
+    assert set(elsewhere) == set(ELSEWHERE)
+    for case, moved in elsewhere.items():
+        assert moved.step == STEPS, case
+        assert W.max_diff(moved.state, trained) == 0.0, case
+    back = spawn(_back_to_four, 4, str(folder))
+    for rank in back:
+        assert {case: moved.step for case, moved in rank.items()} == dict.fromkeys(ELSEWHERE, STEPS)
+    for case, moved in back[0].items():
+        assert W.max_diff(moved.state, trained) == 0.0, case
 
 
 def _gpt2_share() -> int:

@@ -207,7 +207,8 @@ class PlanRequest:
             group, dp = c.shard_group_size, world // max(1, c.tensor_parallel_size)
             self._check_tp(c.tensor_parallel_size, f"{c.name}: tensor_parallel_size")
             if group is not None and (group < 1 or dp % group):
-                raise PlanError(f"shard_group_size={group} does not divide the {dp} data-parallel ranks")
+                what = "devices" if c.tensor_parallel_size == 1 else "data-parallel ranks"
+                raise PlanError(f"shard_group_size={group} does not divide the {dp} {what}")
             if c.sequence_parallel and c.tensor_parallel_size == 1:
                 raise PlanError(f"{c.name}: sequence_parallel needs tensor_parallel_size above 1")
         if self.device not in ("cuda", "cpu"):
