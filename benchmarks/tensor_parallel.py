@@ -116,7 +116,7 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
-        saved[st.data_ptr()] = st.nbytes()
+        saved[st._cdata] = st.nbytes()  # (by storage: a freed address is reused by the next block)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

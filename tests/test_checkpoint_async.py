@@ -177,6 +177,7 @@ def _resumed_runs(folder: str, killed: str) -> Resumed:
         if step == 4:
             engine.save_state()
         if step == 5:
+            engine.checkpoints.wait()  # step_4's write done first: only the next one meets the full disk
             _full_disk_on_rank_1()
             engine.save_state(Path(killed) / "failing")
             deadline = time.monotonic() + 30

@@ -12,8 +12,9 @@ sublayers all-gather their input and the rowwise layers reduce-scatter their out
                 norms whole); the activations saved for backward measured (bytes of every tensor
                 autograd saves in one forward) below tp 2 without sequence parallelism; the zero3
                 checkpoint loads under zero3 without tp bit-identical and its export loads in
-                transformers' `from_pretrained` bit-identical; a sequence tp does not divide is
-                refused in one line;
+                transformers' `from_pretrained` bit-identical, and into sequence-parallel shards
+                by `engine.from_pretrained`; `init_empty()` gives a normal build's weights bit for
+                bit; a sequence tp does not divide is refused in one line;
   4 processes   dp 2 x tp 2 with zero2 and zero3 (Llama) and zero3 (GPT-2): the same checks
                 against one process with the global batch.
 Tolerances: as tensor parallelism's (the sums of a matmul split in two, then added), a few ulps.
@@ -61,7 +62,9 @@ def _saved_bytes() -> tuple[Any, dict[int, int]]:
     def pack(t: torch.Tensor) -> torch.Tensor:
         local = t._local_tensor if hasattr(t, "_local_tensor") else t
         st = local.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        # keyed by the storage itself (`_cdata`), not its address: FSDP2 frees a block's gathered
+        # weights after its forward, and the next block's may reuse the address
+        seen[st._cdata] = st.nbytes()
         return t
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
@@ -109,6 +112,21 @@ def _two(folder: str) -> dict[str, Any]:
     # the same Llama, tp 2 without sequence parallelism: what its saved activations weigh
     engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2)
     out["no sp"] = _train(engine, dp=1, name="llama").saved
+    engine.free_memory()
+    # init_empty() and from_pretrained under sequence parallelism (the norms replicated DTensors)
+    from transformers import LlamaForCausalLM
+
+    for name in ("llama", "gpt2"):
+        engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                                  sequence_parallel=True)
+        with engine.init_empty():
+            model = W.build(name)
+        out[f"empty {name}"] = engine.get_state_dict(engine.prepare(model))
+        engine.free_memory()
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                              sequence_parallel=True)
+    out["from_pretrained"] = engine.get_state_dict(engine.prepare(
+        engine.from_pretrained(LlamaForCausalLM, f"{folder}/export")))
     engine.free_memory()
     # the sequence-parallel checkpoint under zero3 at 2 without tp
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/zero3")
@@ -188,6 +206,16 @@ def test_a_sequence_parallel_checkpoint_and_export_load_without_tp(two: list[dic
     assert W.max_diff(two[0]["into_zero3"].state, trained) == 0.0
     plain = LlamaForCausalLM.from_pretrained(folder / "export")
     assert W.max_diff(dict(plain.state_dict()), trained) == 0.0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_init_empty_under_sequence_parallelism_gives_a_normal_builds_weights(two: list[dict[str, Any]],
+                                                                            name: str) -> None:
+    assert W.max_diff(two[0][f"empty {name}"], dict(W.build(name).state_dict())) == 0.0
+
+
+def test_from_pretrained_reads_an_export_under_sequence_parallelism(two: list[dict[str, Any]]) -> None:
+    assert W.max_diff(two[0]["from_pretrained"], two[0]["zero3"].state) == 0.0
 
 
 def test_a_sequence_tp_does_not_divide_is_refused_in_one_line(two: list[dict[str, Any]]) -> None:
