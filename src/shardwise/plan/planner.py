@@ -173,10 +173,20 @@ def _run_all(jobs: list[TraceJob], workers: int) -> list[dict[int, TraceResult]]
         return [run_trace(j) for j in jobs]
     global _PENDING
     _PENDING = jobs
+    pool = multiprocessing.get_context("fork").Pool(workers)
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            return pool.map(_run_pending, range(len(jobs)), chunksize=1)
+        results = pool.map(_run_pending, range(len(jobs)), chunksize=1)
+        # Workers leave on the pool's sentinels, not on SIGTERM (a `with` block's terminate()):
+        # a forked worker inherits the parent's Python handlers (an engine's preemption
+        # handler, a test runner's), and a SIGTERM arriving before the child's interpreter has
+        # reset its signal state after fork() is dropped, leaving terminate() waiting for ever.
+        pool.close()
+        return results
+    except BaseException:
+        pool.terminate()
+        raise
     finally:
+        pool.join()
         _PENDING = []
 
 
