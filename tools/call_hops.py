@@ -2,7 +2,7 @@
 collective it issues, and from `engine.save_state()` to the first checkpoint file it writes.
 A hop is one shardwise frame on the stack at that moment (torch's own frames not counted).
 
-    python tools/call_hops.py [path/to/src]     # 2 CPU processes on gloo, a few seconds
+    python tools/call_hops.py [path/to/src]     # one 2-process gloo run per strategy
 """
 
 from __future__ import annotations

@@ -119,6 +119,14 @@ def instances(tree: ast.Module) -> list[str]:
             for t in node.targets if isinstance(t, ast.Name)]
 
 
+def singletons(tree: ast.Module) -> list[str]:
+    """The module's state: names of `module_state` that are an instance of its own class or that
+    it changes after import."""
+    names = module_state(tree)
+    kept = set(mutated(tree, names)) | set(instances(tree))
+    return [n for n in names if n in kept]
+
+
 def main(root: Path) -> None:
     files = sorted(root.rglob("*.py"))
     imports: Counter[str] = Counter()
@@ -129,9 +137,7 @@ def main(root: Path) -> None:
         imports += function_imports(tree)
         anys += any_in_signatures(tree)
         module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
-        names = module_state(tree)
-        state += [f"{module}.{name}" for name in names
-                  if name in mutated(tree, names) or name in instances(tree)]
+        state += [f"{module}.{name}" for name in singletons(tree)]
     top = [p.name for p in root.glob("*.py")]
     print(f"modules: {len(files)} ({len(top)} at the top level: {', '.join(sorted(top))})")
     print(f"imports inside functions: {sum(imports.values())} ({dict(sorted(imports.items()))})")

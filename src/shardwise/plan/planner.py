@@ -177,9 +177,9 @@ def _run_all(jobs: list[TraceJob], workers: int) -> list[dict[int, TraceResult]]
     try:
         results = pool.map(_run_pending, range(len(jobs)), chunksize=1)
         # Workers leave on the pool's sentinels, not on SIGTERM (a `with` block's terminate()):
-        # a forked worker inherits the parent's Python handlers (an engine's preemption
-        # handler, a test runner's), and a SIGTERM arriving before the child's interpreter has
-        # reset its signal state after fork() is dropped, leaving terminate() waiting for ever.
+        # a forked worker inherits the parent's Python signal handlers (an engine's preemption
+        # handler, a test runner's), and once terminate() waited for ever on a worker blocked
+        # on the task queue's lock that its SIGTERM had not ended (seen once in CI).
         pool.close()
         return results
     except BaseException:
