@@ -17,7 +17,7 @@ import pytest
 import torch
 import workloads as W
 import yaml
-from spawn import GLOO_ABORT, free_port, run_command
+from spawn import GLOO_ABORT, free_port, run_command, wait_for_launchers
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -203,3 +203,42 @@ def test_a_stop_signal_line_says_what_was_saved() -> None:
         "the workers saved ck/step_4 "
         "(step 4) in 0.25 s and exited 75; the same command resumes from step 4")
     assert describe_stop(signal.SIGINT, 0, saved[:1]).startswith("stopped by SIGINT; nothing could be saved")
+
+
+def _own_launcher(cmd: list[str], world: int) -> tuple[list[int | None], list[str]]:
+    """`cmd` on `world` processes started the way a scheduler's own launcher (srun) does: each
+    with RANK, WORLD_SIZE and MASTER_ADDR/PORT set, no torchrun agent (rank 0 serves the store)."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "PYTHONWARNINGS": "ignore"}
+        env.pop("SHARDWISE_CONFIG", None)
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    return wait_for_launchers(procs, timeout=120)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "own"])
+def test_engines_one_after_another_in_one_process_each_match_the_reference(
+    launcher: str, reference: W.Trained, tmp_path: Path
+) -> None:
+    """Four Engines in a row in each of 2 processes (zero3, ddp, zero2, zero3), each ended with
+    end_training(): every join reads only its own rendezvous keys (before, a rank could read the
+    previous group's gloo address and wait out the timeout), under torchrun's agent store and
+    under a launcher whose rank 0 serves the store; each run matches one plain process."""
+    out = tmp_path / "runs.pt"
+    script = [str(SCRIPTS / "engines_in_a_row.py"), "--out", str(out)]
+    if launcher == "torchrun":
+        proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                     *script], timeout=120)
+        codes, outs = [proc.returncode], [proc.stdout + proc.stderr]
+    else:
+        codes, outs = _own_launcher([sys.executable, *script], world=2)
+    assert set(codes) == {0}, "\n".join(o[-3000:] for o in outs)
+    runs = torch.load(out, weights_only=False)
+    assert len(runs) == 4
+    for run in runs:
+        assert W.close(run.losses, reference.losses) < 1e-5
+        assert W.max_diff(run.state, reference.state) < 2e-5

@@ -80,11 +80,9 @@ def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> Dist
     elif world_size == 1 and "MASTER_ADDR" not in os.environ:
         # No launcher: a private in-memory store, no port to pick or collide on.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    elif _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0:
-        dist.init_process_group(backend, store=_attempt_store(rank, world_size), rank=rank,
-                                world_size=world_size, timeout=timeout)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, store=_join_store(rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout)
     return DistInfo(rank, world_size, local_rank, local_world_size, device)
 
 
@@ -137,14 +135,34 @@ def _gloo_groups() -> list[dist.ProcessGroup]:
     return [default, *gloo] if default is not None else gloo
 
 
-def _attempt_store(rank: int, world_size: int) -> dist.Store:
-    """After torchrun restarted the worker group, its agent's store still holds the failed
-    attempt's keys, among them the old processes' gloo addresses: a new process that reads one
-    before its peer overwrote it connects to a dead port. Each attempt gets keys of its own."""
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_store, timeout=datetime.timedelta(seconds=300))
-    return dist.PrefixStore(f"/shardwise/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+def _join_store(rank: int, world_size: int, timeout: datetime.timedelta | None) -> dist.Store:
+    """The launcher's TCP store (MASTER_ADDR:MASTER_PORT) under keys of this join's own.
+
+    A store keeps every key a process group wrote: gloo's rendezvous leaves each process's
+    address there. Two joins that share keys can read each other's, and a process that reads
+    its peer's old address before the peer overwrote it connects to a dead port and waits out
+    the timeout. That happens when torchrun restarts the worker group (its agent's store
+    outlives the failed attempt) and when one process ends an Engine and starts another (one
+    rank joins again while the other still leaves). So each restart attempt and each join
+    within a process gets a prefix of its own. The store itself is made once per process and
+    kept (`_STORE`): rank 0, where it is not torchrun's agent that serves it, serves it, and a
+    second server on the same port would race the first one's teardown for the peers'
+    connections. Every process starts its Engines in the same order, so the join counts agree.
+    """
+    if not _STORE:
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        _STORE.append(dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+            is_master=rank == 0 and not agent_store, multi_tenant=True,
+            timeout=timeout or dist.default_pg_timeout))
+    joins = _JOINS[0]
+    _JOINS[0] += 1
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    return dist.PrefixStore(f"/shardwise/attempt_{attempt}/join_{joins}", _STORE[0])
+
+
+_STORE: list[dist.TCPStore] = []  # this process's one TCP store for every join (see _join_store)
+_JOINS = [0]  # how many times this process has joined a process group (see _join_store)
 
 
 def config_source(argv: list[str] | None = None) -> str | None:
