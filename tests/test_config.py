@@ -358,7 +358,7 @@ def test_accelerate_tp_size_becomes_tensor_parallel_size() -> None:
         "zero3", None, 2) and dropped == []
     cfg = shardwise.EngineConfig(**{k: v for k, v in settings.items() if k != "launch"})
     assert cfg.tensor_parallel_size == 2
-    assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, 8) == 2
+    assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, 8) == 4  # processes
     assert parallelism_tp({"parallelism_config_tp_size": 4}) == 4 and parallelism_tp({"tp_size": None}) == 1
 
 

@@ -208,7 +208,7 @@ def test_hybrid_sharding_with_tp_is_traced_on_the_3d_mesh(tmp_path: Path) -> Non
     assert hybrid.comm.inter == pytest.approx(dp_hybrid.inter)
     assert hybrid.comm.inter_bytes < full.comm.inter_bytes
     assert hybrid.settings() == {"strategy": "zero3", "offload": "none", "activation_checkpointing": "none",
-                                 "shard_group_size": 2, "tensor_parallel_size": 2}
+                                 "shard_group_size": 4, "tensor_parallel_size": 2}  # the config's: processes
 
 
 def test_one_process_traces_world_after_world_with_the_right_groups(tmp_path: Path) -> None:

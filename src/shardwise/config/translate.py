@@ -387,8 +387,10 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     `sizes` holds its fields by name (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) or
     as an Accelerate YAML's `parallelism_config` section spells them (`parallelism_config_`
     before each). `dp_shard_size` processes shard the model and `dp_replicate_size` groups of
-    them hold replicas, so the group is `dp_shard_size`; with `tp_size` (tensor parallelism:
-    `parallelism_tp`) their product must be the process count (`num_processes`, when known).
+    them hold replicas, so the group is `dp_shard_size` data-parallel ranks, each of `tp_size`
+    processes (tensor parallelism: `parallelism_tp`), and shard_group_size counts processes:
+    dp_shard_size x tp_size. The product of the sizes must be the process count (`num_processes`,
+    when known).
     Context and sequence parallelism are refused; the keys that only tune those (backends,
     strategies) mean nothing while their size is 1.
     """
@@ -414,7 +416,7 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     if shard == 1:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
                           "parallelism, which Accelerate refuses here too; use strategy ddp instead")
-    return shard if replicas > 1 else "all"
+    return shard * tp if replicas > 1 else "all"  # shard_group_size counts processes (whole tp groups)
 
 
 def parallelism_tp(sizes: Mapping[str, Any]) -> int:

@@ -299,7 +299,9 @@ class EngineConfig:
     """Processes per sharding group (hybrid sharding): zero1-3 shard within each group of this
     many consecutive ranks and replicate across groups, all-reducing gradients across groups once
     per optimizer step. None: all processes (one group); "node": the processes of one node
-    (LOCAL_WORLD_SIZE). Must divide the world size; ddp has nothing to shard and ignores it."""
+    (LOCAL_WORLD_SIZE). Must divide the world size; with tensor_parallel_size T it holds whole tp
+    groups (a multiple of T: G processes are G / T data-parallel ranks). ddp has nothing to shard
+    and ignores it."""
     tensor_parallel_size: int = 1
     """Processes that split each layer of the model between them (tensor parallelism, innermost
     on the mesh: consecutive ranks, so within a node); they see the same batch, and the data is
@@ -629,15 +631,26 @@ def _check_compile(cfg: EngineConfig) -> None:
                           f"use compile_backend: inductor (it is {cfg.compile_backend!r})")
 
 
+def _data_parallel(cfg: EngineConfig, world: int) -> tuple[int, str]:
+    """The data-parallel ranks of `world` processes (the processes of one tensor-parallel group
+    see the same batch), and how to say it."""
+    tp = cfg.tensor_parallel_size if isinstance(cfg.tensor_parallel_size, int) else 1
+    if tp <= 1 or world % tp:
+        return world, f"{world} processes"
+    return world // tp, f"{world // tp} data-parallel ranks ({world} processes / tensor_parallel_size {tp})"
+
+
 def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:
-    """A `train_batch_size` the config states must equal micro x grad_accum_steps x processes."""
+    """A `train_batch_size` the config states must equal micro x grad_accum_steps x data-parallel
+    ranks (`world` processes over tensor_parallel_size)."""
     total = cfg.train_batch_size
     if isinstance(total, int) and not isinstance(total, bool):
-        actual = micro_batch * cfg.grad_accum_steps * world
+        dp, said = _data_parallel(cfg, world)
+        actual = micro_batch * cfg.grad_accum_steps * dp
         if actual != total:
             raise ConfigError(
                 f"train_batch_size={total} but micro_batch_size {micro_batch} x "
-                f"grad_accum_steps {cfg.grad_accum_steps} x {world} processes = {actual}"
+                f"grad_accum_steps {cfg.grad_accum_steps} x {said} = {actual}"
             )
 
 
@@ -659,21 +672,23 @@ def resolve_grad_accum(cfg: EngineConfig, micro_batch: int, world: int) -> int:
     this world size: the config's where it is consistent; recomputed when the run has another
     number of processes than the config was written for (an elastic restart); a config
     inconsistent at its own world size, or a global batch no whole number of micro-batches
-    reaches, is refused."""
+    reaches, is refused. A batch counts once per data-parallel rank: the `world` processes over
+    tensor_parallel_size (a tp group's processes take the same batch)."""
     total = cfg.train_batch_size
+    dp, said = _data_parallel(cfg, world)
     if (
         not isinstance(total, int)
         or isinstance(total, bool)
-        or micro_batch * cfg.grad_accum_steps * world == total
+        or micro_batch * cfg.grad_accum_steps * dp == total
     ):
         return cfg.grad_accum_steps
     written_for = cfg.launch.num_processes * cfg.launch.num_nodes
     if world == written_for:
         check_train_batch(cfg, micro_batch, world)
-    if total % (micro_batch * world):
+    if total % (micro_batch * dp):
         raise ConfigError(
-            f"train_batch_size={total} cannot be kept at {world} process(es) x micro-batch {micro_batch}: "
-            f"{total} is not a multiple of {micro_batch * world}; change the number of processes or the "
+            f"train_batch_size={total} cannot be kept at {said} x micro-batch {micro_batch}: "
+            f"{total} is not a multiple of {micro_batch * dp}; change the number of processes or the "
             "DataLoader's batch_size"
         )
-    return total // (micro_batch * world)
+    return total // (micro_batch * dp)

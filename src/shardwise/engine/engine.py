@@ -235,6 +235,11 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         rules = self._rules
         seed = rules.data_seed if rules.seedable_sampler and rules.data_seed is not None else self.config.seed
         dims = self.session.strategy.dims  # the data-parallel ranks split the data (`distributed.mesh`)
+        if dims.tp > 1 and loader.batch_size is not None:  # (sized by num_processes: twice the batch)
+            say(self._info, f"tensor_parallel_size {dims.tp}: the DataLoader is split over {dims.dp_size} "
+                f"data-parallel rank(s), not {self.num_processes} processes (the {dims.tp} processes of a "
+                f"tp group take the same batch): {loader.batch_size} x {dims.dp_size} = "
+                f"{loader.batch_size * dims.dp_size} samples per micro-step")
         return PreparedDataLoader(
             loader, world=dims.dp_size, rank=dims.dp_rank(self.process_index), device=self.device,
             on_batch=self._on_batch, seed=seed, tail=rules.tail, split_batches=rules.split_batches,
@@ -265,8 +270,12 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if loader.batch_size is not None:
             accum = resolve_grad_accum(self.config, loader.batch_size, self.num_processes)
             if accum != self.config.grad_accum_steps:
-                say(self._info, f"train_batch_size={self.config.train_batch_size} at {self.num_processes} "
-                    f"process(es) x batch {loader.batch_size}: grad_accum_steps "
+                tp = self.config.tensor_parallel_size
+                n = self.num_processes
+                ranks = (f"{n} process(es)" if tp == 1 else
+                         f"{n // tp} data-parallel rank(s) ({n} processes / tp {tp})")
+                say(self._info, f"train_batch_size={self.config.train_batch_size} at {ranks} "
+                    f"x batch {loader.batch_size}: grad_accum_steps "
                     f"{self.config.grad_accum_steps} -> {accum}")
                 self.set_grad_accum(accum)
 

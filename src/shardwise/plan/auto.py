@@ -7,8 +7,10 @@ the same inputs deterministically and without collectives, so every rank makes t
 `auto` picks the strategy and the offload; activation checkpointing stays the user's setting
 (its mode is planned on every strategy), an offload the user set restricts the choice to plans
 with it, and a `shard_group_size` the user set is planned as set (hybrid sharding: per-rank
-state cut by the group, not the world). Only when no plan without tensor parallelism fits, and
-the model has a tensor-parallel plan, does `auto` plan every strategy and offload again with
+state cut by the group, not the world). A `tensor_parallel_size` the user set is planned as set
+(every strategy and offload with it, `sequence_parallel` too), or refused in one line when none
+fits. Otherwise only when no plan without tensor parallelism fits, and the model has a
+tensor-parallel plan, does `auto` plan every strategy and offload again with
 tensor_parallel_size 2, 4 and 8 (those dividing the processes of a node), the smallest first,
 and take the first size where one fits: its `tensor_parallel_size` goes into the config.
 """
@@ -55,10 +57,11 @@ def sample_batch(loader: Any) -> Any:
 TP_SIZES = (2, 4, 8)
 
 
-def _with_tensor_parallel(model: nn.Module, batch: Any, request: Any, info: DistInfo) -> Any:
-    """The first plan, over tp = 2, 4, 8 dividing the processes of a node, whose tensor-parallel
-    candidates (`tp_candidates` of the request's) have one that fits; None when none does or the
-    model has no tensor-parallel plan."""
+def _with_tensor_parallel(model: nn.Module, batch: Any, request: Any, info: DistInfo,
+                          sizes: tuple[int, ...] = TP_SIZES, sequence_parallel: bool = False) -> Any:
+    """The first plan, over tp in `sizes` (2, 4, 8) dividing the processes of a node, whose
+    tensor-parallel candidates (`tp_candidates` of the request's) have one that fits; None when
+    none does or the model has no tensor-parallel plan."""
     from ..strategies.tensor_parallel import model_plan
     from . import plan_module
     from .request import tp_candidates
@@ -66,8 +69,8 @@ def _with_tensor_parallel(model: nn.Module, batch: Any, request: Any, info: Dist
     if not model_plan(model, None):
         return None
     per_node = max(1, info.local_world_size) if info.world_size % max(1, info.local_world_size) == 0 else 1
-    for tp in (t for t in TP_SIZES if per_node % t == 0 and info.world_size % t == 0):
-        cands = tp_candidates(request.chosen(), tp)
+    for tp in (t for t in sizes if per_node % t == 0 and info.world_size % t == 0):
+        cands = tp_candidates(request.chosen(), tp, sequence_parallel)
         if not cands:
             return None
         plan = plan_module(model, batch, dataclasses.replace(request, candidates=cands))
@@ -109,14 +112,24 @@ def choose(
         wrap=cfg.wrap, checkpoint_async=cfg.checkpoint_async,
     )
     batch = sample_batch(loader)
-    plan = plan_module(models[0], batch, request)
+    asked_tp = cfg.tensor_parallel_size
+    if asked_tp > 1:  # the user's tensor parallelism is planned as set, with every strategy and offload
+        plan = _with_tensor_parallel(models[0], batch, request, info, (asked_tp,), cfg.sequence_parallel)
+        if plan is None or plan.best is None:
+            raise ConfigError(
+                f"strategy='auto' with tensor_parallel_size={asked_tp}: no strategy fits with tensor "
+                f"parallelism {asked_tp} (or the model has no tensor-parallel plan); name the strategy, "
+                f"or see `shardwise plan --tensor-parallel-size {asked_tp}`"
+            )
+    else:
+        plan = plan_module(models[0], batch, request)
     if plan.best is None:
         plan = _with_tensor_parallel(models[0], batch, request, info) or plan
     if plan.best is None:
         raise ConfigError(f"strategy='auto': no strategy fits: {plan.why}")
     chosen = plan.best.settings()
     tp = chosen.get("tensor_parallel_size", 1)
-    # under tensor parallelism a sharding group counts data-parallel ranks: the plan's own
+    # the plan's group (in processes, `Plan.settings`) under tp; without, the user's own setting
     shard_group = cfg.shard_group_size if tp == 1 else chosen.get("shard_group_size")
     out = dataclasses.replace(cfg, strategy=chosen["strategy"], offload=chosen["offload"],
                               tensor_parallel_size=tp, shard_group_size=shard_group)

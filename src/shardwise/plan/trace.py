@@ -257,7 +257,9 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
                       activation_checkpointing=cand.activation_checkpointing,
                       activation_checkpointing_every=cand.activation_checkpointing_every,
                       wrap=tuple(job.wrap),
-                      grad_accum_steps=job.grad_accum_steps, shard_group_size=cand.shard_group_size,
+                      grad_accum_steps=job.grad_accum_steps,
+                      shard_group_size=None if cand.shard_group_size is None  # the config counts processes
+                      else cand.shard_group_size * cand.tensor_parallel_size,
                       tensor_parallel_size=cand.tensor_parallel_size,
                       sequence_parallel=cand.sequence_parallel)
     stack.enter_context(kept_rng())

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.tree import ShardingSection, resolve_shard_group
+from ..config.tree import ConfigError, ShardingSection, resolve_shard_group
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
@@ -187,12 +187,19 @@ class Strategy(ABC):
         self.precision = self.make_precision()
 
     def sharding_group(self) -> int:
-        """Data-parallel ranks per sharding group: `shard_group_size` resolved at this run's
-        data-parallel size (the world over tensor_parallel_size; `config.resolve_shard_group`,
-        which refuses one that does not divide it)."""
-        info = self.info
-        return resolve_shard_group(self.cfg.shard_group_size, info.world_size // self.tp,
-                                   max(1, info.local_world_size // self.tp))
+        """Data-parallel ranks per sharding group. `shard_group_size` counts processes (as the
+        docs say, and "node" is a node's processes): `config.resolve_shard_group` refuses one
+        that does not divide the world; with tensor parallelism a group holds whole tp groups
+        (consecutive ranks), so it must be a multiple of tensor_parallel_size."""
+        info, value = self.info, self.cfg.shard_group_size
+        group = resolve_shard_group(value, info.world_size, info.local_world_size)
+        if group % self.tp:
+            raise ConfigError(
+                f"shard_group_size={value!r} ({group} processes) does not hold whole tensor-parallel "
+                f"groups of {self.tp} processes: choose a multiple of tensor_parallel_size={self.tp} "
+                f"(a group of G processes is G / {self.tp} data-parallel ranks)"
+            )
+        return group // self.tp
 
     def parallelize(self, model: nn.Module) -> None:
         """Tensor parallelism, first of all transforms (then activation checkpointing, compile,

@@ -226,9 +226,12 @@ class FSDPStrategy(Strategy):
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
         offload = offload_spec(self.cfg.offload)
         if self.shard_optimizer:  # zero1 under tp: the replicas of this tp rank split the elements
-            _shard, replicas = self.process_groups()
+            # at one data-parallel rank there are no replicas: its group of one (never None,
+            # which the runner takes for every process, the tp ranks holding different parts)
+            shard, replicas = self.process_groups()
             return optimizer_runner(optimizer, self.cfg, self.info, partition="flat",
-                                    host=offload.optimizer_on_host, group=replicas)
+                                    host=offload.optimizer_on_host,
+                                    group=replicas if replicas is not None else shard)
         if offload.optimizer_on_host and not offload.params_on_host:
             # optimizer offload: fp32 host masters of this rank's shards step on the host
             return optimizer_runner(optimizer, self.cfg, self.info, partition="local", host=True)

@@ -153,6 +153,24 @@ def _check_sizes(model: nn.Module, modules: dict[str, str], tp: int) -> None:
                               "divides it")
 
 
+def _check_ties(model: nn.Module, modules: dict[str, str]) -> None:
+    """A parameter shared by two modules (tied embeddings: GPT-2's wte and lm_head) is one
+    tensor: splitting it in one module and not the same way in the other would untie them, each
+    module training its own copy. Refused in one line, naming both."""
+    owners: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(f"{path}.{name}" if path else name)
+    for paths in owners.values():
+        held = {p.rsplit(".", 1)[0] if "." in p else "": p for p in paths}
+        styles = {module: modules.get(module, "not split") for module in held}
+        if len(paths) > 1 and len(set(styles.values())) > 1:
+            said = " and ".join(f"{m} ({s})" for m, s in styles.items())
+            raise ConfigError(f"tensor_parallel_plan: {said} share one weight (tied); splitting it in one "
+                              "would untie them: leave both whole (or untie them first: "
+                              "tie_word_embeddings=False)")
+
+
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMesh, *,
                           sequence_parallel: bool = False) -> dict[str, str]:
     """Split `model`'s planned modules over the 1-D tp `mesh` in place (weights from tp rank 0),
@@ -165,6 +183,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
                           "(transformers models carry one as config.base_model_tp_plan); give one as "
                           "tensor_parallel_plan: {'layers.*.mlp.up_proj': 'colwise', ...}")
     modules = _matches(plan, model)
+    _check_ties(model, modules)
     layout = _sequence_layout(model, modules) if sequence_parallel else None
     styles = {path: _style(style, model.get_submodule(path), sequence_parallel and style in _SEQUENCE_STYLES)
               for path, style in modules.items()}
