@@ -82,7 +82,7 @@ class StrategyPlan:
                                "activation_checkpointing": c.activation_checkpointing}
         if c.activation_checkpointing_every is not None:
             out["activation_checkpointing_every"] = c.activation_checkpointing_every
-        if c.shard_group_size is not None:  # the candidate's counts data-parallel ranks, the config's processes
+        if c.shard_group_size is not None:  # candidate: data-parallel ranks; config: processes
             out["shard_group_size"] = c.shard_group_size * c.tensor_parallel_size
         if c.tensor_parallel_size > 1:
             out["tensor_parallel_size"] = c.tensor_parallel_size
