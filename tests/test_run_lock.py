@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -249,7 +250,7 @@ def test_run_lock_takes_over_only_a_provably_dead_holder(
     assert "took over the run lock" in attempt(_lock_info(pid=dead.pid, started="then"))
     assert "took over the run lock" in attempt(_lock_info(pid=os.getppid(), boot_id="another boot"))
     elsewhere = attempt(_lock_info(host="node-7", pid=os.getppid()))
-    assert "held by a run on another machine (host node-7" in elsewhere and f"delete {tmp_path}" in elsewhere
+    assert "held by a run on another machine (host node-7" in elsewhere and "lock_lease_s=300 s" in elsewhere
     assert "unreadable run lock" in attempt({})
     # a torchrun --max-restarts relaunch whose process 0 is now on another machine: the earlier
     # attempt of the same job is over; the same attempt (or another job) is not
@@ -366,3 +367,99 @@ def test_automatic_checkpoint_naming_keeps_an_earlier_runs_checkpoints(tmp_path:
     assert out["step"] == 4 and out["resumed_step"] == 4 and out["same_weights"]  # the new run resumes
     assert out["next"] == 7
     assert (tmp_path / "checkpoints" / "checkpoint_0" / "notes.txt").read_text() == "the good run"
+
+
+def test_run_lock_rules_for_a_requeue_and_an_expired_lease(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requeue of the same SLURM job takes the lock over at once, wherever it lands; an
+    unrelated run only once the holder's heartbeat is older than the lease; a lock of the same
+    job and attempt whose pid is gone on this host (a same-host requeue whose restart count did
+    not move) is a dead one, not a live one. Each takeover says its rule in one line."""
+    from shardwise.checkpoint import runlock
+    from shardwise.checkpoint.sharded import CheckpointError
+
+    def attempt(info: dict[str, Any], *, age: float = 0.0, lease: float = 300.0) -> str:
+        root = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        root.mkdir()
+        (root / LOCK).write_text(json.dumps(info))
+        if age:
+            then = time.time() - age
+            os.utime(root / LOCK, (then, then))
+        try:
+            line = runlock.hold(root, 0, lease) or "held"
+        except CheckpointError as err:
+            return str(err)
+        assert json.loads((root / LOCK).read_text())["pid"] == os.getpid()
+        return line
+
+    alive = {"host": "node-7", "pid": os.getppid(), "started": "then"}
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    requeued = attempt(_lock_info(**alive, slurm_job="77", slurm_restart=0))
+    assert requeued.endswith("a later attempt of SLURM job 77 (restart 1; the lock's: 0)"), requeued
+    assert "\n" not in requeued
+    same = attempt(_lock_info(**alive, slurm_job="77", slurm_restart=1))
+    assert "held by a run on another machine (host node-7" in same and "heartbeat 0 s old" in same, same
+    other_job = attempt(_lock_info(**alive, slurm_job="76", slurm_restart=0))
+    assert "held by a run on another machine" in other_job, other_job
+    # an unrelated run: refused while the lease holds, taken over once it has expired
+    assert "held by a run on another machine" in attempt(_lock_info(**alive, slurm_job="9"), age=200)
+    expired = attempt(_lock_info(**alive, slurm_job="9"), age=400)
+    assert expired.endswith("its heartbeat stopped 400 s ago (lock_lease_s 300)"), expired
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    # the same torchrun run and attempt on this host, its pid gone: dead (was: judged alive)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "slurm-77")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = attempt(_lock_info(pid=dead.pid, job="slurm-77", attempt=0, started="then"))
+    assert gone.endswith("its process is gone from this host"), gone
+
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from shardwise.checkpoint import runlock
+runlock.hold(Path(sys.argv[1]), 0, float(sys.argv[2]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_live_holder_is_never_taken_over_and_a_dead_ones_lease_expires(tmp_path: Path) -> None:
+    """A run on another host (a UTS namespace of its own) holds the lock with a 2 s lease and
+    keeps its heartbeat: 5 s later (past the lease since it took the lock) this host's run is
+    still refused. SIGKILLed, its lock stays; an unrelated run is refused until the heartbeat is
+    2 s old, then takes it over, saying so."""
+    from shardwise.checkpoint import runlock
+    from shardwise.checkpoint.sharded import CheckpointError
+
+    assert shutil.which("unshare"), "unshare (util-linux) is needed to run a holder on another host name"
+    root = tmp_path / "ckpt"
+    holder = subprocess.Popen(["unshare", "--uts", "sh", "-c", 'hostname other-node && exec "$@"', "sh",
+                               sys.executable, "-c", _HOLDER, str(root), "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held", holder.stderr
+        assert json.loads((root / LOCK).read_text())["host"] == "other-node"
+        time.sleep(5)
+        with pytest.raises(CheckpointError) as live:
+            runlock._held.pop(str(root), None)
+            runlock.hold(root, 0, 2.0)
+        said = str(live.value)
+        assert "held by a run on another machine (host other-node" in said and "\n" not in said, said
+        age = runlock.heartbeat_age(root / LOCK)
+        assert age is not None and age < 1.0, age  # refreshed every 0.2 s
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(CheckpointError):  # dead now, but its heartbeat is younger than the lease
+        runlock.hold(root, 0, 2.0)
+    time.sleep(2.5)
+    line = runlock.hold(root, 0, 2.0)
+    assert line is not None and "took over the run lock" in line and "its heartbeat stopped" in line, line
+    assert json.loads((root / LOCK).read_text())["pid"] == os.getpid()
+    runlock.release_all()
+    assert not (root / LOCK).exists()

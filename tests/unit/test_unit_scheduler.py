@@ -57,11 +57,13 @@ def test_slurm_job_step_gives_nodes_rank_rendezvous_and_gpus() -> None:
     found = detect(_slurm(SLURM_GPUS_ON_NODE="4", SLURM_CPUS_ON_NODE="32"))
     assert found is not None and found.name == "SLURM" and found.requeue_id == "4242"
     assert found.settings() == {"num_nodes": 2, "node_rank": 1, "main_address": "gpu07", "main_port": 24242,
-                                "rdzv_id": "slurm-4242", "num_processes": 4}
+                                "rdzv_id": "slurm-4242", "rdzv_backend": "static", "num_processes": 4}
     line = found.describe()
     assert line.startswith("SLURM job 4242: nodes 2 (SLURM_NNODES), node rank 1 (SLURM_NODEID)"), line
     assert "rendezvous host gpu07 (SLURM_JOB_NODELIST, first host)" in line
     assert "processes per node 4 (SLURM_GPUS_ON_NODE)" in line
+    # the node rank kept: torchrun's static rendezvous (c10d numbers nodes by host name and pid)
+    assert "rendezvous static (SLURM_NODEID: node rank kept)" in line
 
 
 @pytest.mark.parametrize(("extra", "processes", "source"), [
@@ -98,7 +100,7 @@ def test_pytorchjob_pod_bare_variables() -> None:
     found = detect(env)
     assert found is not None and found.name == "Kubernetes" and found.requeue_id is None
     assert found.settings() == {"num_nodes": 3, "node_rank": 2, "main_address": "job-master-0",
-                                "main_port": 23456}
+                                "main_port": 23456, "rdzv_backend": "static"}
 
 
 def test_pytorchjob_with_nproc_per_node_counts_pods_not_processes() -> None:
@@ -107,7 +109,7 @@ def test_pytorchjob_with_nproc_per_node_counts_pods_not_processes() -> None:
     found = detect(env)
     assert found is not None
     assert found.settings() == {"num_nodes": 2, "node_rank": 1, "main_address": "job-master-0",
-                                "main_port": 23456, "num_processes": 4}
+                                "main_port": 23456, "num_processes": 4, "rdzv_backend": "static"}
     assert "nodes 2 (WORLD_SIZE / PET_NPROC_PER_NODE)" in found.describe()
 
 
@@ -117,7 +119,8 @@ def test_torchrun_pet_variables_anywhere() -> None:
     found = detect(env)
     assert found is not None and found.name == "torchrun (PET_* variables)"
     # 'auto' is torchrun's word, left to the config; the generic names count only inside a pod
-    assert found.settings() == {"num_nodes": 2, "node_rank": 0, "main_address": "h0", "main_port": 29400}
+    assert found.settings() == {"num_nodes": 2, "node_rank": 0, "main_address": "h0", "main_port": 29400,
+                                "rdzv_backend": "static"}
 
 
 @pytest.mark.parametrize("env", [
@@ -133,7 +136,8 @@ def test_nothing_detected(env: dict[str, str]) -> None:
 def test_explicit_values_win_and_one_node_drops_the_rendezvous() -> None:
     found = detect(_slurm(SLURM_GPUS_ON_NODE="4"))
     assert derive(found, {"num_processes": 2, "main_port": 1}) == {
-        "num_nodes": 2, "node_rank": 1, "main_address": "gpu07", "rdzv_id": "slurm-4242"}
+        "num_nodes": 2, "node_rank": 1, "main_address": "gpu07", "rdzv_id": "slurm-4242",
+        "rdzv_backend": "static"}
     assert derive(found, {"num_nodes": 1}) == {"num_processes": 4}
     assert "port 24242 (SLURM_JOB_ID; yours wins)" in found.describe(["num_nodes"])
 
@@ -186,9 +190,8 @@ def test_launch_in_a_slurm_step_builds_torchrun_from_the_job(
     (tmp_path / "train.py").write_text("")
     assert cli.main(["launch", "train.py", "--lr", "1"]) == 0
     (argv, kw), = started
-    assert argv == ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-backend",
-                    "c10d", "--rdzv-endpoint", "gpu07:24242", "--rdzv-id", "slurm-4242", "--rdzv-conf",
-                    "is_host=true", "--max-restarts", "0", "train.py", "--lr", "1"]
+    assert argv == ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "gpu07",
+                    "--master-port", "24242", "--max-restarts", "0", "train.py", "--lr", "1"]
     assert kw["after_save"].args == ("4242",)  # node 0 requeues the job after a preempted stop
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("shardwise launch: SLURM job 4242: nodes 2 (SLURM_NNODES)")
@@ -198,7 +201,9 @@ def test_launch_in_a_slurm_step_builds_torchrun_from_the_job(
     monkeypatch.setenv("SLURM_NODEID", "1")
     assert cli.main(["launch", "--main-port", "3000", "train.py"]) == 0
     argv, kw = started[1]
-    assert argv[:2] == ["--nproc-per-node", "1"] and "gpu07:3000" in argv and "after_save" not in kw
+    assert argv[:2] == ["--nproc-per-node", "1"] and "after_save" not in kw
+    assert argv[argv.index("--master-addr"):argv.index("--master-port") + 2] == [
+        "--master-addr", "gpu07", "--master-port", "3000"]
     assert "processes per node 2 (SLURM_CPUS_ON_NODE; yours wins)" in capsys.readouterr().err
 
 

@@ -424,7 +424,7 @@ class Accelerator(ProcessHelpers):
             return path
         checkpoints = self.engine.checkpoints
         numbered = self._numbered()
-        runlock.hold(numbered.root, self.process_index)
+        runlock.hold(numbered.root, self.process_index, self.engine.config.lock_lease_s)
         start = [numbered.next_index()]
         if self.num_processes > 1 and together:  # process 0's listing: every process saves to the same folder
             dist.broadcast_object_list(start, src=0)
@@ -473,7 +473,7 @@ class Accelerator(ProcessHelpers):
         pc = self.project_configuration
         if input_dir is None and getattr(pc, "automatic_checkpoint_naming", False):
             numbered = self._numbered()
-            runlock.hold(numbered.root, self.process_index)
+            runlock.hold(numbered.root, self.process_index, self.engine.config.lock_lease_s)
             found = numbered.newest()  # (the next save goes past it)
             if found is None:
                 raise FileNotFoundError(f"no checkpoint_<i> folder under {numbered.root} to load")

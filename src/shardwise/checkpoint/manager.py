@@ -78,7 +78,7 @@ class CheckpointManager:
         naming's next folder (then `latest` and pruning follow once it is in place)."""
         root_owned = folder is None
         target = Path(folder) if folder is not None else self._next_folder(step)
-        runlock.hold_for(self.naming.root, target, self.rank)  # before anything is checked or written
+        runlock.hold_for(self.naming.root, target, self.rank, self.section.lock_lease_s)  # before anything
 
         def placed(report: sharded.SaveReport, group: Any) -> None:  # every process (async: writer thread)
             self._note(report, step)
@@ -127,7 +127,7 @@ class CheckpointManager:
         the folder, or None when there is nothing to resume from (said in one line)."""
         self.writer.wait()  # a save still being written completes first (it may be this folder)
         if folder is None:
-            runlock.hold(self.naming.root, self.rank)  # one run per checkpoint folder
+            runlock.hold(self.naming.root, self.rank, self.section.lock_lease_s)  # one run per folder
             found = self.resume_point()
             if found is None:
                 return None
@@ -137,7 +137,7 @@ class CheckpointManager:
             if str(folder) == "latest":
                 path = self.root / "latest"
             path = sharded.resolve(path)
-            runlock.hold_for(self.naming.root, path, self.rank)
+            runlock.hold_for(self.naming.root, path, self.rank, self.section.lock_lease_s)
         return sharded.load(parts(), path), path
 
     def resume_point(self) -> Path | None:

@@ -4,7 +4,8 @@ value with the variable it came from, so it is tested in process (tests/unit/tes
 
 SLURM (one `shardwise launch` per node: `srun --ntasks-per-node=1 shardwise launch train.py`):
   nodes            SLURM_STEP_NUM_NODES, SLURM_NNODES, SLURM_JOB_NUM_NODES (the first set)
-  node rank        SLURM_NODEID
+  node rank        SLURM_NODEID (and with it torchrun's static rendezvous, which keeps the node
+                   rank: node 0 holds global rank 0; c10d would number nodes by host name and pid)
   rendezvous host  MASTER_ADDR if set, else the first host of SLURM_STEP_NODELIST,
                    SLURM_JOB_NODELIST or SLURM_NODELIST (hostlist syntax: `gpu[01-04,07]`)
   port             MASTER_PORT if set, else 20000 + SLURM_JOB_ID % 10000 (below Linux's ephemeral
@@ -18,7 +19,8 @@ SLURM (one `shardwise launch` per node: `srun --ntasks-per-node=1 shardwise laun
 Kubernetes PyTorchJob (the Kubeflow training operator) and torchrun's PET_* variables:
   nodes            PET_NNODES, else WORLD_SIZE / PET_NPROC_PER_NODE (WORLD_SIZE counts processes:
                    pods x nprocPerNode)
-  node rank        PET_NODE_RANK, else RANK (the pod's index: master 0, worker i is i + 1)
+  node rank        PET_NODE_RANK, else RANK (the pod's index: master 0, worker i is i + 1), kept
+                   through the static rendezvous as for SLURM
   rendezvous       PET_MASTER_ADDR / PET_MASTER_PORT, else MASTER_ADDR / MASTER_PORT
   processes/node   PET_NPROC_PER_NODE when it is a number
 The bare MASTER_ADDR / WORLD_SIZE / RANK form counts only inside a pod (KUBERNETES_SERVICE_HOST)
@@ -147,7 +149,8 @@ class Scheduler:
 
 
 _WORDS = {"num_nodes": "nodes", "node_rank": "node rank", "main_address": "rendezvous host",
-          "main_port": "port", "rdzv_id": "rendezvous id", "num_processes": "processes per node"}
+          "main_port": "port", "rdzv_id": "rendezvous id", "num_processes": "processes per node",
+          "rdzv_backend": "rendezvous"}
 
 
 def _bad(name: str, value: str, why: str, fix: str) -> ConfigError:
@@ -263,6 +266,10 @@ def _slurm_rendezvous(env: Mapping[str, str], nodes: int, job_id: int) -> list[F
                                    "MASTER_PORT"))
     found.append(port or Found("main_port", SLURM_PORT_BASE + job_id % 10000, "SLURM_JOB_ID"))
     found.append(Found("rdzv_id", f"slurm-{job_id}", "SLURM_JOB_ID"))
+    if "SLURM_NODEID" in env:
+        # c10d numbers nodes by their descriptors (host name, pid), not the rank given: the static
+        # rendezvous keeps it, so node 0 holds global rank 0 (its lines, report and files)
+        found.append(Found("rdzv_backend", "static", "SLURM_NODEID: node rank kept"))
     return found
 
 
@@ -313,6 +320,8 @@ def _pet(env: Mapping[str, str]) -> Scheduler | None:
         found.append(port)
     if nproc is not None:
         found.append(Found("num_processes", nproc, "PET_NPROC_PER_NODE"))
+    if rank_from is not None:  # the node rank kept (see _slurm_rendezvous)
+        found.append(Found("rdzv_backend", "static", f"{rank_from}: node rank kept"))
     return Scheduler("Kubernetes" if in_pod else "torchrun (PET_* variables)", "", tuple(found))
 
 
@@ -353,7 +362,8 @@ def derive(scheduler: Scheduler | None, explicit: Mapping[str, Any]) -> dict[str
     used = [f for f in scheduler.found if f.field not in explicit]
     nodes = explicit.get("num_nodes", next((f.value for f in used if f.field == "num_nodes"), 1))
     if nodes == 1:
-        used = [f for f in used if f.field not in ("node_rank", "main_address", "main_port", "rdzv_id")]
+        used = [f for f in used if f.field not in ("node_rank", "main_address", "main_port", "rdzv_id",
+                                                   "rdzv_backend")]
     return Scheduler(scheduler.name, scheduler.job, tuple(used)).settings()
 
 

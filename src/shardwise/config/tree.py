@@ -266,6 +266,7 @@ class CheckpointSection:
     keep_last: int | None = None
     background: bool = False
     resume: str = "auto"
+    lock_lease_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +380,12 @@ class EngineConfig:
     """A collective that does not complete within this many seconds ends the run with an error
     naming the step and the processes that did not arrive (torch's default is 30 minutes). At
     least 5: below that, ordinary start-up and checkpoint collectives fail inside gloo/NCCL."""
+    lock_lease_s: float = 300.0
+    """The run lock's lease (`<checkpoint_dir>/.shardwise.lock`): process 0 refreshes the lock's
+    heartbeat every lease / 10 seconds while the run lives; a lock whose heartbeat is older than
+    this is a dead run's, which a new run takes over with one line. A requeued attempt of the same
+    SLURM job or torchrun run takes it over at once. On a shared file system the age is the file
+    server's clock against itself. At least 1."""
     resume: ResumeName = "auto"
     """What `load_state()` (no folder given) does. auto: resume from the newest checkpoint under
     checkpoint_dir, or say in one line that there is none and start at step 0 (on a restart by
@@ -444,7 +451,7 @@ class EngineConfig:
         """The checkpoint settings as one section (the flat keys users write stay the source)."""
         return CheckpointSection(self.checkpoint_dir, self.checkpoint_every_steps,
                                  self.checkpoint_every_seconds, self.keep_last, self.checkpoint_async,
-                                 self.resume)
+                                 self.resume, self.lock_lease_s)
 
     @property
     def supervision(self) -> SupervisionSection:
@@ -532,6 +539,7 @@ def _check_checkpointing(cfg: EngineConfig) -> None:
             _int_at_least_1(name, getattr(cfg, name))
     if cfg.checkpoint_every_seconds is not None:
         _positive("checkpoint_every_seconds", cfg.checkpoint_every_seconds, minimum=1e-3)
+    _positive("lock_lease_s", cfg.lock_lease_s, minimum=1.0)
     _choice("resume", cfg.resume, get_args(ResumeName))
 
 
