@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,32 @@ def wait_for_launchers(procs: list[subprocess.Popen[str]],
     return [p.returncode for p in procs], outs
 
 
+def retried(what: str, why: str) -> None:
+    """Say that a run is run once more (a test's output and pytest's warnings summary name it):
+    a retry hides whatever made the first run fail, so it is never silent."""
+    message = f"{what}: {why}; run once more (once at most)"
+    print(message, file=sys.stderr)
+    warnings.warn(message, stacklevel=3)
+
+
+def launch_twice_at_most(start: Callable[[], tuple[list[int | None], list[str]]], what: str,
+                         wrote: Callable[[], bool]) -> tuple[list[int | None], list[str]]:
+    """`start()` (launchers' codes and outputs), once more only after a gloo abort while starting:
+    nothing recorded yet (`wrote()` False). An abort after a run recorded results (at teardown)
+    is a failure, never retried; the retry is said (`retried`)."""
+    codes, outs = start()
+    if any(c != 0 for c in codes) and any(GLOO_ABORT in o for o in outs) and not wrote():
+        retried(what, "gloo aborted while starting (nothing recorded yet)")
+        codes, outs = start()
+    return codes, outs
+
+
 def run_command(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """subprocess.run(cmd, capture_output=True, text=True), run again once after a gloo abort."""
+    """subprocess.run(cmd, capture_output=True, text=True), run again once after a gloo abort
+    (said, with the command); a second abort is returned as it is."""
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, **kwargs)
     if proc.returncode != 0 and GLOO_ABORT in proc.stderr + proc.stdout:
+        retried(" ".join(str(c) for c in cmd)[:300], f"gloo aborted (exit {proc.returncode})")
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, **kwargs)
     return proc
 
@@ -98,9 +121,19 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) 
     try:
         return _spawn_once(fn, world, args, timeout)
     except RuntimeError as err:
-        if not any(flake in str(err) for flake in _RENDEZVOUS_FLAKES):
+        flakes = [flake for flake in _RENDEZVOUS_FLAKES if flake in str(err)]
+        if not flakes:
             raise
+        retried(f"spawn({_name(fn)}, {world})", f"an infrastructure flake ({flakes[0]!r})")
         return _spawn_once(fn, world, args, timeout)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    inner = getattr(fn, "func", None)  # a functools.partial (planted(...)): the worker inside
+    args = getattr(fn, "args", ())
+    if inner is not None and args:
+        return f"{_name(args[-1])} with fault {args[0]!r}" if callable(args[-1]) else _name(inner)
+    return getattr(fn, "__qualname__", repr(fn))
 
 
 # Workers start from a forkserver that has already imported torch and shardwise: a fresh

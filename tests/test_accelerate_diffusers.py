@@ -26,6 +26,9 @@ import torch
 from spawn import spawn
 
 SCRIPT = "train_unconditional.py"
+# hook-saved weights vs Accelerate's, every element, absolute (weights up to ~1; measured at most
+# 3.2e-5 under ddp and 2.3e-5 under zero3 after 8 AdamW steps, the losses within 1.6e-7 relative)
+WEIGHTS_ATOL = 1e-4
 
 
 def _close(a: float, b: float, rel: float) -> bool:
@@ -57,6 +60,54 @@ def _refused(script: Path, tmp: Path, label: str, config: str,
     return err, time.monotonic() - start, json.loads(out.read_text())
 
 
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a diffusers model folder the save hook wrote (`unet/`, `unet_ema/`)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+def _check_same_tensors(label: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                        atol: float) -> None:
+    """The same names, shapes and dtypes, and every tensor within `atol` of `want`'s, element by
+    element (atol 0: bit for bit). A gather that puts shards back in the wrong order keeps every
+    sum; this does not."""
+    assert sorted(got) == sorted(want), f"{label}: names differ: {sorted(set(got) ^ set(want))[:5]}"
+    for name, w in want.items():
+        g = got[name]
+        assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{label}: {name} is {g.dtype} {tuple(g.shape)}"
+        same = torch.equal(g, w) if atol == 0 else bool(((g.double() - w.double()).abs() <= atol).all())
+        worst = float((g.double() - w.double()).abs().max()) if g.numel() else 0.0
+        assert same, f"{label}: {name} differs from the reference by up to {worst:.3e} (allowed {atol:.0e})"
+
+
+def _check_saved(label: str, run: dict[str, Any], ckpts: Path, ref: dict[str, Any], ref_ckpts: Path,
+                 atol: float) -> None:
+    """Every checkpoint's hook-saved `unet/` and `unet_ema/`, tensor by tensor, vs Accelerate's."""
+    dirs = [s["dir"] for s in run["saved"]]
+    assert dirs == [s["dir"] for s in ref["saved"]] == ["checkpoint-4", "checkpoint-8"], (label, dirs)
+    for d in dirs:
+        for sub in ("unet", "unet_ema"):
+            got, want = _tensors(ckpts / d / sub), _tensors(ref_ckpts / d / sub)
+            _check_same_tensors(f"{label} {d}/{sub}", got, want, atol)
+
+
+def _check_resumed(label: str, resumed: dict[str, Any], loaded: dict[str, Any], ckpt: Path,
+                   straight: dict[str, Any], steps: int) -> None:
+    """A resume from `ckpt` (checkpoint-4): the load hook brought back the EMA and the weights
+    bit for bit (every tensor vs the checkpoint's `unet_ema/` and `unet/`), it trains on from
+    step 5, and process 0's first `steps` losses are the straight run's (1e-6 relative): the
+    noise it draws comes from the RNG state the checkpoint holds, the one after the save hooks
+    ran, as Accelerate saves it (before: the one before them; diffusers' EMA save builds a
+    model, which draws: step 5's loss was 0.854 where the straight run's is 0.796)."""
+    assert resumed["loaded"]["optimization_step"] == 4, label
+    _check_same_tensors(f"{label}: loaded EMA", loaded["ema"], _tensors(ckpt / "unet_ema"), 0)
+    _check_same_tensors(f"{label}: loaded weights", loaded["model"], _tensors(ckpt / "unet"), 0)
+    assert [s for s, _ in resumed["losses"]] == [5, 6, 7, 8], label
+    for (step, a), (_, b) in zip(resumed["losses"][:steps], straight["losses"][4:4 + steps], strict=True):
+        assert _close(a, b, 1e-6), f"{label}: step {step}'s loss {a} where the straight run's is {b}"
+
+
 def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lone_sharded_use(
     tmp_path: Path
 ) -> None:
@@ -64,16 +115,14 @@ def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lo
     from test_accelerate_scripts import HERE, _run, _swapped
 
     ours = _swapped(SCRIPT, tmp_path)
-    ref = _run(HERE / SCRIPT, tmp_path, "acc", None, "--output_dir", str(tmp_path / "acc_ckpt"))
+    ref = _run(HERE / SCRIPT, tmp_path, "acc", None, "--output_dir", str(tmp_path / "acc_ckpt"),
+               reference=True)
     ddp = _run(ours, tmp_path, "ddp", "strategy: ddp\n", "--output_dir", str(tmp_path / "ddp_ckpt"))
-    # ddp: the same loss curve, EMA (saved by the hook, on the main process alone) and samples
+    # ddp: the same loss curve, EMA and UNet (saved by the hook, on the main process alone) and samples
     assert [s for s, _ in ddp["losses"]] == [s for s, _ in ref["losses"]] == list(range(1, 9))
     for (_, a), (_, b) in zip(ddp["losses"], ref["losses"]):
         assert _close(a, b, 1e-5), (a, b)
-    assert ([s["dir"] for s in ddp["saved"]] == [s["dir"] for s in ref["saved"]]
-            == ["checkpoint-4", "checkpoint-8"])
-    for a, b in zip(ddp["saved"], ref["saved"]):
-        assert _close(a["ema"], b["ema"], 1e-5)
+    _check_saved("ddp", ddp, tmp_path / "ddp_ckpt", ref, tmp_path / "acc_ckpt", WEIGHTS_ATOL)
     assert len(ddp["samples"]) == len(ref["samples"]) == 2
     for a, b in zip(ddp["samples"], ref["samples"]):
         assert _close(a, b, 1e-4)
@@ -85,38 +134,35 @@ def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lo
     # back, and the weights are the ones saved
     resumed = _run(ours, tmp_path, "ddp_resumed", "strategy: ddp\n", "--output_dir", str(tmp_path / "res"),
                    "--resume_from_checkpoint", str(ckpt), "--no_sample", "--checkpointing_steps", "0")
-    assert resumed["loaded"]["ema"] == pytest.approx(ddp["saved"][0]["ema"], rel=1e-12)
-    assert resumed["loaded"]["optimization_step"] == 4
-    assert resumed["loaded"]["model"] == pytest.approx(ddp["saved"][0]["model"], rel=1e-12)
-    assert [s for s, _ in resumed["losses"]] == [5, 6, 7, 8]
+    loaded = torch.load(tmp_path / "ddp_resumed.json.loaded.pt")
+    # process 0's lone checkpoint holds process 0's RNG only: its next loss is the straight run's;
+    # from step 6 on the mean gradient carries process 1's other noise
+    _check_resumed("ddp resumed", resumed, loaded, ckpt, ddp, steps=1)
 
     # zero3 with the EMA, checkpoints and samples made on every process (--everywhere): the hook
     # saves the sharded UNet it is given and the (prepared, sharded) EMA on the main process
     # alone, with Accelerate's numbers; a resume through the load hook brings both back
     ref_all = _run(HERE / SCRIPT, tmp_path, "acc_all", None, "--output_dir", str(tmp_path / "acc_all_ckpt"),
-                   "--everywhere")
+                   "--everywhere", reference=True)
     z3_all = _run(ours, tmp_path, "zero3_all", "strategy: zero3\n", "--output_dir",
                   str(tmp_path / "z3_ckpt"), "--everywhere")
     assert [s for s, _ in z3_all["losses"]] == [s for s, _ in ref_all["losses"]] == list(range(1, 9))
     for (_, a), (_, b) in zip(z3_all["losses"], ref_all["losses"]):
         assert _close(a, b, 1e-4), (a, b)
-    assert [s["dir"] for s in z3_all["saved"]] == ["checkpoint-4", "checkpoint-8"]
-    for a, b in zip(z3_all["saved"], ref_all["saved"], strict=True):
-        assert _close(a["ema"], b["ema"], 1e-5) and _close(a["model"], b["model"], 1e-5), (a, b)
+    _check_saved("zero3", z3_all, tmp_path / "z3_ckpt", ref_all, tmp_path / "acc_all_ckpt", WEIGHTS_ATOL)
     for a, b in zip(z3_all["samples"], ref_all["samples"], strict=True):
         assert _close(a, b, 1e-4), (a, b)
     z3_ckpt = tmp_path / "z3_ckpt" / "checkpoint-4"
     from diffusers import UNet2DModel
 
     saved_unet = UNet2DModel.from_pretrained(str(z3_ckpt), subfolder="unet")  # a plain process reads it
-    on_disk = sum(float(p.detach().double().sum()) for p in saved_unet.parameters())
-    assert _close(on_disk, z3_all["saved"][0]["model"], 1e-9)
+    _check_same_tensors("zero3 unet/ reloaded", saved_unet.state_dict(),
+                        _tensors(tmp_path / "acc_all_ckpt" / "checkpoint-4" / "unet"), WEIGHTS_ATOL)
     z3_resumed = _run(ours, tmp_path, "zero3_resumed", "strategy: zero3\n", "--output_dir",
                       str(tmp_path / "z3_res"), "--everywhere", "--resume_from_checkpoint", str(z3_ckpt),
                       "--no_sample", "--checkpointing_steps", "0")
-    assert z3_resumed["loaded"]["ema"] == pytest.approx(z3_all["saved"][0]["ema"], rel=1e-12)
-    assert z3_resumed["loaded"]["model"] == pytest.approx(z3_all["saved"][0]["model"], rel=1e-12)
-    assert [s for s, _ in z3_resumed["losses"]] == [5, 6, 7, 8]
+    loaded = torch.load(tmp_path / "zero3_resumed.json.loaded.pt")
+    _check_resumed("zero3 resumed", z3_resumed, loaded, z3_ckpt, z3_all, steps=4)  # every process saved
 
     # zero3: epoch 0 is Accelerate's, then the main process's sampling with the sharded UNet is
     # refused in one line, within seconds (it used to wait in the all-gather forever)
@@ -127,6 +173,51 @@ def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lo
         assert _close(a, b, 1e-4), (a, b)
     assert "RuntimeError: a forward of the sharded UNet2DModel ran on one process alone" in err, err[-3000:]
     assert seconds < 120
+
+
+def _hook_saved_unet(folder: str) -> dict[str, torch.Tensor]:
+    """The script's UNet prepared under zero3 and saved by its save hook (`save_pretrained` of
+    the sharded model it is given, on the main process alone) before any step: the weights it
+    had before `prepare`, which the hook's `unet/` must hold bit for bit."""
+    from diffusers import UNet2DModel
+
+    from shardwise import Accelerator
+
+    acc = Accelerator(cpu=True, strategy="zero3")
+    torch.manual_seed(3)
+    model = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
+                        block_out_channels=(8, 16), norm_num_groups=4,
+                        down_block_types=("DownBlock2D", "DownBlock2D"),
+                        up_block_types=("UpBlock2D", "UpBlock2D"))
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+
+    def save_model_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        if acc.is_main_process:
+            for m in models:
+                m.save_pretrained(os.path.join(output_dir, "unet"))
+                weights.pop()
+
+    acc.register_save_state_pre_hook(save_model_hook)
+    acc.save_state(os.path.join(folder, "checkpoint-0"))
+    return before
+
+
+def test_a_gather_in_the_wrong_order_is_caught(tmp_path: Path) -> None:
+    """Planted `reorder_gather` (zero3's gather of full weights puts the shards back in reverse
+    order: every sum unchanged): the row's tensor check of the hook-saved `unet/` catches it."""
+    pytest.importorskip("diffusers")
+    from planted import caught, planted
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "planted").mkdir()
+    want = spawn(_hook_saved_unet, 2, str(tmp_path / "real"), timeout=300)[0]
+    _check_same_tensors("zero3 hook save", _tensors(tmp_path / "real" / "checkpoint-0" / "unet"), want, 0)
+    want = spawn(planted(_hook_saved_unet, "reorder_gather"), 2, str(tmp_path / "planted"), timeout=300)[0]
+    got = _tensors(tmp_path / "planted" / "checkpoint-0" / "unet")
+    assert sum(float(t.double().sum()) for t in got.values()) == pytest.approx(
+        sum(float(t.double().sum()) for t in want.values()), rel=1e-9)  # what the sums saw: nothing
+    caught(_check_same_tensors, "zero3 hook save", got, want, 0)
 
 
 # -- the same on a small model, in-process ------------------------------------------------------

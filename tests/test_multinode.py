@@ -3,11 +3,16 @@ processes each, meeting through a c10d rendezvous on a free localhost port, with
 `shard_group_size: node`.
 
 Asserted: both launchers exit 0 (each under a timeout: a hang fails the test, it cannot stall
-CI); the run equals one plain process on the same global batches (the equivalence tolerances:
-losses 1e-5, weights 2e-5); and the groups that ran are the nodes' own: every rank's sharding
+CI; a gloo abort is retried once, said, only while starting: `spawn.launch_twice_at_most`);
+the run equals one plain process on the same global
+batches (`check_run`: losses 1e-5, clipped gradient norms 1e-5 relative, weights 2e-5), clipping
+at 0.5, below every step's norm (the reference's lowest is 0.65): every step is clipped, so under
+AdamW a gradient summed over the nodes instead of averaged updates the weights as the mean does
+and only the norm shows it (the planted `sum_across_nodes`); and the groups that ran are the
+nodes' own: every rank's sharding
 group (the shard dimension of its parameters' 2-D mesh) is exactly the global ranks its
-launcher started, its replica group holds one rank of each node, and it holds 1/2 of every
-parameter (its node's share), not 1/4 and not all of it.
+launcher started, its replica group holds one rank of each node, and it holds 1/2 of the
+parameters' elements within 0.02 (its node's share; padding), not 1/4 and not all of them.
 
 This file is also the training script the launchers run (`python tests/test_multinode.py`).
 """
@@ -24,10 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads as W
-from spawn import GLOO_ABORT, free_port, wait_for_launchers
+from planted import caught, fault_env
+from spawn import free_port, launch_twice_at_most, wait_for_launchers
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = {"batch": 2, "accum": 2, "steps": 4}
+RUN = {"batch": 2, "accum": 2, "steps": 4, "clip": 0.5}  # clip: below every norm of this run
 NODE_TAG = "SHARDWISE_TEST_NODE"  # set per launcher: which "node" a worker was started on
 LAUNCH_TIMEOUT_S = 300  # both launchers; the run takes ~75 s on 2 shared cores
 
@@ -60,25 +66,47 @@ def _train(out: Path) -> None:
 
     engine = shardwise.Engine()
     model, opt, loader = W.prepared(engine, "tiny", batch=RUN["batch"], steps=RUN["steps"])
-    losses = W.train(engine, model, opt, loader).losses
+    trained = W.train(engine, model, opt, loader, clip=RUN["clip"])
     groups = _groups(model)
     state = engine.get_state_dict(model)  # a collective; the full weights land on rank 0
     result = W.NodeRun(
         rank=dist.get_rank(), world=engine.num_processes, node=int(os.environ[NODE_TAG]),
-        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]), groups=groups, losses=losses,
+        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]), groups=groups, losses=trained.losses,
         config=shardwise.config.files.to_dict(engine.config), state=state if engine.is_main_process else None,
+        norms=trained.norms,
     )
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
     engine.end_training()
 
 
-def _launch(out: Path) -> tuple[list[int | None], list[str]]:
+def check_run(results: list[W.NodeRun]) -> str:
+    """The 2-node run (every rank's record) against one plain process on the same global batches,
+    clipping at RUN["clip"]: losses within 1e-5, the clipped steps' gradient norms within 1e-5
+    relative on every rank, final weights within 2e-5. Returns what it measured."""
+    ref = W.reference("tiny", world=4, **RUN)
+    assert min(ref.norms) > RUN["clip"], ref.norms  # every step clipped: the norm is what tells
+    main = results[0]
+    assert len(main.losses) == RUN["accum"] * RUN["steps"] and len(ref.norms) == RUN["steps"]
+    norm_err = max(max(abs(a - b) / b for a, b in zip(r.norms, ref.norms, strict=True)) for r in results)
+    loss_err, weight_err = W.close(main.losses, ref.losses), W.max_diff(main.state, ref.state)
+    said = (f"losses within {loss_err:.2e}, clipped norms within {norm_err:.2e} rel. "
+            f"({main.norms[0]:.4f} vs {ref.norms[0]:.4f} at step 1), weights within {weight_err:.2e} "
+            "of one process")
+    assert loss_err < 1e-5, said
+    assert norm_err < 1e-5, said
+    assert weight_err < 2e-5, said
+    return said
+
+
+def _launch(out: Path, base: dict[str, str] | None = None) -> tuple[list[int | None], list[str]]:
     """Two launchers (two "nodes"), 2 workers each, all done within LAUNCH_TIMEOUT_S; past it,
-    each launcher's whole session (the launcher and the workers it started) is killed."""
+    each launcher's whole session (the launcher and the workers it started) is killed. `base`:
+    the launchers' environment (None: this process's)."""
     port = str(free_port())
     procs = []
     for node in (0, 1):
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", NODE_TAG: str(node)}
+        env = {**(os.environ if base is None else base), "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+               NODE_TAG: str(node)}
         env.pop("SHARDWISE_CONFIG", None)
         cmd = [sys.executable, "-m", "shardwise", "launch", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--main-address", "127.0.0.1", "--main-port", port,
@@ -90,11 +118,8 @@ def _launch(out: Path) -> tuple[list[int | None], list[str]]:
 
 
 def test_two_nodes_shard_within_each_node_and_match_one_process(tmp_path: Path) -> None:
-    codes, outs = _launch(tmp_path)
-    if codes != [0, 0] and any(GLOO_ABORT in o for o in outs):  # see spawn.GLOO_ABORT
-        for f in tmp_path.glob("rank*.pt"):
-            f.unlink()
-        codes, outs = _launch(tmp_path)
+    codes, outs = launch_twice_at_most(lambda: _launch(tmp_path), "two nodes",
+                                       lambda: any(tmp_path.glob("rank*.pt")))
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     ranks_of = {node: sorted(r.rank for r in results if r.node == node) for node in (0, 1)}
@@ -109,15 +134,22 @@ def test_two_nodes_shard_within_each_node_and_match_one_process(tmp_path: Path) 
         assert len(g.replicate) == 2 and res.rank in g.replicate, g
         assert {results[r].node for r in g.replicate} == {0, 1}, g
         assert abs(g.share - 0.5) < 0.02, g.share  # 1/2: the node's share
-    ref = W.reference("tiny", world=4, **RUN)
-    main = results[0]
-    assert len(main.losses) == RUN["accum"] * RUN["steps"]
     print(f"2 nodes x 2, zero3, shard_group_size node: groups {[r.groups.shard for r in results]}, "
-          f"losses within {W.close(main.losses, ref.losses):.2e}, "
-          f"weights within {W.max_diff(main.state, ref.state):.2e} of one process")
-    assert W.close(main.losses, ref.losses) < 1e-5
-    assert W.max_diff(main.state, ref.state) < 2e-5
-    assert W.max_diff(main.state, W.build("tiny").state_dict()) > 1e-3  # training moved the weights
+          f"{check_run(results)}")
+    assert W.max_diff(results[0].state, W.build("tiny").state_dict()) > 1e-3  # training moved the weights
+
+
+def test_planted_sum_across_nodes_is_caught(tmp_path: Path) -> None:
+    """`sum_across_nodes`: the gradients summed over the 2 nodes instead of averaged. The clipped
+    norms double; the losses and weights, which were all the check compared before, do not move
+    (asserted), since every step is clipped and AdamW sees the same clipped gradient."""
+    codes, outs = _launch(tmp_path, fault_env("sum_across_nodes"))
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    ref = W.reference("tiny", world=4, **RUN)
+    assert W.close(results[0].losses, ref.losses) < 1e-5  # the old check alone ...
+    assert W.max_diff(results[0].state, ref.state) < 2e-5  # ... passed under the fault
+    caught(check_run, results)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ TASKS = ["clm", "mlm", "glue", "ner", "translation"]
 
 
 def _launch(script: Path, tmp: Path, task: str, label: str, config: str | None) -> dict[str, Any]:
+    """The run's results; it must exit 0 with results written after `end_training()` (`_run`),
+    but for Accelerate's own (`reference`), which may hang in gloo's teardown after them."""
     out = _run(script, tmp, f"{task}-{label}", config, "--task", task, "--output_dir",
-               str(tmp / f"{task}-{label}-saved"))
+               str(tmp / f"{task}-{label}-saved"), reference=script == HERE / SCRIPT)
     out["saved"] = tmp / f"{task}-{label}-saved"
     return out
 

@@ -9,26 +9,29 @@ sublayers all-gather their input and the rowwise layers reduce-scatter their out
                 on its built-in plan (the fused q/k/v Conv1D, a rowwise bias added to half the
                 tokens) with zero3: losses and clipped gradient norms within 1e-5 of one process on
                 the same batches, final weights within 1e-5; each rank holds its plan's share (the
-                norms whole); the activations saved for backward measured (bytes of every tensor
-                autograd saves in one forward) below tp 2 without sequence parallelism; the zero3
+                norms whole); sequence parallelism is on: the bytes autograd saves in one forward
+                (every saved storage once) are fewer than the same case's without it by exactly
+                the activations it halves (`_sp_saving`, derived from batch x sequence x hidden);
+                the zero3
                 checkpoint loads under zero3 without tp bit-identical and its export loads in
                 transformers' `from_pretrained` bit-identical, and into sequence-parallel shards
                 by `engine.from_pretrained`; `init_empty()` gives a normal build's weights bit for
                 bit; a sequence tp does not divide is refused in one line;
   4 processes   dp 2 x tp 2 with zero2 and zero3 (Llama) and zero3 (GPT-2): the same checks
-                against one process with the global batch.
+                against one process with the global batch, each rank holding half its tp share.
 Tolerances: as tensor parallelism's (the sums of a matmul split in two, then added), a few ulps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from test_tensor_parallel import BATCH, PLANNED, STEPS, Moved, tp_share
 from torch.utils.data import DataLoader
@@ -37,14 +40,16 @@ from torch.utils.data import DataLoader
 TWO = {"ddp": ("llama", "ddp", "none"), "zero2": ("llama", "zero2", "none"),
        "zero3": ("llama", "zero3", "none"), "zero3 AC": ("llama", "zero3", "full"),
        "gpt2 zero3": ("gpt2", "zero3", "none")}
-FOUR = {"zero2": ("llama", "zero2"), "zero3": ("llama", "zero3"), "gpt2 zero3": ("gpt2", "zero3")}
+FOUR = {"zero2": ("llama", "zero2", "none"), "zero3": ("llama", "zero3", "none"),
+        "gpt2 zero3": ("gpt2", "zero3", "none")}
 
 
 @dataclass(frozen=True, slots=True)
 class Run:
     """One sequence-parallel run: losses (averaged over processes), clipped norms, the final
     full weights (gathered on every rank), the parameters this rank holds, the bytes autograd
-    saved in the first forward, and the batches each rank took."""
+    saved in the first forward, the batches each rank took, and the bytes autograd saves in one
+    forward of the same case without sequence parallelism (`_saved_without_sp`)."""
 
     losses: list[float]
     norms: list[float]
@@ -52,6 +57,7 @@ class Run:
     local: int
     saved: int
     batches: int
+    no_sp: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,18 +94,56 @@ def _train(engine: Any, dp: int, name: str) -> Run:
         opt.step()
         opt.zero_grad()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    return Run(losses, norms, engine.get_state_dict(model), local, saved, len(loader), {"model": model})
+    return Run(losses, norms, engine.get_state_dict(model), local, saved, len(loader), extra={"model": model})
+
+
+def _saved_without_sp(name: str, strategy: str, ac: str) -> int:
+    """The bytes autograd saves in one forward of `name` under `strategy` (and `ac`) with tp 2 and
+    no sequence parallelism: the baseline of `_sp_saving` (a forward and backward, no step)."""
+    import shardwise
+
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                              activation_checkpointing=ac)
+    model = engine.prepare(W.build(name))
+    hooks, seen = _saved_bytes()
+    with hooks:
+        loss = W.lm_loss(model, W.Tokens(BATCH).data)
+    engine.backward(loss)
+    engine.free_memory()
+    return sum(seen.values())
+
+
+def _case(case: str, spec: tuple[str, str, str], dp: int, folder: str | None = None) -> Run:
+    """One sequence-parallel case (model, strategy, activation checkpointing) trained, with its
+    baseline without sequence parallelism; `folder`: its checkpoint directory's parent."""
+    import shardwise
+
+    name, strategy, ac = spec
+    no_sp = _saved_without_sp(name, strategy, ac)  # (its engine released before this one starts)
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
+                              sequence_parallel=True, activation_checkpointing=ac,
+                              **({"checkpoint_dir": f"{folder}/{case.replace(' ', '_')}"} if folder else {}))
+    run = _train(engine, dp=dp, name=name)
+    return replace(run, no_sp=no_sp, extra={**run.extra, "engine": engine})
+
+
+def _cases(cases: dict[str, tuple[str, str, str]], dp: int) -> dict[str, Run]:
+    """Each of `cases` trained at `dp` data-parallel ranks x tp 2 (nothing saved)."""
+    out: dict[str, Run] = {}
+    for case, spec in cases.items():
+        run = _case(case, spec, dp)
+        run.extra["engine"].free_memory()
+        out[case] = replace(run, extra={})
+    return out
 
 
 def _two(folder: str) -> dict[str, Any]:
     import shardwise
 
     out: dict[str, Any] = {}
-    for case, (name, strategy, ac) in TWO.items():
-        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
-                                  sequence_parallel=True, activation_checkpointing=ac,
-                                  checkpoint_dir=f"{folder}/{case.replace(' ', '_')}")
-        run = _train(engine, dp=1, name=name)
+    for case, spec in TWO.items():
+        run = _case(case, spec, dp=1, folder=folder)
+        engine = run.extra["engine"]
         if case == "zero3":
             engine.save_state()
             engine.save_model(run.extra["model"], f"{folder}/export")
@@ -107,12 +151,8 @@ def _two(folder: str) -> dict[str, Any]:
                 W.lm_loss(run.extra["model"], torch.zeros(BATCH, 7, dtype=torch.long))
             except Exception as err:  # noqa: BLE001 - the message is the result
                 out["odd sequence"] = f"{type(err).__name__}: {err}"
-        out[case] = Run(run.losses, run.norms, run.state, run.local, run.saved, run.batches)
+        out[case] = replace(run, extra={})
         engine.free_memory()
-    # the same Llama, tp 2 without sequence parallelism: what its saved activations weigh
-    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2)
-    out["no sp"] = _train(engine, dp=1, name="llama").saved
-    engine.free_memory()
     # init_empty() and from_pretrained under sequence parallelism (the norms replicated DTensors)
     from transformers import LlamaForCausalLM
 
@@ -137,19 +177,6 @@ def _two(folder: str) -> dict[str, Any]:
     return out
 
 
-def _four() -> dict[str, Run]:
-    import shardwise
-
-    out: dict[str, Run] = {}
-    for case, (name, strategy) in FOUR.items():
-        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
-                                  sequence_parallel=True)
-        run = _train(engine, dp=2, name=name)
-        out[case] = Run(run.losses, run.norms, run.state, run.local, run.saved, run.batches)
-        engine.free_memory()
-    return out
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sp")
@@ -162,7 +189,7 @@ def two(folder: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def four() -> list[dict[str, Run]]:
-    return spawn(_four, 4)
+    return spawn(_cases, 4, FOUR, 2)
 
 
 def _reference(dp: int, name: str) -> Any:
@@ -177,23 +204,59 @@ def _share(name: str) -> int:
     return tp_share("llama", lambda n: n.split(".")[-2] in PLANNED)
 
 
-@pytest.mark.parametrize("case", list(TWO))
-def test_sequence_parallel_tp2_matches_one_process(two: list[dict[str, Any]], case: str) -> None:
-    name = TWO[case][0]
-    ref = _reference(1, name)
-    for rank in two:
+def _sp_saving(name: str, ac: str) -> int:
+    """The bytes sequence parallelism takes off what autograd saves in one forward on a rank,
+    derived: at tp 2 these activations are held for B x S / 2 tokens instead of B x S (batch B =
+    BATCH per data-parallel rank, sequence S, hidden H, fp32: 4 bytes), everything else the same
+    (the sublayers' gathered input is as whole as the norm output it replaces):
+      no checkpointing  each block's two norms: Llama's RMSNorm saves its input and its normalized
+                        output (B x S x H each) and the reciprocal root mean square (B x S);
+                        GPT-2's LayerNorm its input (B x S x H), mean and reciprocal std (B x S each);
+      full checkpointing  each block's input (B x S x H), kept for the recompute, and nothing inside.
+    """
+    config = W.build(name).config
+    tokens, hidden = BATCH * W.SEQ, config.hidden_size
+    if ac == "full":
+        per_block = tokens * hidden
+    elif name == "llama":
+        per_block = 2 * (2 * tokens * hidden + tokens)
+    else:
+        per_block = 2 * (tokens * hidden + 2 * tokens)
+    return config.num_hidden_layers * per_block * 4 // 2
+
+
+def _check_case(ranks: list[dict[str, Any]], case: str, spec: tuple[str, str, str], dp: int) -> None:
+    """One sequence-parallel case against one plain process on the same global batches: losses
+    and clipped norms within 1e-5, final weights within 1e-5; on every rank its plan's share of
+    the parameters (halved again over dp 2 by zero2/zero3: every dim 0 divides by 4 here), and
+    the bytes autograd saves in one forward fewer than without sequence parallelism by exactly
+    `_sp_saving` (the activations it splits over the sequence)."""
+    name, strategy, ac = spec
+    ref = _reference(dp, name)
+    saving = _sp_saving(name, ac)
+    share = _share(name) // (dp if strategy in ("zero2", "zero3") else 1)
+    assert dp == 1 or all(p.shape[0] % 4 == 0 for p in W.build(name).parameters())
+    for r, rank in enumerate(ranks):
         run: Run = rank[case]
         assert run.batches == STEPS
         assert W.close(run.losses, ref.losses) < 1e-5 and W.close(run.norms, ref.norms) < 1e-5
-        assert run.local == _share(name)
-    assert W.max_diff(two[0][case].state, ref.state) < 1e-5
+        assert run.local == share, (case, r, run.local, share)
+        assert run.no_sp - run.saved == saving, (
+            f"{case}, rank {r}: saved {run.saved} bytes with sequence parallelism, {run.no_sp} without: "
+            f"{run.no_sp - run.saved} fewer, derived {saving}")
+    assert W.max_diff(ranks[0][case].state, ref.state) < 1e-5
 
 
-def test_sequence_parallel_saves_fewer_activation_bytes(two: list[dict[str, Any]]) -> None:
-    """Measured: the bytes autograd saves in one forward (weights included) are fewer than tp 2's
-    without sequence parallelism (norm inputs and the sublayers' inputs held for half the tokens)."""
-    for rank in two:
-        assert 0 < rank["zero3"].saved < rank["no sp"], (rank["zero3"].saved, rank["no sp"])
+@pytest.mark.parametrize("case", list(TWO))
+def test_sequence_parallel_tp2_matches_one_process(two: list[dict[str, Any]], case: str) -> None:
+    _check_case(two, case, TWO[case], dp=1)
+
+
+def test_sequence_parallel_switched_off_is_caught() -> None:
+    """Planted `sequence_parallel_off`: `sequence_parallel=True` ignored (plain tp 2, the same
+    losses and shares); the case's check must fail on the bytes saved."""
+    ranks = spawn(planted(_cases, "sequence_parallel_off"), 2, {"zero3": TWO["zero3"]}, 1)
+    caught(_check_case, ranks, "zero3", TWO["zero3"], 1)
 
 
 def test_a_sequence_parallel_checkpoint_and_export_load_without_tp(two: list[dict[str, Any]],
@@ -220,17 +283,10 @@ def test_from_pretrained_reads_an_export_under_sequence_parallelism(two: list[di
 
 def test_a_sequence_tp_does_not_divide_is_refused_in_one_line(two: list[dict[str, Any]]) -> None:
     for rank in two:
-        message = rank["odd sequence"]
+        message = W.one_line(rank["odd sequence"])
         assert message.startswith("ConfigError: sequence_parallel: the sequence length 7 does not divide")
-        assert "\n" not in message
 
 
 @pytest.mark.parametrize("case", list(FOUR))
 def test_sequence_parallel_dp2_x_tp2_matches_one_process(four: list[dict[str, Run]], case: str) -> None:
-    name = FOUR[case][0]
-    ref = _reference(2, name)
-    for rank in four:
-        run = rank[case]
-        assert run.batches == STEPS
-        assert W.close(run.losses, ref.losses) < 1e-5 and W.close(run.norms, ref.norms) < 1e-5
-    assert W.max_diff(four[0][case].state, ref.state) < 1e-5
+    _check_case(four, case, FOUR[case], dp=2)

@@ -11,8 +11,12 @@ rowwise; embeddings, norms and the head whole) trained under `tensor_parallel_si
                 tp shards, bit-identical;
   4 processes   dp 2 x tp 2 with zero2, zero3 and hybrid zero3 (2 replicas of groups of one dp
                 rank) (FSDP2 over the dp mesh, the tp pairs split each
-                layer): the same checks against one process with the global batch; `gather` and a
-                summing `reduce` count each data-parallel rank once (a tp pair holds the same data).
+                layer), also zero1 (its optimizer state split over each tp rank's replicas), zero1
+                and zero2 with optimizer offload, zero3 with parameter offload: the same checks
+                against one process with the global batch; every rank holds exactly its share of
+                the parameters and of AdamW's moments (`_held`: measured from the storages its
+                optimizer's state_dict reaches); `gather` and a summing `reduce` count each
+                data-parallel rank once (a tp pair holds the same data).
 GPT-2 on its built-in plan (the fused query/key/value Conv1D split per third by heads): tp 2 with
 ddp and zero3 at 2 processes and dp 2 x tp 2 with zero2 at 4, the same checks; its tp checkpoint
 into zero3 without tp and its export into transformers, bit-identical.
@@ -30,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch.utils.data import DataLoader
 
@@ -42,8 +47,9 @@ class TPRun:
     """One tensor-parallel run: losses (averaged over processes), clipped norms, the final full
     weights (gathered on process 0), the parameter elements this rank holds, the batches its
     loader served, the loss's type (a DTensor under loss parallelism); at 4 processes what
-    `gather` of the data-parallel rank, a summing and a mean `reduce` returned. `model` is the
-    prepared model, in the worker only (`sent` drops it: it does not travel back)."""
+    `gather` of the data-parallel rank, a summing and a mean `reduce` returned; the elements of
+    AdamW's moments this rank holds (`W.adam_state_elements`). `model` is the prepared model, in
+    the worker only (`sent` drops it: it does not travel back)."""
 
     losses: list[float]
     norms: list[float]
@@ -54,6 +60,7 @@ class TPRun:
     gathered: list[int] = field(default_factory=list)
     summed: list[float] = field(default_factory=list)
     mean: list[float] = field(default_factory=list)
+    adam: int = 0
     model: Any = None
 
     def sent(self, **more: Any) -> TPRun:
@@ -92,7 +99,7 @@ def _train(engine: Any, dp: int, name: str = "llama") -> TPRun:
         opt.zero_grad()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return TPRun(losses, norms, engine.get_state_dict(model), local, len(loader), type(loss).__name__,
-                 model=model)
+                 adam=W.adam_state_elements(opt), model=model)
 
 
 def _two(folder: str) -> dict[str, Any]:
@@ -193,21 +200,25 @@ def _empty(folder: str) -> dict[str, Any]:
     return out
 
 
-# case -> (model, strategy, offload, shard_group_size); hybrid: groups of 1 dp rank, 2 replicas, x tp 2
+# case -> (model, strategy, offload, shard_group_size); hybrid: groups of 2 processes (one tp pair,
+# one dp rank), 2 replicas
 FOUR = {"ddp": ("llama", "ddp", "none", None), "zero1": ("llama", "zero1", "none", None),
         "zero1 offload": ("llama", "zero1", "optimizer", None), "zero2": ("llama", "zero2", "none", None),
         "zero2 offload": ("llama", "zero2", "optimizer", None), "zero3": ("llama", "zero3", "none", None),
         "zero3 offload params": ("llama", "zero3", "params", None),
-        "zero3 hybrid": ("llama", "zero3", "none", 1), "gpt2 zero2": ("gpt2", "zero2", "none", None)}
+        "zero3 hybrid": ("llama", "zero3", "none", 2), "gpt2 zero2": ("gpt2", "zero2", "none", None)}
 
 
-def _four(folder: str) -> dict[str, Any]:
+def _four(folder: str, cases: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every case of FOUR, the zero1 and zero3 checkpoints saved and zero1's resumed under zero3
+    without tp; only `cases` (trained, nothing saved) where given."""
     import torch.distributed as dist
 
     import shardwise
 
     out: dict[str, Any] = {}
-    for case, (name, strategy, offload, group) in FOUR.items():
+    for case in cases or FOUR:
+        name, strategy, offload, group = FOUR[case]
         engine = shardwise.Engine(strategy=strategy, offload=offload, cpu=True, seed=W.SEED,
                                   tensor_parallel_size=2, shard_group_size=group,
                                   checkpoint_dir=f"{folder}/four_{case.replace(' ', '_')}")
@@ -217,9 +228,11 @@ def _four(folder: str) -> dict[str, Any]:
         out[case] = run.sent(gathered=engine.gather(dp_rank).tolist(),
                              summed=engine.reduce(torch.tensor([1.0, 2.0]), "sum").tolist(),
                              mean=engine.reduce(dp_rank.float(), "mean").tolist())
-        if case in ("zero1", "zero3"):
+        if case in ("zero1", "zero3") and cases is None:
             engine.save_state()
         engine.free_memory()
+    if cases is not None:
+        return out
     # zero1 under dp 2 x tp 2 (its optimizer state split over the replicas of each tp rank) into
     # zero3 without tp at 4
     plain = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, checkpoint_dir=f"{folder}/four_zero1")
@@ -305,6 +318,7 @@ def test_tp2_matches_one_process(two: list[dict[str, Any]], strategy: str) -> No
         assert W.close(run.losses, ref.losses) < 1e-5
         assert W.close(run.norms, ref.norms) < 1e-5
         assert run.local == _share(1)  # the plan's share: planned weights halved, the rest whole
+        assert run.adam == 2 * _share(1)  # AdamW's two moments of that share (one dp rank: all of it)
 
 
 @pytest.mark.parametrize("case", ["full plan", "loss parallel"])
@@ -343,22 +357,60 @@ def test_exported_weights_load_in_transformers_and_into_tp_shards(two: list[dict
     assert W.max_diff(two[0]["loaded"], trained) == 0.0  # load_model into a tp 2 model's shards
 
 
-@pytest.mark.parametrize("strategy", list(FOUR))
-def test_dp2_x_tp2_matches_one_process(strategy: str, four: list[dict[str, Any]]) -> None:
-    ref = _reference(dp=2, name=FOUR[strategy][0])
+# case -> how each rank's parameters and AdamW state are split over the 2 data-parallel ranks:
+# "whole" (each holds its tp share), "shard" (FSDP2's split of each parameter's dim 0), "flat"
+# (zero1: the tp share's elements end to end, rank r updating the r-th range of ceil(share / 2))
+SPLIT = {"ddp": ("whole", "whole"), "zero1": ("whole", "flat"), "zero1 offload": ("whole", "flat"),
+         "zero2": ("shard", "shard"), "zero2 offload": ("shard", "shard"), "zero3": ("shard", "shard"),
+         "zero3 offload params": ("shard", "shard"), "zero3 hybrid": ("whole", "whole"),
+         "gpt2 zero2": ("shard", "shard")}
+
+
+def _held(case: str, rank: int) -> tuple[int, int]:
+    """The parameter elements and AdamW moment elements (exp_avg and exp_avg_sq: twice the
+    elements it updates) process `rank` of dp 2 x tp 2 holds under `case`, derived from the plan:
+    its tp share (`tp_share`), whole or halved (FSDP2: every dim 0 of these models divides by
+    tp x dp = 4, so each rank holds exactly half, no padding), or zero1's flat range."""
+    name = FOUR[case][0]
+    share = _share(1) if name == "llama" else _gpt2_share()
+    assert all(p.shape[0] % 4 == 0 for p in W.build(name).parameters())
+    dp_rank, chunk = rank // 2, -(-share // 2)
+    part = {"whole": share, "shard": share // 2, "flat": max(0, min(chunk, share - dp_rank * chunk))}
+    params, optimizer = SPLIT[case]
+    return part[params], 2 * part[optimizer]
+
+
+def _check_dp2_x_tp2(four: list[dict[str, Any]], case: str) -> None:
+    """dp 2 x tp 2 under `case` against one process with the global batch: losses, norms and
+    final weights within 1e-5; metrics counting data-parallel ranks; every rank holding exactly
+    its share of the parameters and of AdamW's state (`_held`)."""
+    ref = _reference(dp=2, name=FOUR[case][0])
     for rank in four:
-        run = rank[strategy]
+        run = rank[case]
         assert run.batches == STEPS
         assert W.close(run.losses, ref.losses) < 1e-5
         assert W.close(run.norms, ref.norms) < 1e-5
-    assert W.max_diff(four[0][strategy].state, ref.state) < 1e-5
+    assert W.max_diff(four[0][case].state, ref.state) < 1e-5
     for rank in four:  # metrics count data-parallel ranks, not processes
-        assert rank[strategy].gathered == [0, 1]
-        assert rank[strategy].summed == [2.0, 4.0] and rank[strategy].mean == [0.5]
-    assert four[0]["zero3"].local <= _share(2) + 64  # 1/2 of the tp share on each dp rank (+ padding)
-    assert four[0]["zero3 hybrid"].local == _share(1)  # groups of one dp rank: the tp share whole
-    assert four[0]["ddp"].local == _share(1)  # ddp: every dp rank a replica of its tp share
-    assert four[0]["zero1"].local == _share(1)  # zero1 too (its optimizer state split instead)
+        assert rank[case].gathered == [0, 1]
+        assert rank[case].summed == [2.0, 4.0] and rank[case].mean == [0.5]
+    held = [(rank[case].local, rank[case].adam) for rank in four]
+    expected = [_held(case, r) for r in range(len(four))]
+    assert held == expected, (f"{case}: (parameter, AdamW state) elements per rank {held}, "
+                              f"its share {expected}")
+
+
+@pytest.mark.parametrize("case", list(FOUR))
+def test_dp2_x_tp2_matches_one_process(case: str, four: list[dict[str, Any]]) -> None:
+    _check_dp2_x_tp2(four, case)
+
+
+def test_zero1_keeping_the_whole_optimizer_state_is_caught(tmp_path: Path) -> None:
+    """Planted `zero1_whole_optimizer_state`: zero1 under dp 2 x tp 2 with every rank stepping
+    (and keeping the AdamW state of) every element of its tp share, the weights still right; the
+    dp 2 x tp 2 check must fail on the state each rank holds."""
+    four = spawn(planted(_four, "zero1_whole_optimizer_state"), 4, str(tmp_path), ("zero1",))
+    caught(_check_dp2_x_tp2, four, "zero1")
 
 
 def test_a_zero1_tp_checkpoint_resumes_under_zero3_without_tp(four: list[dict[str, Any]]) -> None:

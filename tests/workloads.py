@@ -115,7 +115,8 @@ class Groups:
 class NodeRun:
     """What tests/test_multinode.py's worker saves, each rank: where it ran (rank, world, the node
     its launcher stands for, the launcher's local world size), its groups, the losses (averaged
-    over processes), the resolved config, the final full weights (rank 0; None elsewhere)."""
+    over processes), the resolved config, the final full weights (rank 0; None elsewhere), the
+    gradient norms `clip_grad_norm_` returned (before clipping)."""
 
     rank: int
     world: int
@@ -125,6 +126,7 @@ class NodeRun:
     losses: list[float]
     config: dict[str, Any]
     state: dict[str, torch.Tensor] | None = None
+    norms: list[float] = field(default_factory=list)  # the clipped steps' gradient norms
 
 
 def build(name: str) -> nn.Module:
@@ -324,7 +326,11 @@ def one_step(engine: Any, name: str) -> tuple[Any, Any]:
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest elementwise difference over every tensor; keys and shapes must match (a
+    broadcast would hide a wrong shape)."""
     assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    shapes = {k: (tuple(a[k].shape), tuple(b[k].shape)) for k in a if a[k].shape != b[k].shape}
+    assert not shapes, f"shapes differ: {shapes}"
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
@@ -381,3 +387,35 @@ def held_elements(model: nn.Module) -> int:
             seen.add(s.data_ptr())
             total += s.nbytes()
     return total // 4
+
+
+def adam_state_elements(optimizer: Any) -> int:
+    """fp32 elements of Adam's moments (`exp_avg`, `exp_avg_sq`) this process really holds, as
+    its prepared optimizer's `state_dict()` reaches them: each storage once, by its bytes / 4 (a
+    state that is a view of a larger storage counts the whole storage; a DTensor its local one)."""
+    seen: dict[int, int] = {}
+
+    def walk(value: Any, key: Any = None) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, k)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v, key)
+        elif torch.is_tensor(value) and key in ("exp_avg", "exp_avg_sq"):
+            local = value._local_tensor if hasattr(value, "_local_tensor") else value
+            assert local.dtype == torch.float32, (key, local.dtype)
+            storage = local.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+
+    walk(optimizer.state_dict())
+    return sum(seen.values()) // 4
+
+
+def one_line(err: BaseException | str) -> str:
+    """A refusal's message, asserted to be one line (`pytest.raises(match=)` would pass a message
+    with a second line, and a message split over lines reads as two log records)."""
+    message = str(err)
+    assert message.strip(), f"an empty message ({type(err).__name__})"
+    assert "\n" not in message, f"not one line: {message!r}"
+    return message

@@ -219,11 +219,12 @@ def main():
     unwrapped_model.save_pretrained(
         args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
     )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    record["done"] = True  # the harness checks it: the run got past end_training()
     if accelerator.is_main_process:
         with open(args.out, "w") as f:
             json.dump(record, f)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

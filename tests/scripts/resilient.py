@@ -11,12 +11,18 @@ the end, the gathered weights to <folder>/final.pt.
   hang:STEP:RANK   RANK sleeps forever inside optimizer step STEP (before its backward)
   slow:SECONDS     every step sleeps (so a test can send a signal at a chosen step)
   raise:STEP:RANK  RANK raises a ValueError inside optimizer step STEP
+  full:STEP:RANK   RANK's files may not grow past 1 kB from optimizer step STEP on (a file-size limit,
+                   the kernel's EFBIG, as a full disk): the checkpoint saved after step STEP fails
+The model is the tiny GPT (tests/workloads.py "tiny"); with tensor_parallel_size > 1 in the
+config file, the tiny Llama ("llama", which has a tensor-parallel plan). Each step's global batch
+is 4 samples at any layout (split over the data-parallel ranks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -48,11 +54,12 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
     engine = shardwise.Engine()  # strategy, checkpoint policy, timeouts: all from the config file
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kind, at, who = _fault()
-    model = W.build("tiny")
+    tp = engine.config.tensor_parallel_size
+    model = W.build("llama" if tp > 1 else "tiny")
     opt = W.make_optimizer(model)
     loader = DataLoader(
         W.Tokens(SAMPLES // 2),
-        batch_size=4 // engine.num_processes // engine.config.grad_accum_steps,
+        batch_size=4 // (engine.num_processes // tp) // engine.config.grad_accum_steps,
         shuffle=True,
     )
     model, opt, loader = engine.prepare(model, opt, loader)
@@ -69,6 +76,10 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
                     time.sleep(at)
                 if kind == "raise" and step == at and engine.process_index == who:
                     raise ValueError(f"bad batch in step {step}")
+                if kind == "full" and step == at and engine.process_index == who:
+                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
                 loss = W.lm_loss(model, ids)
                 engine.backward(loss)
                 opt.step()

@@ -161,6 +161,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+AFTER_HOOKS = ".after_hooks.pt"  # rng/rank<r>.after_hooks.pt: the generator states once save hooks ran
+
+
+def save_rng_after_hooks(folder: Path, rank: int) -> None:
+    """This process's generator states now, beside the checkpoint's own (`rng/rank<r>` +
+    AFTER_HOOKS), written atomically (whole or absent): Accelerate saves its RNG after the
+    save-state hooks ran, so their draws (diffusers' EMA building a model to save it) are in
+    the state a resumed run continues from. A load prefers it to the state taken at the save."""
+    path = Path(folder) / "rng" / f"rank{rank}{AFTER_HOOKS}"
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_torch(_rng_state(), tmp)
+    os.replace(tmp, path)
+
+
 def _dcp_state(parts: Parts) -> dict[str, Any]:
     """The tensors DCP writes or loads: every model's and optimizer's state, in this run's layout."""
     state: dict[str, Any] = {}
@@ -494,7 +508,10 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     for j, runner in enumerate(parts.runners):
         runner.load_checkpoint_state(parts.models[parts.optimizer_models[j]], state[f"optim{j}"])
     rank_file = folder / "rng" / f"rank{parts.rank}.pt"
-    if rank_file.is_file():  # at a larger world size, new ranks keep their own seeds
+    after_hooks = rank_file.with_name(f"rank{parts.rank}{AFTER_HOOKS}")
+    if after_hooks.is_file():  # the state once the save hooks ran (`save_rng_after_hooks`)
+        _set_rng_state(load_safe(after_hooks))
+    elif rank_file.is_file():  # at a larger world size, new ranks keep their own seeds
         _set_rng_state(load_safe(rank_file))
     return cast(dict[str, Any], load_safe(folder / "engine.pt"))
 

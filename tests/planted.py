@@ -1,0 +1,301 @@
+"""Planted faults: the tests of the tests.
+
+Every promise in docs/guarantees.md keeps a test, and a test is only worth its row if it fails
+when the promise breaks. Each fault here is a monkeypatch of shardwise that breaks one promise
+(sequence parallelism switched off, zero1 keeping the whole optimizer state, a gather that puts
+shards back in the wrong order, a run that hangs in `end_training`, ...). A guarantee's test
+runs its own worker with the fault planted and asserts that its own check fails
+(`caught(check, ...)`): the check is the same function the real test calls.
+
+Nothing in `src/` knows about this: a fault is applied from the test side only, in the worker
+before it runs, by one of two routes:
+
+- `spawn(planted(worker, "name"), world, ...)`: spawned workers (tests/spawn.py) plant it
+  themselves before calling the worker;
+- `env = fault_env("name")`: a launched script (torchrun, `shardwise launch`, an Accelerate
+  script) gets `SHARDWISE_PLANTED_FAULT` and a PYTHONPATH whose `sitecustomize` (tests/planted_site)
+  plants it at interpreter start-up, in the launcher and in every worker.
+
+Register a fault with `@fault("name", row="...", test="tests/test_x.py::test_y")`: `row` names
+the guarantees.md row it breaks, `test` the planted test that shows the row's test catching it
+(tests/unit/test_unit_planted.py checks that each named test exists and plants its fault).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FAULT_ENV = "SHARDWISE_PLANTED_FAULT"  # (not SHARDWISE_TEST_FAULT: tests/scripts/resilient.py's own faults)
+SITE = Path(__file__).parent / "planted_site"
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    name: str
+    row: str  # the guarantees.md row (its first cell, or a unique part of it) the fault breaks
+    test: str  # tests/<file>.py::<test> that plants it and asserts the row's check fails
+    apply: Callable[[], None]
+
+
+FAULTS: dict[str, Fault] = {}
+
+
+def fault(name: str, *, row: str, test: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def register(apply: Callable[[], None]) -> Callable[[], None]:
+        assert name not in FAULTS, f"fault {name!r} registered twice"
+        FAULTS[name] = Fault(name, row, test, apply)
+        return apply
+
+    return register
+
+
+def plant(name: str | None) -> None:
+    """Apply the named fault in this process (None: nothing)."""
+    if name:
+        FAULTS[name].apply()
+
+
+def _run_planted(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    plant(name)
+    return fn(*args)
+
+
+def planted(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` for `spawn`, with the fault planted in each worker before it runs (picklable)."""
+    assert name in FAULTS, f"no fault named {name!r}"
+    return functools.partial(_run_planted, name, fn)
+
+
+def fault_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a launched process (and everything it starts) with the fault planted."""
+    assert name in FAULTS, f"no fault named {name!r}"
+    env = dict(os.environ if env is None else env)
+    paths = [str(SITE), str(Path(__file__).parent), env.get("PYTHONPATH", "")]
+    return {**env, FAULT_ENV: name, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def caught(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """Run a guarantee's check on a planted run's results; it must fail. Returns its message
+    (printed, so `pytest -rA` shows what the check said about the fault)."""
+    try:
+        check(*args, **kwargs)
+    except (AssertionError, pytest.fail.Exception) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"planted fault caught: {message[:500]}")
+        return message
+    raise AssertionError(f"the planted fault went unnoticed by {check.__qualname__}")
+
+
+def _patch(owner: Any, name: str, replacement: Callable[..., Any]) -> None:
+    """Replace `owner.name` for the rest of this (worker) process."""
+    replacement.__wrapped__ = getattr(owner, name)  # type: ignore[attr-defined]
+    setattr(owner, name, replacement)
+
+
+# -- the faults ---------------------------------------------------------------------------------
+# Each one breaks exactly the promise of its row, as a plausible regression would.
+
+
+@fault("hang_in_end_training", row="scripts written for Accelerate",
+       test="tests/test_accelerate_scripts.py::test_a_run_that_hangs_at_the_end_fails")
+def _hang_in_end_training() -> None:
+    from shardwise import Engine  # the Accelerator's end_training is the engine's
+
+    def hang(self: Any, *args: Any, **kwargs: Any) -> None:
+        while True:
+            time.sleep(1)
+
+    _patch(Engine, "end_training", hang)
+
+
+# -- scripts written for Accelerate, diffusers (test_accelerate_scripts / _diffusers) -------------
+
+
+@fault("abort_at_teardown", row="scripts written for Accelerate",
+       test="tests/test_accelerate_scripts.py::test_a_run_that_aborts_at_teardown_fails")
+def _abort_at_teardown() -> None:
+    """gloo's teardown abort coming back: `end_training` completes, the script writes its
+    results, and the process then aborts at exit as gloo's threads did."""
+    import atexit
+    import sys
+
+    from shardwise import Engine
+
+    def end_training(self: Any, *args: Any, **kwargs: Any) -> None:
+        end_training.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+
+        def abort() -> None:
+            sys.stderr.write("terminate called without an active exception\n")
+            sys.stderr.flush()
+            os.abort()
+
+        atexit.register(abort)
+
+    _patch(Engine, "end_training", end_training)
+
+
+@fault("reorder_gather", row="diffusers' `train_unconditional.py` pattern",
+       test="tests/test_accelerate_diffusers.py::test_a_gather_in_the_wrong_order_is_caught")
+def _reorder_gather() -> None:
+    """zero3's gather of full weights (save_pretrained, get_state_dict, the save hooks' weights)
+    puts the processes' dim-0 shards back in reverse order: every sum is unchanged."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.strategies.fsdp import FSDPStrategy
+
+    def full_state_dict(self: Any, model: Any) -> dict[str, Any]:
+        state = full_state_dict.__wrapped__(self, model)  # type: ignore[attr-defined]
+        world = dist.get_world_size()
+        return {k: torch.cat(v.chunk(world)[::-1]) if v.dim() and v.shape[0] >= world else v
+                for k, v in state.items()}
+
+    _patch(FSDPStrategy, "full_state_dict", full_state_dict)
+
+
+# -- tensor/sequence-parallel refusals, two nodes (test_tp_refusals, test_multinode) -------------
+@fault("no_plan_not_refused", row="refusals: no plan, a pattern naming nothing",
+       test="tests/test_tp_refusals.py::test_planted_no_plan_not_refused_is_caught")
+def _no_plan_not_refused() -> None:
+    """A model without a tensor-parallel plan is left unsplit instead of refused: the run goes on
+    as plain data parallelism while the user asked for tp."""
+    from shardwise.strategies import base
+
+    def apply_tensor_parallel(model: Any, plan: dict[str, str], *args: Any, **kwargs: Any) -> dict[str, str]:
+        if not plan:
+            return {}
+        return apply_tensor_parallel.__wrapped__(model, plan, *args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+    _patch(base, "apply_tensor_parallel", apply_tensor_parallel)
+
+
+@fault("refusal_two_lines", row="refusals in one line: a sequence tp does not divide",
+       test="tests/test_tp_refusals.py::test_planted_refusal_two_lines_is_caught")
+def _refusal_two_lines() -> None:
+    """Sequence parallelism's refusal of a model it cannot cut gains a hint on a second line."""
+    from shardwise.config.tree import ConfigError
+    from shardwise.strategies import tensor_parallel
+
+    def sequence_layout(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return sequence_layout.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+        except ConfigError as err:
+            raise ConfigError(f"{err}\n  see docs/strategies.md (sequence parallelism)") from None
+
+    _patch(tensor_parallel, "_sequence_layout", sequence_layout)
+
+
+@fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
+       test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
+def _sum_across_nodes() -> None:
+    """Hybrid sharding sums the gradients across the replicate (node) dimension instead of
+    averaging: FSDP2's divide factor is the shard group's size, not the world's. Under AdamW with
+    every step clipped, losses and weights stay the same; the clipped norms double."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardwise.strategies import fsdp
+
+    def apply_fsdp(model: Any, *, mesh: Any, **kwargs: Any) -> None:
+        apply_fsdp.__wrapped__(model, mesh=mesh, **kwargs)  # type: ignore[attr-defined]
+        if mesh.ndim == 2:  # (dp_replicate, dp_shard)
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_gradient_divide_factor(float(mesh.size(1)))
+
+    _patch(fsdp, "apply_fsdp", apply_fsdp)
+
+
+# -- init memory and direct calls (issue 47, items 4 and 7) --
+@fault("untouched_buffer_in_init_empty", row="host memory while a model is built empty",
+       test="tests/test_init_memory.py::test_an_untouched_buffer_kept_by_init_empty_is_caught")
+def _untouched_buffer_in_init_empty() -> None:
+    """init_empty keeps, with each meta parameter, the tensor its constructor registered (the
+    constructor's `torch.empty`, never written): the model's size allocated, no page touched."""
+    from shardwise.weights.record import Recorder
+
+    def track(self: Any, param: Any, real: Any) -> None:
+        track.__wrapped__(self, param, real)  # type: ignore[attr-defined]
+        param._planted_kept = real
+
+    _patch(Recorder, "track", track)
+
+
+@fault("growth_below_old_peak", row="host memory while a model is built empty",
+       test="tests/test_init_memory.py::test_a_whole_model_written_below_an_earlier_peak_is_caught")
+def _growth_below_old_peak() -> None:
+    """init_empty writes every tensor the constructor registers (a whole model's pages, as a
+    normal build then moved to meta would) and drops them all when the block ends: nothing kept,
+    a whole model at the block's peak."""
+    import contextlib
+
+    from shardwise.engine import models
+    from shardwise.weights.record import Recorder
+
+    written: list[Any] = []
+
+    def track(self: Any, param: Any, real: Any) -> None:
+        track.__wrapped__(self, param, real)  # type: ignore[attr-defined]
+        written.append(real)
+
+    @contextlib.contextmanager
+    def init_empty() -> Any:
+        with init_empty.__wrapped__() as record:  # type: ignore[attr-defined]
+            yield record
+        for t in written:  # outside the recorder: plain writes
+            t.detach().fill_(1.0)
+        written.clear()
+
+    _patch(Recorder, "track", track)
+    _patch(models, "init_empty", init_empty)
+
+
+@fault("keep_gathered_after_no_grad", row="every way transformers calls a sharded model",
+       test="tests/test_direct_calls.py::test_a_direct_call_left_gathered_is_caught")
+def _keep_gathered_after_no_grad() -> None:
+    """A submodule called on its own (get_encoder()(...), model.shared(ids)) skips the cleanup
+    after it: under no_grad nothing is resharded (zero2's root stays gathered until a later
+    forward of the root reshards it)."""
+    from shardwise.strategies import direct_calls
+
+    def routed(forward: Any, depth: Any, run: Any, after: Any) -> Any:
+        return routed.__wrapped__(forward, depth, run, lambda: None)  # type: ignore[attr-defined]
+
+    _patch(direct_calls, "_routed", routed)
+
+
+# -- tensor and sequence parallelism: sp on, per-rank shares (issue 47, items 3 and 5) ----------
+@fault("sequence_parallel_off", row="sequence parallelism (`tests/test_sequence_parallel.py`",
+       test="tests/test_sequence_parallel.py::test_sequence_parallel_switched_off_is_caught")
+def _sequence_parallel_off() -> None:
+    """`sequence_parallel: true` silently ignored: the model split as plain tensor parallelism
+    (the same losses, weights and shares; the activations whole on every tp rank)."""
+    from shardwise.strategies import base
+
+    def apply(model: Any, plan: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
+        return apply.__wrapped__(model, plan, mesh, sequence_parallel=False)  # type: ignore[attr-defined]
+
+    _patch(base, "apply_tensor_parallel", apply)
+
+
+@fault("zero1_whole_optimizer_state", row="tensor parallelism (`tests/test_tensor_parallel.py`",
+       test="tests/test_tensor_parallel.py::test_zero1_keeping_the_whole_optimizer_state_is_caught")
+def _zero1_whole_optimizer_state() -> None:
+    """zero1 (the "flat" partition) with every rank owning every element: each steps, and keeps
+    AdamW's state of, the whole of what it holds; the all-gather after the step then hands back
+    what every rank computed alike, so the weights stay right."""
+    from shardwise.strategies.sharded_optim import ShardedOptimizer, local_flat
+
+    def ranges(self: Any, owned: Any) -> Any:
+        if self.partition != "flat":
+            return ranges.__wrapped__(self, owned)  # type: ignore[attr-defined]
+        return [(gi, p, 0, local_flat(p).numel()) for gi, p in owned]
+
+    _patch(ShardedOptimizer, "_ranges", ranges)

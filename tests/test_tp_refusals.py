@@ -1,0 +1,129 @@
+"""What tensor and sequence parallelism refuse, through the Engine a user builds, at 2 processes.
+
+Each case is the user's own call (`shardwise.Engine(...)` and `engine.prepare(model)`) with one
+thing tensor parallelism cannot take: a model without a plan, a plan pattern naming no module,
+key/value heads tp does not divide, a split dimension tp does not divide, a tp that does not
+divide the world, zero3 with tp on DeepSpeed; sequence parallelism without tp, on DeepSpeed, on a
+block whose q/k/v hang off the block itself (the project's GPT) and on a block holding whole
+parameters that are not norms. Asserted: every process refuses, with the same message, exactly
+one line (`workloads.one_line`), that starts with the words the case expects. (The node-crossing
+tp and the odd sequence are refused in tests/unit/test_unit_tensor_parallel.py and
+tests/test_sequence_parallel.py.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import workloads as W
+from planted import caught, planted
+from spawn import spawn
+from torch import nn
+
+NO_ERROR = "no error"
+
+
+def _kv_heads_1() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=W.VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                                        max_position_embeddings=W.SEQ))
+
+
+def _gated_llama() -> nn.Module:
+    llama = W.build("llama")
+    llama.model.layers[0].register_parameter("gate", nn.Parameter(llama.model.norm.weight.detach().clone()))
+    return llama
+
+
+# case -> (Engine keywords besides cpu and seed, the model prepared (None: the Engine refuses),
+#          the message's start)
+CASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module] | None, str]] = {
+    "no plan": ({"strategy": "zero3", "tensor_parallel_size": 2}, lambda: W.build("tiny"),
+                "ConfigError: tensor_parallel_size=2: TinyLM has no tensor-parallel plan"),
+    "a pattern naming nothing": (
+        {"strategy": "zero3", "tensor_parallel_size": 2,
+         "tensor_parallel_plan": {"layers.*.mlp.up": "colwise"}},
+        lambda: W.build("llama"),
+        "ConfigError: tensor_parallel_plan: 'layers.*.mlp.up' names no module of LlamaForCausalLM"),
+    "heads not divisible": ({"strategy": "zero3", "tensor_parallel_size": 2}, _kv_heads_1,
+                            "ConfigError: tensor_parallel_size=2 does not divide LlamaForCausalLM's "
+                            "num_key_value_heads=1"),
+    "a split dimension not divisible": (
+        {"strategy": "zero2", "tensor_parallel_size": 2, "tensor_parallel_plan": {"0": "colwise"}},
+        lambda: nn.Sequential(nn.Linear(6, 9)),
+        "ConfigError: tensor_parallel_size=2 does not divide 0's (9, 6) weight (colwise: dimension 0)"),
+    "tp not dividing the world": ({"strategy": "zero3", "tensor_parallel_size": 4}, None,
+                                  "ConfigError: tensor_parallel_size=4 does not divide the 2 processes"),
+    "zero3 with tp on deepspeed": ({"strategy": "zero3", "tensor_parallel_size": 2, "backend": "deepspeed"},
+                                   None, "ConfigError: tensor_parallel_size=2 with backend: deepspeed and "
+                                   "strategy: zero3: DeepSpeed trains AutoTP only up to ZeRO-2"),
+    "sp without tp": ({"strategy": "zero3", "sequence_parallel": True}, None,
+                      "ConfigError: sequence_parallel: true splits the activations over the tensor-parallel"),
+    "sp on deepspeed": ({"strategy": "zero2", "tensor_parallel_size": 2, "sequence_parallel": True,
+                         "backend": "deepspeed"}, None,
+                        "ConfigError: sequence_parallel: true with backend: deepspeed: DeepSpeed's AutoTP "
+                        "has no sequence parallelism; use backend: torch"),
+    "sp, q/k/v off the block": ({"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True},
+                                lambda: W.build("gpt"), "ConfigError: sequence_parallel: each block's "
+                                "attention and MLP must be modules of their own"),
+    "sp, whole parameters in a block": (
+        {"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True}, _gated_llama,
+        "ConfigError: sequence_parallel: model.layers.0 (LlamaDecoderLayer) holds whole parameters"),
+}
+
+
+def _refusals(cases: list[str]) -> dict[str, str]:
+    """Each case's `Engine(...)` (and `prepare(model)`): what it raised, as "Type: message"."""
+    import shardwise
+
+    out: dict[str, str] = {}
+    for case in cases:
+        settings, model, _ = CASES[case]
+        engine = None
+        try:
+            engine = shardwise.Engine(cpu=True, seed=W.SEED, **settings)
+            if model is not None:
+                engine.prepare(model())
+            out[case] = NO_ERROR
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            out[case] = f"{type(err).__name__}: {err}"
+        if engine is not None:
+            engine.free_memory()
+    return out
+
+
+def check_refusals(ranks: list[dict[str, str]], cases: list[str]) -> None:
+    """Every case refused on every process, the same one line, starting with its words."""
+    for case in cases:
+        said = [rank[case] for rank in ranks]
+        assert said[0] != NO_ERROR, f"{case}: not refused"
+        W.one_line(said[0])
+        assert said[0].startswith(CASES[case][2]), (case, said[0])
+        assert all(s == said[0] for s in said), (case, said)
+
+
+def test_tensor_and_sequence_parallel_refusals_through_the_engine_are_one_line() -> None:
+    cases = list(CASES)
+    ranks = spawn(_refusals, 2, cases)
+    for case in cases:
+        print(f"{case}: {ranks[0][case]}")
+    check_refusals(ranks, cases)
+
+
+# -- planted faults (tests/planted.py) ------------------------------------------------------------
+def test_planted_no_plan_not_refused_is_caught() -> None:
+    """`no_plan_not_refused`: a model without a plan trains unsplit; the check finds no refusal."""
+    cases = ["no plan"]
+    caught(check_refusals, spawn(planted(_refusals, "no_plan_not_refused"), 2, cases), cases)
+
+
+def test_planted_refusal_two_lines_is_caught() -> None:
+    """`refusal_two_lines`: sequence parallelism's refusal of a block it cannot cut gains a second
+    line (a hint); `pytest.raises(match=)` would still pass, the one-line check does not."""
+    cases = ["sp, q/k/v off the block"]
+    caught(check_refusals, spawn(planted(_refusals, "refusal_two_lines"), 2, cases), cases)

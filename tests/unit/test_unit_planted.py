@@ -1,0 +1,45 @@
+"""The planted faults (tests/planted.py) are wired: each names a guarantees.md row that exists
+and a test that exists and plants it, so a fault cannot sit in the registry unused."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import planted
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _test_function(spec: str) -> ast.FunctionDef:
+    path, name = spec.split("::")
+    tree = ast.parse((ROOT / path).read_text())
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert found, f"{spec}: no such test"
+    return found[0]
+
+
+def test_every_fault_names_a_row_and_a_test_that_plants_it() -> None:
+    rows = (ROOT / "docs" / "guarantees.md").read_text()
+    assert planted.FAULTS
+    for f in planted.FAULTS.values():
+        assert f.row in rows, f"{f.name}: no guarantees.md row contains {f.row!r}"
+        body = ast.unparse(_test_function(f.test))
+        assert repr(f.name) in body or f'"{f.name}"' in body, f"{f.name}: {f.test} does not plant it"
+        assert "caught(" in body, f"{f.name}: {f.test} never asserts that the check fails (caught)"
+
+
+def test_caught_refuses_a_check_that_passes() -> None:
+    def passes() -> None:
+        pass
+
+    def fails() -> None:
+        raise AssertionError("losses differ by 3e-2")
+
+    assert planted.caught(fails) == "losses differ by 3e-2"
+    try:
+        planted.caught(passes)
+    except AssertionError as err:
+        assert "went unnoticed" in str(err)
+    else:
+        raise AssertionError("caught() accepted a check that passed")
