@@ -5,7 +5,10 @@ thing tensor parallelism cannot take: a model without a plan, a plan pattern nam
 key/value heads tp does not divide, a split dimension tp does not divide, a tp that does not
 divide the world, zero3 with tp on DeepSpeed; sequence parallelism without tp, on DeepSpeed, on a
 block whose q/k/v hang off the block itself (the project's GPT) and on a block holding whole
-parameters that are not norms. Asserted: every process refuses, with the same message, exactly
+parameters that are not norms; a colwise layer without a rowwise partner, a 2-output head planned
+colwise (it trained on half its outputs), and under sequence parallelism an MLP run on pooled
+(batch, hidden) states (refused at its first forward: its shape shows only then). Asserted:
+every process refuses, with the same message, exactly
 one line (`workloads.one_line`), that starts with the words the case expects. (The node-crossing
 tp and the odd sequence are refused in tests/unit/test_unit_tensor_parallel.py and
 tests/test_sequence_parallel.py.)
@@ -14,7 +17,7 @@ tests/test_sequence_parallel.py.)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import workloads as W
@@ -32,6 +35,47 @@ def _kv_heads_1() -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(vocab_size=W.VOCAB, hidden_size=32, intermediate_size=64,
                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
                                         max_position_embeddings=W.SEQ))
+
+
+class _Sub(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class _PooledBlock(nn.Module):
+    """A block whose MLP runs on the pooled (batch, hidden) states: no sequence dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.mlp = _Sub(), _Sub()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return self.mlp(x.mean(1))
+
+
+class _Pooled(nn.Module):
+    tensor_parallel_plan: ClassVar[dict[str, str]] = {
+                            "blocks.*.attn.up": "colwise", "blocks.*.attn.down": "rowwise",
+                            "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_PooledBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)
+
+
+def _two_output_head() -> nn.Module:
+    """A classifier of 2 outputs: a Llama-like body whose head a user planned colwise."""
+    torch.manual_seed(0)
+    return nn.Sequential(_Sub(), nn.Linear(8, 2))
 
 
 def _gated_llama() -> nn.Module:
@@ -71,6 +115,24 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module] | None, str]] = {
     "sp, q/k/v off the block": ({"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True},
                                 lambda: W.build("gpt"), "ConfigError: sequence_parallel: each block's "
                                 "attention and MLP must be modules of their own"),
+    "colwise without a rowwise partner": (
+        {"strategy": "zero2", "tensor_parallel_size": 2,
+         "tensor_parallel_plan": {"model.layers.*.mlp.up_proj": "colwise",
+                                  "model.layers.*.mlp.gate_proj": "colwise"}},
+        lambda: W.build("llama"),
+        "ConfigError: tensor_parallel_plan: model.layers.0.mlp.up_proj is colwise (its output stays split "
+        "over the tp ranks) but model.layers.0.mlp has no rowwise layer to take it"),
+    "a 2-output head planned colwise": (
+        {"strategy": "zero2", "tensor_parallel_size": 2, "tensor_parallel_plan": {"0.up": "colwise",
+                                                                                 "0.down": "rowwise",
+                                                                                 "1": "colwise"}},
+        _two_output_head,
+        "ConfigError: tensor_parallel_plan: 1 is colwise (its output stays split over the tp ranks) but the "
+        "model (1 is not inside a sublayer) has no rowwise layer"),
+    "sp, an MLP without a sequence dimension (at the first forward)": (
+        {"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True}, _Pooled,
+        "ConfigError: sequence_parallel: blocks.0.mlp gets hidden states of shape (2, 8), with no sequence "
+        "dimension"),
     "sp, whole parameters in a block": (
         {"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True}, _gated_llama,
         "ConfigError: sequence_parallel: model.layers.0 (LlamaDecoderLayer) holds whole parameters"),
@@ -88,7 +150,9 @@ def _refusals(cases: list[str]) -> dict[str, str]:
         try:
             engine = shardwise.Engine(cpu=True, seed=W.SEED, **settings)
             if model is not None:
-                engine.prepare(model())
+                prepared = engine.prepare(model())
+                if "first forward" in case:
+                    prepared(torch.randn(2, 4, 8))
             out[case] = NO_ERROR
         except Exception as err:  # noqa: BLE001 - the message is the result
             out[case] = f"{type(err).__name__}: {err}"

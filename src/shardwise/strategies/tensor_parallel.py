@@ -171,6 +171,29 @@ def _check_ties(model: nn.Module, modules: dict[str, str]) -> None:
                               "tie_word_embeddings=False)")
 
 
+def _check_partners(modules: dict[str, str]) -> None:
+    """A colwise layer leaves its output split over the tp ranks: a rowwise layer in the same
+    sublayer (its parent's modules; never the model itself, where a head sits) must take it,
+    and a rowwise layer needs a colwise one there to split its input. Without, torch fails deep
+    in a matmul, or (a head of few outputs) trains on part of them with only a broadcasting
+    warning. Refused in one line naming the layer and the fix."""
+    def partners(path: str, styles: tuple[str, ...]) -> list[str]:
+        parent = _parent(path)
+        return [p for p, s in modules.items() if s in styles and parent and p.startswith(parent + ".")]
+
+    for path, style in modules.items():
+        where = _parent(path) or f"the model ({path} is not inside a sublayer)"
+        if style in ("colwise", "colwise_qkv") and not partners(path, ("rowwise",)):
+            raise ConfigError(f"tensor_parallel_plan: {path} is {style} (its output stays split over the tp "
+                              f"ranks) but {where} has no rowwise layer to take it: plan its partner rowwise "
+                              "(an MLP's down projection, attention's output), or make it "
+                              "colwise_gather_output (a head: colwise_loss_parallel)")
+        if style == "rowwise" and not partners(path, ("colwise", "colwise_qkv")):
+            raise ConfigError(f"tensor_parallel_plan: {path} is rowwise (it takes its input split over the "
+                              f"tp ranks) but {where} has no colwise layer to split it: plan its partner "
+                              "colwise, or leave it whole")
+
+
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMesh, *,
                           sequence_parallel: bool = False) -> dict[str, str]:
     """Split `model`'s planned modules over the 1-D tp `mesh` in place (weights from tp rank 0),
@@ -188,6 +211,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
     styles = {path: _style(style, model.get_submodule(path), sequence_parallel and style in _SEQUENCE_STYLES)
               for path, style in modules.items()}
     _check_sizes(model, modules, tp)
+    _check_partners(modules)
     parallelize_module(model, mesh, {p: s for p, s in styles.items() if s is not None})
     for path, style in modules.items():
         if style == "colwise_qkv" and "." in path:  # its attention now sees its own heads only
@@ -247,20 +271,30 @@ def _split_sequence(model: nn.Module, layout: _Layout, mesh: DeviceMesh) -> None
     group = mesh.get_group()
     parallelize_module(model, mesh, {n: SequenceParallel(use_local_output=True) for n in layout.norms})
     first, last = model.get_submodule(layout.blocks[0]), model.get_submodule(layout.blocks[-1])
-    first.register_forward_pre_hook(_on_hidden(_SeqSplit, group), with_kwargs=True)
+    first.register_forward_pre_hook(_on_hidden(_SeqSplit, group, layout.blocks[0]), with_kwargs=True)
     last.register_forward_hook(_gather_output(group))
     for name in layout.sublayers:
-        model.get_submodule(name).register_forward_pre_hook(_on_hidden(_SeqGather, group), with_kwargs=True)
+        model.get_submodule(name).register_forward_pre_hook(_on_hidden(_SeqGather, group, name),
+                                                            with_kwargs=True)
 
 
-def _on_hidden(fn: type[torch.autograd.Function], group: dist.ProcessGroup) -> Any:
-    """A forward pre-hook applying `fn` to the module's hidden states (first argument or
-    `hidden_states=`)."""
+def _on_hidden(fn: type[torch.autograd.Function], group: dist.ProcessGroup, name: str) -> Any:
+    """A forward pre-hook applying `fn` to module `name`'s hidden states (first argument or
+    `hidden_states=`), which must be (batch, sequence, ...): every tp rank sees the same shape,
+    so a refusal here is the same one line on each, before any collective of this module."""
+    def hidden(x: Any) -> Any:
+        if not torch.is_tensor(x) or x.dim() < 3:
+            shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+            raise ConfigError(f"sequence_parallel: {name} gets hidden states of shape {shape}, with no "
+                              "sequence dimension (batch, sequence, hidden) to split; leave "
+                              "sequence_parallel off for this model, or plan only layers that see a sequence")
+        return fn.apply(x, group)
+
     def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args:
-            return (fn.apply(args[0], group), *args[1:]), kwargs
+            return (hidden(args[0]), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": fn.apply(kwargs["hidden_states"], group)}
+            return args, {**kwargs, "hidden_states": hidden(kwargs["hidden_states"])}
         raise ConfigError("sequence_parallel: a block or sublayer was called without its hidden states as "
                           "the first argument or hidden_states=; leave sequence_parallel off for this model")
     return hook
