@@ -68,11 +68,37 @@ _RENDEZVOUS_FLAKES = ("EADDRINUSE", "address already in use", "DistNetworkError"
 GLOO_ABORT = "terminate called without an active exception"
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), read from /proc: torchrun starts each
+    worker in a session of its own, so killing the launcher's session does not reach them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`'s session and every process below it (workers in sessions of their own too)."""
+    below = descendants(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
 def wait_for_launchers(procs: list[subprocess.Popen[str]],
                        timeout: float) -> tuple[list[int | None], list[str]]:
     """Each launcher's exit code and output, all within `timeout` seconds; past it, each
-    launcher's whole session (it and the workers it started: start them with
-    start_new_session=True) is killed and its output says so."""
+    launcher (started with start_new_session=True), its session and every process below it
+    (torchrun's workers run in sessions of their own) is killed and its output says so."""
     deadline = time.monotonic() + timeout
     outs = []
     for p in procs:
@@ -80,8 +106,7 @@ def wait_for_launchers(procs: list[subprocess.Popen[str]],
             outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
         except subprocess.TimeoutExpired:
             for q in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(q.pid, signal.SIGKILL)
+                kill_tree(q.pid)
             outs.append(f"timed out after {timeout} s\n" + (p.communicate()[0] or ""))
     return [p.returncode for p in procs], outs
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from test_resilience import SCRIPT, _config, _identical, _result, _run, _start_slow
 
 LAYOUTS = {
@@ -56,8 +55,9 @@ def _sigterm_everyone(config: Path, folder: Path, processes: int) -> int:
     saved = steps[-1]
     assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err, err[-3000:]
     assert "; exit code 75" in err and "forcefully exiting" not in err  # none was SIGKILLed
-    assert (f"shardwise launch: stopped by SIGTERM; the workers saved {folder / 'checkpoints' / f'step_{saved}'} "
-            f"(step {saved}) in ") in err, err[-3000:]
+    path = folder / "checkpoints" / f"step_{saved}"
+    assert f"shardwise launch: stopped by SIGTERM; the workers saved {path} (step {saved}) in " in err, \
+        err[-3000:]
     return saved
 
 
@@ -111,12 +111,14 @@ def test_n_d_layouts_survive_sigterm_a_full_disk_and_a_killed_worker(layout: str
     run = _run(config, faulted, "--max-restarts", "1", fault="kill:7:1", timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     log = run.stdout + run.stderr
-    assert f"attempt 0: starting at step {previous}" in log and "attempt 1: starting at step 6" in log, log[-3000:]
+    assert f"attempt 0: starting at step {previous}" in log, log[-3000:]
+    assert "attempt 1: starting at step 6" in log, log[-3000:]
     assert "the worker group was restarted (1 restart(s) so far)" in log
 
     rows = _every_loss(faulted)
     assert {r["step"] for r in rows} == set(range(1, 9))
-    wrong = [(r["step"], r["loss"], ref_losses[r["step"]]) for r in rows if r["loss"] != ref_losses[r["step"]]]
+    wrong = [(r["step"], r["loss"], ref_losses[r["step"]]) for r in rows
+             if r["loss"] != ref_losses[r["step"]]]
     assert not wrong, wrong  # every attempt's every step, bit for bit (fp32)
     losses, state = _result(faulted)
     assert losses == ref_losses and _identical(state, ref_state)
