@@ -51,6 +51,7 @@ from .objects import (
     DataLoaderConfiguration,
     DistributedType,
     GradientState,
+    ParallelSizes,
     ProjectConfiguration,
 )
 from .process import ProcessHelpers, all_tensors, join_uneven_inputs, trigger_sync_in_backward
@@ -92,6 +93,7 @@ class Accelerator(ProcessHelpers):
     ) -> None:
         refuse_unsupported(kwargs, device_placement=device_placement)
         read_dynamo(kwargs)  # dynamo_backend / dynamo_plugin: compile each block
+        asked_layout = kwargs.get("parallelism_config") is not None
         read_parallelism(kwargs, int(os.environ.get("WORLD_SIZE", "1")))
         if mixed_precision is None:  # Accelerate: from the launcher's config or environment, else "no"
             mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -135,6 +137,57 @@ class Accelerator(ProcessHelpers):
                                    self.process_index, self.local_process_index)  # accelerate.logging
         self._state_hooks = StateHooks()
         self._saves: dict[int, int] = {}  # save_state calls at the current step (arrival keys)
+        # Accelerate's `parallelism_config` and `torch_device_mesh`: made here, on every process
+        # (the mesh is a collective), when the script gave one or tensor parallelism is on
+        self._layout: ParallelSizes | None = None
+        self._mesh: Any = None
+        if asked_layout or self.config.tensor_parallel_size > 1:
+            self._build_layout()
+
+    def _build_layout(self) -> None:
+        try:
+            dims = self.engine.parallel_dims
+        except RuntimeError:  # strategy="auto": no layout before the first prepare
+            return
+        self._layout = ParallelSizes(dims.dp_replicate, dims.dp_shard, dims.tp, dims.cp)
+        names = self._layout.active_mesh_dims
+        if not names:
+            return
+        mesh = dims.named_mesh
+        layout = self._layout
+        for view, over in (("dp", layout.dp_dim_names), ("dp_shard_cp", layout.dp_shard_cp_dim_names),
+                           ("dp_cp", layout.dp_cp_dim_names)):
+            if over:  # Accelerate's flattened views, reachable as torch_device_mesh["dp_cp"]
+                mesh[tuple(over)]._flatten(view)
+        self._mesh = mesh
+
+    @property
+    def parallelism_config(self) -> ParallelSizes | None:
+        """The run's layout under Accelerate's `ParallelismConfig` names (`data_parallel_size`,
+        `dp_shard_size`, `tp_size`, `dp_cp_dim_names`, ...); None when the script gave none and
+        nothing but data parallelism runs, as in Accelerate."""
+        return self._layout
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """Accelerate's `torch_device_mesh`: the run's DeviceMesh with named dimensions
+        (`dp_replicate`, `dp_shard`, `tp`) and the flattened `dp`, `dp_shard_cp` and `dp_cp`
+        views; None where `parallelism_config` is."""
+        return self._mesh
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.engine.parallel_dims.tp_rank(self.process_index)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Accelerate's: the index along dp_replicate."""
+        return self.engine.parallel_dims.coordinates(self.process_index)["dp_replicate"]
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """Accelerate's: the index along dp_shard."""
+        return self.engine.parallel_dims.coordinates(self.process_index)["dp_shard"]
 
     def _rules(self) -> LoopRules:
         """Accelerate's rules with the script's configuration objects as they are now."""

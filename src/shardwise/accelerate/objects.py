@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..engine import Engine
 from ..engine.data import PreparedDataLoader
 
-__all__ = ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
+__all__ = ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin", "ParallelSizes",
            "ProjectConfiguration"]
 
 
@@ -124,3 +124,62 @@ class AcceleratorState:
                 f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
                 f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
                 f"\nMixed precision type: {self.mixed_precision}\n")
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """`accelerator.parallelism_config`: the run's layout (`engine.parallel_dims`) under the
+    names and properties of Accelerate's `ParallelismConfig`, so a script sizing its loaders by
+    `data_parallel_size` (or reading `dp_cp_dim_names` for `torch_device_mesh`) runs unchanged."""
+
+    dp_replicate_size: int = 1
+    dp_shard_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    sp_size: int = 1
+
+    @property
+    def total_size(self) -> int:
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.sp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that take different samples: the loaders' split."""
+        return self.dp_replicate_size * self.dp_shard_size
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.tp_size * self.cp_size * self.sp_size
+
+    dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
+    tp_enabled = property(lambda self: self.tp_size > 1)
+    cp_enabled = property(lambda self: self.cp_size > 1)
+    sp_enabled = property(lambda self: self.sp_size > 1)
+
+    def _named(self, *names: str) -> list[str]:
+        return [n for n in names if getattr(self, f"{n}_size") > 1]
+
+    @property
+    def dp_dim_names(self) -> list[str]:
+        return self._named("dp_replicate", "dp_shard")
+
+    @property
+    def non_dp_dim_names(self) -> list[str]:
+        return self._named("tp", "cp", "sp")
+
+    @property
+    def dp_shard_cp_dim_names(self) -> list[str]:
+        return self._named("dp_shard", "cp")
+
+    @property
+    def dp_cp_dim_names(self) -> list[str]:
+        return self._named("dp_replicate", "dp_shard", "cp")
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        return [*self._named("dp_replicate"), "dp_shard_cp"]
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        return self.dp_dim_names + self.non_dp_dim_names

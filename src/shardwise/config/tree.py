@@ -251,8 +251,6 @@ class ObservationSection:
     peak_tflops: float | None = None
     flops_per_token: float | None = None
     project_dir: str | None = None
-    data_copies: int = 1
-    """processes that see the same batch (a tensor-parallel group): throughput counts it once"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,7 +442,7 @@ class EngineConfig:
     def observation(self) -> ObservationSection:
         """Metrics, trackers and progress settings as one section."""
         return ObservationSection(self.log_with, self.log_every_steps, self.progress, self.peak_tflops,
-                                  self.flops_per_token, self.project_dir, self.tensor_parallel_size)
+                                  self.flops_per_token, self.project_dir)
 
     @property
     def checkpointing(self) -> CheckpointSection:

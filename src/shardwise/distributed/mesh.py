@@ -7,21 +7,40 @@ dimension; their product is the world size. Today's dimensions are data parallel
 ddp is dp_replicate = W; zero1-3 are dp_shard = W, or with hybrid sharding (shard_group_size G)
 dp_replicate = W/G x dp_shard = G, ranks laid out with dp_shard innermost (consecutive ranks
 shard together, within a node), and
+  cp            context parallelism (reserved: 1 until a strategy splits sequences), between
+                dp_shard and tp;
   tp            tensor parallelism (`tensor_parallel_size`), innermost: the tp consecutive ranks of
                 a node split each planned layer (`strategies.tensor_parallel`) and see the same
-                batch.
-Context and expert parallelism are new entries here. Loaders split data over the data-parallel
-ranks (`dp_rank`, `dp_size`: the process rank and count divided by tp).
+                batch;
+  ep            expert parallelism (reserved: 1), borrowed from dp_shard x cp as torchtitan does.
+Ranks are laid out on (dp_replicate, dp_shard, cp, tp) as `init_device_mesh` lays them
+(`layout`), and every rank and size is read from that layout by named view (`VIEWS`): `batch`
+(the data-parallel ranks: loaders split by it), `loss` (batch x cp), `fsdp` (dp_shard x cp: what
+ZeRO shards over), `tp`, `cp`, ... (`coordinates`, `view_rank`, `view_size`, `group_of`);
+`get_mesh(name)` is the view's DeviceMesh, each flattened view made once from one named mesh.
+Loaders, `gather`/`reduce`, the metrics' counts and `train_batch_size` ask this object.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIMS = ("dp_replicate", "dp_shard", "cp", "tp")  # the world's layout, outermost first
+VIEWS: dict[str, tuple[str, ...]] = {
+    "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "cp": ("cp",), "tp": ("tp",),
+    "batch": ("dp_replicate", "dp_shard"),  # different samples: loaders split by it
+    "loss": ("dp_replicate", "dp_shard", "cp"),  # the token-weighted loss reduces over it
+    "fsdp": ("dp_shard", "cp"),  # what ZeRO shards over
+    # Accelerate's names for the same views (`accelerator.torch_device_mesh`)
+    "dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
 
 
 @dataclass(frozen=True)
@@ -34,12 +53,79 @@ class ParallelDims:
     device_type: str = "cpu"
     tp: int = 1
     """tensor parallel: the innermost dimension (consecutive ranks, within a node)"""
+    cp: int = 1
+    """context parallel (reserved: 1)"""
+    ep: int = 1
+    """expert parallel (reserved: 1), borrowed from dp_shard x cp"""
 
     def __post_init__(self) -> None:
-        sizes = (self.dp_replicate, self.dp_shard, self.tp)
-        if min(sizes) < 1 or self.dp_replicate * self.dp_shard * self.tp != self.world_size:
-            raise ValueError(f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-                             f"does not make the world of {self.world_size} processes")
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                 "ep": self.ep}
+        bad = [f"{k}={v!r}" for k, v in sizes.items()
+               if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"parallel sizes must be integers >= 1: {', '.join(bad)}")
+        if self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
+            raise ValueError(f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
+                             f"tp={self.tp} does not make the world of {self.world_size} processes")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp_shard x cp = {self.dp_shard * self.cp}: the "
+                             "experts are split over the ranks that shard the model")
+
+    # -- ranks and sizes, read from the layout by named view ------------------------------------
+    @functools.cached_property
+    def layout(self) -> torch.Tensor:
+        """World ranks on (dp_replicate, dp_shard, cp, tp), as `init_device_mesh` lays them out."""
+        return torch.arange(self.world_size).view(self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along each dimension."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in the world of {self.world_size} processes")
+        where = (self.layout == rank).nonzero()[0].tolist()
+        return dict(zip(DIMS, where, strict=True))
+
+    @staticmethod
+    def _dims_of(view: str) -> tuple[str, ...]:
+        if view not in VIEWS:
+            raise ValueError(f"no mesh view named {view!r}; choose one of: {', '.join(VIEWS)}")
+        return VIEWS[view]
+
+    def view_size(self, view: str) -> int:
+        """Processes in one group of `view` (e.g. "batch": the data-parallel size)."""
+        return math.prod(getattr(self, d) for d in self._dims_of(view))
+
+    def view_rank(self, view: str, rank: int) -> int:
+        """`rank`'s index within its group of `view` (row-major over the view's dimensions)."""
+        at = self.coordinates(rank)
+        index = 0
+        for d in self._dims_of(view):
+            index = index * getattr(self, d) + at[d]
+        return index
+
+    def group_of(self, view: str, rank: int) -> list[int]:
+        """The world ranks of `rank`'s group of `view`, in view-rank order."""
+        dims = self._dims_of(view)
+        at = self.coordinates(rank)
+        index = tuple(slice(None) if d in dims else at[d] for d in DIMS)
+        return [int(r) for r in self.layout[index].reshape(-1).tolist()]
+
+    def ep_rank(self, rank: int) -> int:
+        """`rank`'s index in its expert-parallel group: ep consecutive ranks of its fsdp view."""
+        return self.view_rank("fsdp", rank) % self.ep
+
+    def cp_rank(self, rank: int) -> int:
+        return self.coordinates(rank)["cp"]
+
+    @property
+    def non_data_parallel(self) -> int:
+        """Processes that take the same samples (a tp x cp group): a batch counts once for them."""
+        return self.cp * self.tp
+
+    def leaders(self) -> list[int]:
+        """One process per group that takes the same samples (its tp and cp index 0): whose part
+        `gather` keeps, in data-parallel rank order."""
+        return [int(r) for r in self.layout[:, :, 0, 0].reshape(-1).tolist()]
 
     @classmethod
     def for_strategy(cls, *, shards: bool, group: int, world_size: int, device_type: str,
@@ -59,16 +145,16 @@ class ParallelDims:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: how many different batches one step sees."""
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel ranks: how many different batches one step sees (the `batch` view)."""
+        return self.view_size("batch")
 
     def dp_rank(self, rank: int) -> int:
         """This process's data-parallel rank (which share of the batch it takes): the processes
-        of one tp group (consecutive ranks) take the same one."""
-        return rank // self.tp
+        of one tp (and cp) group take the same one."""
+        return self.view_rank("batch", rank)
 
     def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
+        return self.coordinates(rank)["tp"]
 
     @functools.cached_property
     def full_mesh(self) -> DeviceMesh:
@@ -97,6 +183,35 @@ class ParallelDims:
         """(shard group, replicate group): the processes this one shards with, and those holding
         the same shard in the other groups (None without hybrid sharding)."""
         return mesh_groups(self.mesh)
+
+    @functools.cached_property
+    def named_mesh(self) -> DeviceMesh:
+        """The run's mesh with named dimensions (built at first use, collectively): with tensor
+        parallelism `full_mesh`; else the data-parallel `mesh`, named ("dp_shard" when it is 1-D)."""
+        if self.tp > 1:
+            return self.full_mesh
+        mesh = self.mesh
+        if mesh.mesh_dim_names:
+            return mesh
+        return init_device_mesh(self.device_type, (self.world_size,), mesh_dim_names=("dp_shard",))
+
+    def get_mesh(self, view: str) -> DeviceMesh:
+        """The DeviceMesh of a named view (`VIEWS`): its dimensions of more than one process,
+        flattened into one dimension named `view` where there are several (made once, on every
+        process together: call it on all of them); a dimension of one process where none is."""
+        dims = self._dims_of(view)
+        named = self.named_mesh
+        have = [d for d in dims if d in (named.mesh_dim_names or ())]
+        missing = [d for d in dims if getattr(self, d) > 1 and d not in have]
+        if missing:
+            raise ValueError(f"the view {view!r} spans {', '.join(missing)}, which this run's mesh does "
+                             "not hold")
+        active = [d for d in have if getattr(self, d) > 1]
+        if len(active) > 1:
+            return named[tuple(active)]._flatten(view)
+        if active or have:
+            return named[(active or have)[0]]
+        raise ValueError(f"the view {view!r} is of one process here: {', '.join(dims)} are all 1")
 
 
 # see device_mesh; keyed by the default group too, so the planner's fake world (plan/fakes.py),

@@ -33,6 +33,7 @@ from ..checkpoint import run_record
 from ..checkpoint.manager import CheckpointManager
 from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
 from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one, whole
+from ..distributed.mesh import ParallelDims
 from ..distributed.world import init_distributed, leave_process_groups, new_background_group
 from ..runtime.memory import MemoryReport, tensor_memory
 from ..runtime.observe import Observer, TrackerVerbs
@@ -105,6 +106,8 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
         self._supervisor = Supervisor(cfg.supervision, cfg.checkpointing, self._info)  # preemption, timeouts
         self._observer = Observer(cfg.observation, self._info)  # metrics, trackers, progress
+        dims = self._dims()
+        self._observer.meter.copies = 1 if dims is None else dims.non_data_parallel
         # between two optimizer steps, in this order (`shardwise.engine.boundary`)
         self._boundary_hooks = boundary.StepBoundary()
         self._boundary_hooks.add("observation", lambda step: self._observer.at_boundary(step, self._probe))
@@ -115,9 +118,13 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
 
     def _new_session(self, cfg: EngineConfig) -> Session:
-        """A session on the strategy `cfg` describes; each part gets its own section."""
-        return Session(cfg.blocks, make_strategy(cfg.sharding, self._info),
-                       grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
+        """A session on the strategy `cfg` describes; each part gets its own section. The meter
+        counts a batch once per group of processes that take the same samples (the layout's)."""
+        session = Session(cfg.blocks, make_strategy(cfg.sharding, self._info),
+                          grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
+        if hasattr(self, "_observer"):  # (at construction the observer comes after the session)
+            self._observer.meter.copies = session.strategy.dims.non_data_parallel
+        return session
 
     @property
     def config(self) -> EngineConfig:
@@ -392,7 +399,8 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         over the vocabulary, never whole on one rank): compute the loss and call `backward`
         inside this context (torch's `loss_parallel`: cross-entropy on the split logits). Without
         tensor parallelism it does nothing."""
-        return loss_parallel() if self._tp > 1 else contextlib.nullcontext()
+        tp = self._session.strategy.dims.tp if self._session is not None else 1
+        return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The compute-dtype context of this run (prepared models already run inside it)."""
@@ -401,7 +409,8 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     # -- collectives ------------------------------------------------------------------------
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
-        keep = self._dp_leaders()
+        dims = self._dims()
+        keep = None if dims is None or dims.non_data_parallel == 1 else dims.leaders()
         with self._supervisor.timeouts():
             return map_tensors(data, lambda t: gather_one(whole(t), self.num_processes, keep))
 
@@ -419,19 +428,27 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """Sum, mean, max or min of tensors across processes."""
         check_reduction(reduction)
-        copies = self._tp
+        dims = self._dims()
+        copies = 1 if dims is None else dims.non_data_parallel  # (processes taking the same samples)
         with self._supervisor.timeouts():
             return map_tensors(data, lambda t: reduce_one(whole(t), reduction, self.num_processes, copies))
 
-    @property
-    def _tp(self) -> int:
-        """Processes per tensor-parallel group: they hold the same data (1 before a strategy)."""
-        return self._session.strategy.dims.tp if self._session is not None else 1
+    def _dims(self) -> ParallelDims | None:
+        """The run's layout (None before `strategy="auto"` chose one at the first prepare)."""
+        return self._session.strategy.dims if self._session is not None else None
 
-    def _dp_leaders(self) -> list[int] | None:
-        """With tensor parallelism, one process per tp group (they hold the same data): the
-        processes whose parts `gather` keeps (None: every process)."""
-        return None if self._tp == 1 else list(range(0, self.num_processes, self._tp))
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The run's parallel layout (`distributed.mesh.ParallelDims`): its sizes (`dp_replicate`,
+        `dp_shard`, `tp`, ...; `dp_size`: the data-parallel ranks a loader is split over), this
+        process's ranks (`dp_rank(engine.process_index)`, `tp_rank(...)`), and `get_mesh(name)`
+        for a named view ("batch", "loss", "fsdp", "tp", ...). Size a DataLoader by `dp_size`,
+        not `num_processes`: the processes of a tensor-parallel group take the same batch."""
+        dims = self._dims()
+        if dims is None:
+            raise RuntimeError("parallel_dims: strategy='auto' chooses the layout at the first prepare(); "
+                               "ask for it after that, or name the strategy")
+        return dims
 
     # -- checkpoints ------------------------------------------------------------------------
     @property

@@ -1,0 +1,101 @@
+"""The named mesh, asked by a user's loop: `engine.parallel_dims` and Accelerate's names for it.
+
+- A loop sizing its DataLoader by `engine.parallel_dims.dp_size` (not `num_processes`) under
+  dp 2 x tp 2 (4 processes) trains what one process trains on the same global batches.
+- A script in Accelerate's pattern, `Accelerator(parallelism_config=ParallelismConfig(tp_size=2))`
+  at 2 processes and `ParallelismConfig(dp_shard_size=2, tp_size=2)` at 4, sizing its loader by
+  `accelerator.parallelism_config.data_parallel_size` and reading `accelerator.torch_device_mesh`
+  (its "tp" dimension and the flattened "dp_cp" view), with `from shardwise import Accelerator`:
+  equal to one plain process. (The strategy, zero3, comes from shardwise's config as for any
+  script; Accelerate's FSDP plugin that would say it is issue 44's.)
+Tolerances as tests/test_tensor_parallel.py: losses, clipped norms, final weights within 1e-5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import workloads as W
+from spawn import spawn
+from torch.utils.data import DataLoader
+
+GLOBAL, STEPS = 4, 4
+
+
+def _loop(acc: Any, model: Any, opt: Any, loader: Any) -> dict[str, Any]:
+    losses, norms = [], []
+    for ids in loader:
+        loss = W.lm_loss(model, ids)
+        acc.backward(loss)
+        losses.append(acc.reduce(loss.detach(), "mean").item())
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "state": acc.get_state_dict(model)}
+
+
+def _engine_sized_by_dp() -> dict[str, Any]:
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2)
+    dims = engine.parallel_dims
+    model = W.build("llama")
+    opt = W.make_optimizer(model)
+    loader = DataLoader(W.Tokens(GLOBAL * STEPS), batch_size=GLOBAL // dims.dp_size, shuffle=True)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    out = _loop(engine, model, opt, loader)
+    out["sizes"] = (dims.dp_size, dims.dp_rank(engine.process_index), dims.tp_rank(engine.process_index),
+                    dims.get_mesh("batch").size(), dims.get_mesh("tp").size())
+    return out
+
+
+def _accelerate_pattern(sizes: dict[str, int]) -> dict[str, Any]:
+    from accelerate import ParallelismConfig
+
+    from shardwise import Accelerator  # the script's one changed line
+
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(**sizes), strategy="zero3",
+                              seed=W.SEED)
+    torch.manual_seed(W.SEED)
+    pc, mesh = accelerator.parallelism_config, accelerator.torch_device_mesh
+    model = W.build("llama")
+    opt = W.make_optimizer(model)
+    loader = DataLoader(W.Tokens(GLOBAL * STEPS), batch_size=GLOBAL // pc.data_parallel_size, shuffle=True)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    out = _loop(accelerator, model, opt, loader)
+    out["sizes"] = (pc.data_parallel_size, pc.non_data_parallel_size, pc.dp_cp_dim_names,
+                    mesh["tp"].size(), mesh["dp_cp"].size() if pc.dp_cp_dim_names else 0,
+                    accelerator.tensor_parallel_rank,
+                    accelerator.data_parallel_shard_rank)
+    return out
+
+
+def _four() -> dict[str, Any]:
+    return {"engine": _engine_sized_by_dp(),
+            "accelerate": _accelerate_pattern({"dp_shard_size": 2, "tp_size": 2})}
+
+
+def _check(run: dict[str, Any], ref: W.Trained, state: dict[str, torch.Tensor]) -> None:
+    assert W.close(run["losses"], ref.losses) < 1e-5, (run["losses"], ref.losses)
+    assert W.close(run["norms"], ref.norms) < 1e-5, (run["norms"], ref.norms)
+    assert W.max_diff(state, ref.state) < 1e-5
+
+
+def test_tp2_accelerate_pattern_sized_by_its_parallelism_config_matches_one_process() -> None:
+    ranks = spawn(_accelerate_pattern, 2, {"tp_size": 2})
+    ref = W.reference("llama", world=1, batch=GLOBAL, accum=1, steps=STEPS)
+    for rank, run in enumerate(ranks):
+        assert run["sizes"] == (1, 2, [], 2, 0, rank, 0), run["sizes"]  # no dp_cp view: as Accelerate
+        _check(run, ref, ranks[0]["state"])
+
+
+def test_dp2_x_tp2_loops_sized_by_the_data_parallel_size_match_one_process() -> None:
+    ranks = spawn(_four, 4)
+    ref = W.reference("llama", world=2, batch=GLOBAL // 2, accum=1, steps=STEPS)
+    for rank, run in enumerate(ranks):
+        assert run["engine"]["sizes"] == (2, rank // 2, rank % 2, 2, 2), run["engine"]["sizes"]
+        sizes = run["accelerate"]["sizes"]
+        assert sizes == (2, 2, ["dp_shard"], 2, 2, rank % 2, rank // 2), sizes
+        for case in ("engine", "accelerate"):
+            _check(run[case], ref, ranks[0][case]["state"])
