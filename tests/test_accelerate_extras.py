@@ -168,7 +168,7 @@ def test_by_feature_extras_script_gives_accelerates_numbers_and_layout(tmp_path:
     from test_accelerate_scripts import HERE, _run, _swapped
 
     ours = _swapped("by_feature_extras.py", tmp_path)
-    ref = _run(HERE / "by_feature_extras.py", tmp_path, "accelerate", None)
+    ref = _run(HERE / "by_feature_extras.py", tmp_path, "accelerate", None, reference=True)
     assert ref["event_dirs"] == ["extras"] and ref["traces"] == ["profile_0.json", "profile_1.json"]
     assert ref["epoch"] == [[0, 0.0], [1, 1.0], [2, 2.0], [3, 3.0]]
     for strategy, tol in (("ddp", 1e-5), ("zero3", 1e-4)):

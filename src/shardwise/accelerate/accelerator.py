@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..checkpoint import runlock
 from ..checkpoint.naming import NumberedFolders, prune_checkpoints
-from ..checkpoint.sharded import save_rng_after_hooks
+from ..checkpoint.sharded import rng_state, save_rng_after_hooks
 from ..config.tree import ConfigError, EngineConfig
 from ..engine.data import PreparedDataLoader
 from ..engine.engine import Engine
@@ -510,10 +510,11 @@ class Accelerator(ProcessHelpers):
             return
         self.engine.checkpoints.wait()
         models = self._hook_models()
+        before = rng_state()
         with full_weights_held(models) as weights, self.engine.whole_emas():
             self._state_hooks.after_save(models, weights, str(path))
         # Accelerate saves the RNG after its hooks: what they drew is in the state a resume continues from
-        save_rng_after_hooks(path, self.process_index)
+        save_rng_after_hooks(path, self.process_index, before)
 
     def _hook_models(self) -> list[nn.Module]:
         """The models as Accelerate hands them to its hooks: unwrapped from DDP, sharded as they are."""

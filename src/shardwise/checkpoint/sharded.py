@@ -164,11 +164,30 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 AFTER_HOOKS = ".after_hooks.pt"  # rng/rank<r>.after_hooks.pt: the generator states once save hooks ran
 
 
-def save_rng_after_hooks(folder: Path, rank: int) -> None:
+def rng_state() -> dict[str, Any]:
+    """This process's generator states (python, numpy, torch, CUDA), as a checkpoint holds them."""
+    return _rng_state()
+
+
+def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if torch.is_tensor(x) and torch.is_tensor(y):
+            return torch.equal(x, y)
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            return len(x) == len(y) and all(same(i, j) for i, j in zip(x, y))
+        return bool(x == y)
+
+    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+
+
+def save_rng_after_hooks(folder: Path, rank: int, before: dict[str, Any]) -> None:
     """This process's generator states now, beside the checkpoint's own (`rng/rank<r>` +
-    AFTER_HOOKS), written atomically (whole or absent): Accelerate saves its RNG after the
-    save-state hooks ran, so their draws (diffusers' EMA building a model to save it) are in
-    the state a resumed run continues from. A load prefers it to the state taken at the save."""
+    AFTER_HOOKS), written atomically (whole or absent), when the save-state hooks drew from them
+    since `before` (the checkpoint's): Accelerate saves its RNG after its hooks ran, so their
+    draws (diffusers' EMA building a model to save it) are in the state a resumed run continues
+    from. A load prefers it to the state taken at the save."""
+    if _same_rng(before, _rng_state()):
+        return
     path = Path(folder) / "rng" / f"rank{rank}{AFTER_HOOKS}"
     tmp = path.with_name(f".{path.name}.tmp")
     write_torch(_rng_state(), tmp)
