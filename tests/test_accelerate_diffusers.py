@@ -14,7 +14,6 @@ The unit tests below prove the same on a small model, against a plain single-pro
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from spawn import spawn
+from spawn import kill_tree, spawn
 
 SCRIPT = "train_unconditional.py"
 # hook-saved weights vs Accelerate's, every element, absolute (weights up to ~1; measured at most
@@ -53,7 +52,7 @@ def _refused(script: Path, tmp: Path, label: str, config: str,
     try:
         _, err = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)  # torchrun's workers too (sessions of their own)
         _, err = proc.communicate()
         pytest.fail(f"{label}: still running after 240 s (a hang)\n{err[-3000:]}")
     assert proc.returncode != 0, f"{label}: expected a refusal"

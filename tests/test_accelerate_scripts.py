@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from spawn import GLOO_ABORT
+from spawn import GLOO_ABORT, kill_tree
 
 pytest.importorskip("accelerate")  # the reference; installed by `make test` (the test extra)
 HERE = Path(__file__).parent / "accelerate_scripts"
@@ -47,7 +46,7 @@ def _launch(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | 
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)  # torchrun's workers too (sessions of their own)
         _, err = proc.communicate()
         return None, err
     return proc.returncode, err
