@@ -36,6 +36,7 @@ from ..checkpoint import runlock
 from ..checkpoint.naming import NumberedFolders, prune_checkpoints
 from ..checkpoint.sharded import rng_state, save_rng_after_hooks
 from ..config.tree import ConfigError, EngineConfig
+from ..distributed.internals import flatten_mesh
 from ..engine.data import PreparedDataLoader
 from ..engine.engine import Engine
 from ..engine.loop_rules import LoopRules
@@ -158,7 +159,7 @@ class Accelerator(ProcessHelpers):
         for view, over in (("dp", layout.dp_dim_names), ("dp_shard_cp", layout.dp_shard_cp_dim_names),
                            ("dp_cp", layout.dp_cp_dim_names)):
             if over:  # Accelerate's flattened views, reachable as torch_device_mesh["dp_cp"]
-                mesh[tuple(over)]._flatten(view)
+                flatten_mesh(mesh[tuple(over)], view)
         self._mesh = mesh
 
     @property

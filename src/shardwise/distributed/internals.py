@@ -29,6 +29,8 @@ Optimizers (`torch.optim.optimizer`)
   (fused kernels do).
 
 Process groups and the launcher
+- `DeviceMesh._flatten`: several dimensions of a mesh as one named dimension (torchtitan and
+  Accelerate make their `dp_cp`/`dp_shard_cp` views with it).
 - `torch.distributed.distributed_c10d._get_default_store`: the default group's TCP store.
 - `torch.distributed.distributed_c10d._world.pg_map`: the process groups this process is a member of.
 - `torch.distributed.elastic.multiprocessing.api._terminate_process_handler`: the function
@@ -54,6 +56,7 @@ from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup, Store
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -245,3 +248,9 @@ def graph_break_error() -> type[Exception]:
     from torch._dynamo.exc import Unsupported
 
     return Unsupported
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """`mesh` (a DeviceMesh slice of several named dimensions) as one dimension named `name`,
+    registered on its root mesh, so `root[name]` finds it (made once: a second call returns it)."""
+    return mesh._flatten(name)

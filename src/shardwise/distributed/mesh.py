@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .internals import flatten_mesh
+
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")  # the world's layout, outermost first
 VIEWS: dict[str, tuple[str, ...]] = {
     "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "cp": ("cp",), "tp": ("tp",),
@@ -208,7 +210,7 @@ class ParallelDims:
                              "not hold")
         active = [d for d in have if getattr(self, d) > 1]
         if len(active) > 1:
-            return named[tuple(active)]._flatten(view)
+            return flatten_mesh(named[tuple(active)], view)
         if active or have:
             return named[(active or have)[0]]
         raise ValueError(f"the view {view!r} is of one process here: {', '.join(dims)} are all 1")
