@@ -63,18 +63,6 @@ def _config(folder: Path, **extra: Any) -> None:
         "checkpoint_dir": str(folder / "checkpoints"), **extra}))
 
 
-def _other_job(job: int) -> int:
-    """Another job id whose rendezvous port (20000 + id % 10000) is free here."""
-    for other in range(job + 1, job + 5000):
-        with socket.socket() as s:
-            try:
-                s.bind(("", 20000 + other % 10000))
-            except OSError:
-                continue
-        return other
-    raise AssertionError("no free port")
-
-
 def _launch(folder: Path, job: int, restart: int = 0, *, fault: str = "",
             elsewhere: bool = False) -> list[subprocess.Popen[str]]:
     """Node 0's and node 1's launchers of SLURM job `job` (restart count `restart`), each in a
@@ -187,7 +175,7 @@ def test_a_crashed_slurm_job_requeued_on_another_host_takes_over_its_lock(tmp_pa
           f"bit-identical ({time.monotonic() - t0:.0f} s)")
 
     # an unrelated job on another host: refused while the dead run's lease holds ...
-    other = _other_job(job)
+    other = _slurm_job_id(after=job)
     lock, before = unrelated / "checkpoints" / LOCK, sorted(os.listdir(unrelated / "checkpoints"))
     codes, out = _job(unrelated, other, elsewhere=True)
     assert codes[0] != 0 and codes[1] != 0, out[-4000:]

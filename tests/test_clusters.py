@@ -56,9 +56,10 @@ def _base_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", **extra}
 
 
-def _slurm_job_id() -> int:
-    """A job id whose rendezvous port (20000 + id % 10000) is free here."""
-    for job in range(4100 + os.getpid() % 5000, 10000):
+def _slurm_job_id(after: int | None = None) -> int:
+    """A job id whose rendezvous port (20000 + id % 10000) is free here (`after`: above that one)."""
+    first = 4100 + os.getpid() % 5000 if after is None else after + 1
+    for job in range(first, first + 10000):
         with socket.socket() as s:
             try:
                 s.bind(("", 20000 + job % 10000))
