@@ -13,6 +13,7 @@ Tolerances as tests/test_tensor_parallel.py: losses, clipped norms, final weight
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ def _engine_sized_by_dp() -> dict[str, Any]:
     return out
 
 
-def _accelerate_pattern(sizes: dict[str, int]) -> dict[str, Any]:
+def _accelerate_pattern(sizes: dict[str, int], pretrained: str | None = None) -> dict[str, Any]:
     from accelerate import ParallelismConfig
 
     from shardwise import Accelerator  # the script's one changed line
@@ -59,7 +60,12 @@ def _accelerate_pattern(sizes: dict[str, int]) -> dict[str, Any]:
                               seed=W.SEED)
     torch.manual_seed(W.SEED)
     pc, mesh = accelerator.parallelism_config, accelerator.torch_device_mesh
-    model = W.build("llama")
+    if pretrained is None:
+        model = W.build("llama")
+    else:  # Accelerate's ND-parallel example: transformers splits the model by its own plan on that mesh
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(pretrained, tp_plan="auto", device_mesh=mesh)
     opt = W.make_optimizer(model)
     loader = DataLoader(W.Tokens(GLOBAL * STEPS), batch_size=GLOBAL // pc.data_parallel_size, shuffle=True)
     model, opt, loader = accelerator.prepare(model, opt, loader)
@@ -82,12 +88,22 @@ def _check(run: dict[str, Any], ref: W.Trained, state: dict[str, torch.Tensor]) 
     assert W.max_diff(state, ref.state) < 1e-5
 
 
-def test_tp2_accelerate_pattern_sized_by_its_parallelism_config_matches_one_process() -> None:
-    ranks = spawn(_accelerate_pattern, 2, {"tp_size": 2})
+def _two(pretrained: str) -> dict[str, Any]:
+    return {"built": _accelerate_pattern({"tp_size": 2}),
+            "from_pretrained": _accelerate_pattern({"tp_size": 2}, pretrained)}
+
+
+def test_tp2_accelerate_pattern_sized_by_its_parallelism_config_matches_one_process(tmp_path: Path) -> None:
+    """Also with the model from `from_pretrained(tp_plan="auto", device_mesh=accelerator.torch_device_mesh)`:
+    prepare keeps transformers' split (never splits it twice) and trains what one process trains."""
+    W.build("llama").save_pretrained(tmp_path / "llama")  # the reference's initial weights
+    ranks = spawn(_two, 2, str(tmp_path / "llama"))
     ref = W.reference("llama", world=1, batch=GLOBAL, accum=1, steps=STEPS)
     for rank, run in enumerate(ranks):
-        assert run["sizes"] == (1, 2, [], 2, 0, rank, 0), run["sizes"]  # no dp_cp view: as Accelerate
-        _check(run, ref, ranks[0]["state"])
+        for case in ("built", "from_pretrained"):
+            sizes = run[case]["sizes"]
+            assert sizes == (1, 2, [], 2, 0, rank, 0), sizes  # no dp_cp view: as Accelerate
+            _check(run[case], ref, ranks[0][case]["state"])
 
 
 def test_dp2_x_tp2_loops_sized_by_the_data_parallel_size_match_one_process() -> None:

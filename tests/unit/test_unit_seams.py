@@ -123,13 +123,29 @@ def test_a_step_is_saved_when_its_folder_is_there(tmp_path: Path) -> None:
 
 
 # -- the mesh's named dimensions -----------------------------------------------------------------
+def _dims(world: int, *, shards: bool = True, **config: Any) -> ParallelDims:
+    """The layout a strategy resolves from a config (`strategies.base.layout`), on a fake world."""
+    import torch
+
+    from shardwise.distributed.world import DistInfo
+    from shardwise.strategies.base import Strategy, layout
+
+    info = DistInfo(rank=0, world_size=world, local_rank=0, local_world_size=world,
+                    device=torch.device("cpu"))
+    return layout(EngineConfig(**config).sharding, info, shards=shards, supported=Strategy.supported_dims)
+
+
 def test_parallel_dims_of_each_strategy_layout() -> None:
-    ddp = ParallelDims.for_strategy(shards=False, group=8, world_size=8, device_type="cpu")
+    ddp = _dims(8, shards=False)
     assert (ddp.dp_replicate, ddp.dp_shard, ddp.names) == (8, 1, ("dp_replicate",))
-    full = ParallelDims.for_strategy(shards=True, group=8, world_size=8, device_type="cpu")
+    full = _dims(8, strategy="zero3")
     assert (full.dp_replicate, full.dp_shard, full.names) == (1, 8, ("dp_shard",))
-    hybrid = ParallelDims.for_strategy(shards=True, group=4, world_size=8, device_type="cpu")
+    hybrid = _dims(8, strategy="zero3", shard_group_size=4)
     assert hybrid.names == ("dp_replicate", "dp_shard") and hybrid.dp_size == 8
+    assert (hybrid.dp_replicate, hybrid.dp_shard) == (2, 4)
+    # the parallelism section says the same layout by its sizes
+    assert _dims(8, strategy="zero3", parallelism={"dp_replicate": 2}) == hybrid
+    assert _dims(8, strategy="zero3", parallelism={"dp_shard": 4, "dp_replicate": -1}) == hybrid
     assert [hybrid.dp_rank(r) for r in range(8)] == list(range(8))  # every dimension is data parallel
     with pytest.raises(ValueError, match="does not make the world of 8"):
         ParallelDims(3, 2, 8)

@@ -8,13 +8,12 @@ import workloads as W
 from torch import nn
 
 from shardwise.config import EngineConfig
+from shardwise.config.parallelism import check_tp as check_tensor_parallel
 from shardwise.config.tree import ConfigError
-from shardwise.distributed.mesh import ParallelDims
 from shardwise.strategies.tensor_parallel import (
     _check_sizes,
     _matches,
     _sequence_layout,
-    check_tensor_parallel,
     model_plan,
 )
 
@@ -91,6 +90,7 @@ def test_every_strategy_and_offload_compose_with_tensor_parallelism(strategy: st
     from shardwise.distributed.world import DistInfo
     from shardwise.plan.fakes import fake_world
     from shardwise.strategies import make_strategy
+    from shardwise.strategies.steps import parallelize
 
     stage, replicas_only, shard_optimizer, sizes, runner_kind, params_offloaded = COMPOSED[strategy, offload]
     cfg = EngineConfig(tensor_parallel_size=2, strategy=strategy, offload=offload)
@@ -101,10 +101,10 @@ def test_every_strategy_and_offload_compose_with_tensor_parallelism(strategy: st
         assert (built.stage, built.replicas_only, built.shard_optimizer) == (stage, replicas_only,
                                                                             shard_optimizer)
         dims = built.dims
-        assert (dims.dp_replicate, dims.dp_shard, dims.tp) == sizes and built.tp == 2
+        assert (dims.dp_replicate, dims.dp_shard, dims.tp) == sizes and dims.tp == 2
         assert built.dims.tp_mesh.mesh_dim_names == ("tp",) and built.dims.tp_mesh.size() == 2
         model = W.build("llama")
-        built.parallelize(model)
+        parallelize(model, dims, built.cfg, cfg.blocks, own_steps=built.own_steps)
         model = built.setup_model(model)
         params = dict(model.named_parameters())
         q, norm = params["model.layers.0.self_attn.q_proj.weight"], params["model.norm.weight"]
@@ -140,7 +140,7 @@ def test_deepspeed_stages_compose_with_autotp(strategy: str, offload: str) -> No
 
 
 def test_tp_must_divide_the_world_and_stay_within_a_node() -> None:
-    assert check_tensor_parallel(2, 8, 4) == 2
+    check_tensor_parallel(2, 8, 4)  # divides the world and the node: no refusal
     with pytest.raises(ConfigError) as refused:
         check_tensor_parallel(4, 6, 6)
     assert W.one_line(refused.value).startswith(
@@ -152,7 +152,14 @@ def test_tp_must_divide_the_world_and_stay_within_a_node() -> None:
 
 
 def test_the_mesh_puts_tp_innermost_and_splits_data_over_dp_ranks() -> None:
-    dims = ParallelDims.for_strategy(shards=True, group=2, world_size=8, device_type="cpu", tp=2)
+    import torch
+
+    from shardwise.distributed.world import DistInfo
+    from shardwise.strategies.base import Strategy, layout
+
+    info = DistInfo(rank=0, world_size=8, local_rank=0, local_world_size=8, device=torch.device("cpu"))
+    cfg = EngineConfig(strategy="zero3", shard_group_size=4, tensor_parallel_size=2)
+    dims = layout(cfg.sharding, info, shards=True, supported=Strategy.supported_dims)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 2)
     assert dims.names == ("dp_replicate", "dp_shard", "tp") and dims.dp_size == 4
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # a tp pair: one batch

@@ -10,8 +10,20 @@ from __future__ import annotations
 
 import difflib
 import signal
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+
+from .parallelism import (
+    ConfigError as ConfigError,
+    ParallelismConfig as ParallelismConfig,
+    as_section,
+    data_parallel_size,
+    tensor_parallel,
+)
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # the strategy table lives in `specs`; re-exported here, where the config checks against it
 from .specs import (
@@ -46,11 +58,10 @@ CheckpointingName = Literal["none", "full", "selective", "offload"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 OFFLOADS: tuple[str, ...] = get_args(OffloadName)
+_S = TypeVar("_S", bound="DataclassInstance")
 MIN_COLLECTIVE_TIMEOUT_S = 5.0  # below it a healthy run's start-up or checkpoint collectives time out
 
 
-class ConfigError(ValueError):
-    """A configuration value that shardwise refuses; the message names the field and the fix."""
 
 
 def check_strategy(strategy: str, offload: str, backend: str) -> None:
@@ -224,6 +235,8 @@ class ShardingSection:
     tensor_parallel_size: int = 1
     tensor_parallel_plan: dict[str, str] | None = None
     sequence_parallel: bool = False
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    parallelize: str | Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +329,17 @@ class EngineConfig:
     dropouts) split over the sequence across the tp ranks too, instead of whole on each (the
     all-reduces become all-gathers and reduce-scatters of the same bytes). The sequence length
     must divide by tensor_parallel_size. Torch backend."""
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """The sizes of the run's named mesh dimensions: dp_replicate, dp_shard, cp, tp, ep (their
+    product, ep aside, is the number of processes; -1: the rest). The keys above translate into
+    it (tensor_parallel_size is tp, shard_group_size is dp_shard x tp processes); a size given both
+    ways must agree. Each backend refuses, in one line, a dimension it does not split."""
+    parallelize: str | Callable[..., Any] | None = None
+    """Your own model-parallel step for a model with no plan: a function `parallelize(model,
+    dims)` (or its "module:function" name) that splits `model` in place on the meshes of `dims`
+    (`engine.parallel_dims`: `dims.get_mesh("tp")`, ...), as Lightning Fabric's
+    ModelParallelStrategy takes one. It replaces the tensor-parallel plan step; activation
+    checkpointing, compile and the data-parallel sharding follow as usual. Torch backend."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; gradients are communicated only on the last one."""
     max_grad_norm: float | None = None
@@ -423,38 +447,39 @@ class EngineConfig:
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
 
+    def _section(self, cls: type[_S], **renamed: Any) -> _S:
+        """The section `cls` filled by name from the flat keys users write (which stay the
+        source): each of its fields is this config's field of the same name, or `renamed`'s."""
+        values = {f.name: renamed[f.name] if f.name in renamed else getattr(self, f.name)
+                  for f in fields(cls)}
+        return cls(**values)
+
     @property
     def sharding(self) -> ShardingSection:
-        """The strategy's settings as one section (the flat keys users write stay the source)."""
-        return ShardingSection(self.strategy, self.backend, self.precision, self.offload,
-                               self.shard_group_size, self.wrap, self.max_grad_norm, self.loss_scale,
-                               self.offload_bucket_numel, self.host_kernel, self.deepspeed_config,
-                               self.tensor_parallel_size, self.tensor_parallel_plan, self.sequence_parallel)
+        """The strategy's settings as one section."""
+        return self._section(ShardingSection)
 
     @property
     def blocks(self) -> BlocksSection:
         """Per-block transforms (activation checkpointing, compile) as one section."""
-        return BlocksSection(self.wrap, str(self.activation_checkpointing),
-                             self.activation_checkpointing_every, self.compile, self.compile_backend,
-                             self.compile_mode, self.compile_fullgraph, self.compile_dynamic)
+        return self._section(BlocksSection, activation_checkpointing=str(self.activation_checkpointing))
 
     @property
     def observation(self) -> ObservationSection:
         """Metrics, trackers and progress settings as one section."""
-        return ObservationSection(self.log_with, self.log_every_steps, self.progress, self.peak_tflops,
-                                  self.flops_per_token, self.project_dir)
+        return self._section(ObservationSection)
 
     @property
     def checkpointing(self) -> CheckpointSection:
-        """The checkpoint settings as one section (the flat keys users write stay the source)."""
-        return CheckpointSection(self.checkpoint_dir, self.checkpoint_every_steps,
-                                 self.checkpoint_every_seconds, self.keep_last, self.checkpoint_async,
-                                 self.resume, self.lock_lease_s)
+        """The checkpoint settings as one section."""
+        return self._section(CheckpointSection, dir=self.checkpoint_dir,
+                             every_steps=self.checkpoint_every_steps,
+                             every_seconds=self.checkpoint_every_seconds, background=self.checkpoint_async)
 
     @property
     def supervision(self) -> SupervisionSection:
         """Preemption and timeout settings as one section."""
-        return SupervisionSection(self.preempt_signals, self.preempt_grace_s, self.collective_timeout_s)
+        return self._section(SupervisionSection)
 
     def __post_init__(self) -> None:
         # each part of the tree checks its own fields (one function each, below)
@@ -489,11 +514,32 @@ TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_loss_parall
              "colwise_qkv", "replicate")
 
 
+def _check_parallelism(cfg: EngineConfig) -> None:
+    """The `parallelism` section: its sizes (checked by the section itself), the flat keys it
+    must agree with, and the user's own model-parallel step."""
+    cfg.parallelism = as_section(cfg.parallelism)
+    section = cfg.parallelism
+    if STRATEGY_TABLE.get(cfg.strategy) is not None and STRATEGY_TABLE[cfg.strategy].stage == 0 \
+            and section.dp_shard not in (None, 1, -1):
+        raise ConfigError(f"parallelism.dp_shard={section.dp_shard} with strategy: ddp, which shards nothing "
+                          "(its data-parallel ranks are dp_replicate); choose zero1, zero2 or zero3")
+    fn = cfg.parallelize
+    if fn is not None and not callable(fn) and not (isinstance(fn, str) and ":" in fn):
+        raise ConfigError(f"parallelize={fn!r} must be a function parallelize(model, dims) or its "
+                          "'module:function' name")
+    if fn is not None and cfg.backend == "deepspeed":
+        raise ConfigError("parallelize with backend: deepspeed: DeepSpeed splits layers by its own AutoTP; "
+                          "use backend: torch for your own model-parallel step")
+
+
 def _check_tensor_parallel(cfg: EngineConfig) -> None:
     """tensor_parallel_size: an integer >= 1; above 1, the torch backend (every strategy and offload)."""
     tp = cfg.tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
+    _check_parallelism(cfg)
+    # the section's tp and the flat key agree (or one was refused): both read the same from here on
+    tp = cfg.tensor_parallel_size = tensor_parallel(cfg.parallelism, tp)
     plan = cfg.tensor_parallel_plan
     valid = isinstance(plan, dict) and all(isinstance(k, str) and v in TP_STYLES for k, v in plan.items())
     if plan is not None and not valid:
@@ -640,10 +686,11 @@ def _check_compile(cfg: EngineConfig) -> None:
 def _data_parallel(cfg: EngineConfig, world: int) -> tuple[int, str]:
     """The data-parallel ranks of `world` processes (the processes of one tensor-parallel group
     see the same batch), and how to say it."""
-    tp = cfg.tensor_parallel_size if isinstance(cfg.tensor_parallel_size, int) else 1
-    if tp <= 1 or world % tp:
+    dp = data_parallel_size(cfg.parallelism, cfg.tensor_parallel_size, world)
+    if dp == world:
         return world, f"{world} processes"
-    return world // tp, f"{world // tp} data-parallel ranks ({world} processes / tensor_parallel_size {tp})"
+    per = f"tensor_parallel_size {world // dp}" if cfg.parallelism.cp == 1 else f"cp x tp {world // dp}"
+    return dp, f"{dp} data-parallel ranks ({world} processes / {per})"
 
 
 def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:

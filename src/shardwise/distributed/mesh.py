@@ -129,16 +129,6 @@ class ParallelDims:
         `gather` keeps, in data-parallel rank order."""
         return [int(r) for r in self.layout[:, :, 0, 0].reshape(-1).tolist()]
 
-    @classmethod
-    def for_strategy(cls, *, shards: bool, group: int, world_size: int, device_type: str,
-                     tp: int = 1) -> ParallelDims:
-        """A strategy's layout: `shards` (zero1-3) over groups of `group` data-parallel ranks, or
-        ddp's replicas; `tp` processes of each data-parallel rank split its layers."""
-        dp = world_size // tp
-        if not shards:
-            return cls(dp, 1, world_size, device_type, tp)
-        return cls(dp // group, group, world_size, device_type, tp)
-
     @property
     def names(self) -> tuple[str, ...]:
         """The dimensions of more than one process, outermost first (the mesh's dimension names)."""

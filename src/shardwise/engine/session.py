@@ -22,9 +22,9 @@ from torch import nn
 
 from ..config.tree import BlocksSection
 from ..distributed.internals import is_fake
-from ..strategies import Strategy, apply_activation_checkpointing, find_blocks
+from ..strategies import Strategy
 from ..strategies.base import EmptyModel
-from ..strategies.compile import apply_compile, compile_options
+from ..strategies.steps import parallelize
 from ..weights.loading import make_reader, verify_shared
 from ..weights.materialize import empty_places, is_empty
 from .optim import PreparedOptimizer, PreparedScheduler, rebind_optimizer
@@ -48,15 +48,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module
             f"(shapes {shapes}{', ...' if len(stray) > 3 else ''}); pass the model to "
             "prepare() in the same call as the optimizer, or before it"
         )
-
-
-def _no_kv_cache(model: nn.Module) -> None:
-    """A `transformers` model recomputing its blocks in backward must not cache keys and values:
-    the recompute would append to the cache, which then outlives the step."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # type: ignore[union-attr]
-        log.info("activation checkpointing: %s.config.use_cache set to False", type(model).__name__)
 
 
 class Session:
@@ -107,11 +98,11 @@ class Session:
             for name, p in m.named_parameters():
                 names[id(p)] = (len(self.models) + k, name)
         prepared: dict[int, Any] = {}
-        for model in models:  # in torchtitan's order: tensor parallel, AC, compile, data-parallel sharding
+        strategy = self.strategy
+        for model in models:  # the steps, in `strategies.steps`' order; the data-parallel one last
             if not is_empty(model):
                 self._agree_weights(model)  # every process starts from process 0's weights
-            self.strategy.parallelize(model)
-            self._transform_blocks(model)
+            parallelize(model, strategy.dims, strategy.cfg, self.blocks, own_steps=strategy.own_steps)
             prepared[id(model)] = self._prepare_model(model)
         new_params = [dict(self.strategy.unwrap(m).named_parameters()) for m in self.models]
 
@@ -127,26 +118,6 @@ class Session:
         for scheduler in schedulers:
             prepared[id(scheduler)] = self.add_scheduler(scheduler)
         return prepared
-
-    def _transform_blocks(self, model: nn.Module) -> None:
-        """Activation checkpointing and compilation, per block, before sharding: each replaces
-        the block's own `forward` (its module tree and parameter names stay as they are)."""
-        cfg = self.blocks
-        mode, compiling = str(cfg.activation_checkpointing), cfg.compile
-        if mode == "none" and not compiling:
-            return
-        blocks = find_blocks(model, cfg.wrap)
-        if mode != "none":
-            _no_kv_cache(model)
-        # offload's saved-tensor hooks stay outside the compiled graph (they wrap the compiled
-        # forward); full and selective checkpointing are compiled with the block (dynamo traces
-        # torch's checkpoint and its selective policy as one graph)
-        if compiling and mode == "offload":
-            apply_compile(blocks or [model], compile_options(cfg))
-        if mode != "none":
-            apply_activation_checkpointing(blocks, mode, every=cfg.activation_checkpointing_every)
-        if compiling and mode != "offload":
-            apply_compile(blocks or [model], compile_options(cfg))
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         pending = getattr(model, PRETRAINED, None)

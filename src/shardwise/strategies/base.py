@@ -24,15 +24,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..config.parallelism import DIMS, resolve_sizes
 from ..config.tree import ConfigError, ShardingSection, resolve_shard_group
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
 from ..weights.materialize import Places, allocate, materialize
-from ..weights.record import recipes_kept
 from .host_step import DeepSpeedAdam, threads
 from .precision import Precision
-from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel, clip_over_meshes, model_plan
+from .tensor_parallel import clip_over_meshes
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,26 @@ class StepResult:
 
     applied: bool
     """The parameters were updated (False: an fp16 overflow skipped the step on every rank)."""
+
+
+def layout(cfg: ShardingSection, info: DistInfo, *, shards: bool, supported: frozenset[str]) -> ParallelDims:
+    """The run's `ParallelDims`: the config's `parallelism` sizes (today's flat keys translated
+    into them by `config.parallelism.resolve_sizes`) on this world. `shards`: the strategy shards
+    over dp_shard (a shard_group_size is resolved for it; ddp ignores one). A dimension of more
+    than one process outside `supported` is refused in one line."""
+    world, local = info.world_size, info.local_world_size
+    given = shards and cfg.shard_group_size is not None
+    group = resolve_shard_group(cfg.shard_group_size, world, local) if given else None
+    sizes = resolve_sizes(cfg.parallelism, shards=shards, shard_group=group,
+                          tensor_parallel_size=cfg.tensor_parallel_size, world=world, local_world=local)
+    unsupported = [f"{d}={getattr(sizes, d)}" for d in DIMS if getattr(sizes, d) > 1 and d not in supported]
+    if unsupported:
+        raise ConfigError(f"parallelism {', '.join(unsupported)}: backend {cfg.backend} does not split "
+                          f"along {'it' if len(unsupported) == 1 else 'them'} (it splits "
+                          f"{', '.join(d for d in DIMS if d in supported)}); set "
+                          f"{', '.join(u.split('=')[0] for u in unsupported)} to 1")
+    return ParallelDims(sizes.dp_replicate, sizes.dp_shard, world, info.device.type, tp=sizes.tp, cp=sizes.cp,
+                        ep=sizes.ep)
 
 
 def zero_step(optimizer: torch.optim.Optimizer, params: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -161,54 +181,37 @@ class InPlaceRunner(OptimizerRunner):
 
 
 class Strategy(ABC):
-    """Turns a model into its distributed form and performs the optimizer step on it.
+    """Turns a model into its data-parallel form and performs the optimizer step on it: the last
+    step of `strategies.steps.parallelize` (tensor parallelism, activation checkpointing and
+    compile come first, each on its own view of the mesh), and what differs per backend (setup,
+    no_sync, the optimizer runner, state).
 
-    Hybrid sharding: `shard_group_size` processes (consecutive ranks) shard among themselves and
-    the groups replicate each other. `dims` (`distributed.mesh.ParallelDims`) is the run's layout
-    and the one owner of its mesh and process groups; `mesh` is the mesh the strategy shards on and
-    `process_groups()` its (shard, replicate) groups, for whoever counts or checkpoints by group.
+    `dims` (`distributed.mesh.ParallelDims`, resolved once by `layout` from the config's
+    `parallelism` sizes) is the run's layout and the one owner of its mesh and process groups;
+    `mesh` is the mesh the strategy shards on and `process_groups()` its (shard, replicate)
+    groups, for whoever counts or checkpoints by group.
     """
 
     mesh: DeviceMesh | None = None
     """`dims.mesh`: 1-D over every process, or 2-D ("dp_replicate", "dp_shard") under hybrid
     sharding; None where the strategy shards nothing itself (ddp, the DeepSpeed engine)."""
-    shards: bool = True
-    """The strategy shards state over a dp_shard dimension (ddp: False, its dims are replicas only)."""
+    supported_dims: frozenset[str] = frozenset({"dp_replicate", "dp_shard", "tp"})
+    """The mesh dimensions this backend splits along; a size above 1 on any other is refused."""
+    own_steps: frozenset[str] = frozenset()
+    """Model-parallel steps the backend applies itself when it builds a model (DeepSpeed: its
+    AutoTP splits the layers), which `strategies.steps` then leaves to it."""
 
-    def __init__(self, cfg: ShardingSection, info: DistInfo) -> None:
+    def __init__(self, cfg: ShardingSection, info: DistInfo, *, shards: bool) -> None:
         self.cfg = cfg
         self.info = info
-        # resolved (and a size that does not divide the world refused) before any model is touched
-        self.tp = check_tensor_parallel(cfg.tensor_parallel_size, info.world_size, info.local_world_size)
-        self.shard_group_size = self.sharding_group()
-        self.dims = ParallelDims.for_strategy(shards=self.shards, group=self.shard_group_size,
-                                              world_size=info.world_size, device_type=info.device.type,
-                                              tp=self.tp)
+        self.shards = shards
+        """The strategy shards state over a dp_shard dimension (ddp: False, its ranks are replicas)."""
+        # resolved (a size that does not divide the world, or a dimension this backend does not
+        # split, refused in one line) before any model is touched
+        self.dims = layout(cfg, info, shards=shards, supported=self.supported_dims)
+        self.shard_group_size = self.dims.dp_shard
+        """Data-parallel ranks per sharding group (informative: the checkpoint's metadata)."""
         self.precision = self.make_precision()
-
-    def sharding_group(self) -> int:
-        """Data-parallel ranks per sharding group. `shard_group_size` counts processes (as the
-        docs say, and "node" is a node's processes): `config.resolve_shard_group` refuses one
-        that does not divide the world; with tensor parallelism a group holds whole tp groups
-        (consecutive ranks), so it must be a multiple of tensor_parallel_size."""
-        info, value = self.info, self.cfg.shard_group_size
-        group = resolve_shard_group(value, info.world_size, info.local_world_size)
-        if group % self.tp:
-            raise ConfigError(
-                f"shard_group_size={value!r} ({group} processes) does not hold whole tensor-parallel "
-                f"groups of {self.tp} processes: choose a multiple of tensor_parallel_size={self.tp} "
-                f"(a group of G processes is G / {self.tp} data-parallel ranks)"
-            )
-        return group // self.tp
-
-    def parallelize(self, model: nn.Module) -> None:
-        """Tensor parallelism, first of all transforms (then activation checkpointing, compile,
-        and the data-parallel sharding): the planned layers split over the tp mesh, in place."""
-        if self.tp == 1:
-            return
-        with recipes_kept(model):  # (an init_empty() model: its split parameters keep their init)
-            apply_tensor_parallel(model, model_plan(model, self.cfg.tensor_parallel_plan), self.dims.tp_mesh,
-                                  sequence_parallel=self.cfg.sequence_parallel)
 
     def process_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         """(shard group, replicate group): the processes this one shards parameters, gradients or

@@ -42,18 +42,14 @@ class DDPStrategy(Strategy):
     """Replicated model; `shard_optimizer` turns ddp into zero1."""
 
     def __init__(self, cfg: ShardingSection, info: DistInfo, *, shard_optimizer: bool) -> None:
-        self.shard_optimizer = self.shards = shard_optimizer
-        super().__init__(cfg, info)
+        super().__init__(cfg, info, shards=shard_optimizer)
+        self.shard_optimizer = shard_optimizer
         if shard_optimizer:  # zero1: the mesh whose shard group splits the optimizer state
             self.mesh = self.dims.mesh
-
-    def sharding_group(self) -> int:
-        """zero1: the resolved group; ddp: every process (the setting is ignored, in one log line)."""
-        if self.shard_optimizer:
-            return super().sharding_group()
-        if self.cfg.shard_group_size is not None and self.info.is_main:
-            _say_ignored(self.cfg.shard_group_size)
-        return self.info.world_size
+        else:  # ddp: every process is a replica (a shard_group_size is ignored, in one log line)
+            self.shard_group_size = info.world_size
+            if cfg.shard_group_size is not None and info.is_main:
+                _say_ignored(cfg.shard_group_size)
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         if for_inference(model):  # a frozen reference: nothing to all-reduce, no DDP wrapper

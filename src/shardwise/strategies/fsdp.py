@@ -162,16 +162,13 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int,
                  replicas_only: bool = False, shard_optimizer: bool = False) -> None:
+        # ddp under tensor parallelism: groups of one data-parallel rank (nothing sharded)
+        super().__init__(cfg, info, shards=not replicas_only)
         self.replicas_only = replicas_only
         self.shard_optimizer = shard_optimizer
-        super().__init__(cfg, info)
         self.stage = stage
         # 1-D over every process, or hybrid's 2-D (dp_replicate, dp_shard): `distributed.mesh`
         self.mesh: DeviceMesh = self.dims.mesh
-
-    def sharding_group(self) -> int:
-        """ddp under tensor parallelism: groups of one data-parallel rank (nothing sharded)."""
-        return 1 if self.replicas_only else super().sharding_group()
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         """Shard `model` in FSDP2 units; under zero2 a model prepared for inference only is a

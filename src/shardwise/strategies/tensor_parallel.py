@@ -517,20 +517,6 @@ class _LocalSplit(ParallelStyle):
         return module
 
 
-def check_tensor_parallel(tp: int, world: int, local_world: int) -> int:
-    """`tensor_parallel_size` at this run's size: it divides the world, and, across nodes, the
-    processes of a node (its all-reduces, one per rowwise layer, stay within a node)."""
-    if tp == 1:
-        return 1
-    if world % tp:
-        raise ConfigError(f"tensor_parallel_size={tp} does not divide the {world} processes of this run; "
-                          "choose a divisor")
-    if world > local_world and local_world % tp:
-        raise ConfigError(f"tensor_parallel_size={tp} does not divide the {local_world} processes per node: "
-                          "its all-reduces would cross nodes; choose a divisor of the processes per node")
-    return tp
-
-
 def clip_over_meshes(params: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
     """`clip_grad_norm_` for parameters on several meshes (tp-split weights on the (dp, tp) mesh,
     whole ones on the dp mesh only, under FSDP2): each mesh's gradient norm in full (its shards'

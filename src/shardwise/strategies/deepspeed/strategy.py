@@ -141,20 +141,21 @@ def _engine_forward(model: DeepSpeedModel, fn: Any, *args: Any, **kwargs: Any) -
 class DeepSpeedStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 with DeepSpeed's offload, one DeepSpeed engine per model."""
 
+    supported_dims = frozenset({"dp_shard", "tp"})  # hybrid sharding: refused (MiCS is gone; see setup)
+    # tensor parallelism on DeepSpeed is its AutoTP, which splits the Linear layers when the engine
+    # is built (`initialize`; `tensor_parallel.autotp_size` in its config)
+    own_steps = frozenset({"tp"})
+
     def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int) -> None:
         deepspeed_config(cfg, device=info.device, numel=1)  # refuse a bad combination up front
         check_shard_group(cfg, info.world_size, info.local_world_size)  # ... and a hybrid group
-        super().__init__(cfg, info)
+        super().__init__(cfg, info, shards=True)
         self.stage = stage
         self.ds = import_deepspeed(info.device)
         self._owner: dict[int, DeepSpeedModel] = {}  # parameter id -> model
         self._torch: Strategy | None = None  # lays out the models prepared for inference only
         self._inference: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... which are these
         self._splits: dict[int, ds.TPSplit] = {}  # AutoTP (tensor_parallel_size): parameter id -> its split
-
-    def parallelize(self, model: nn.Module) -> None:
-        """Tensor parallelism on DeepSpeed is its AutoTP, which splits the Linear layers when the
-        engine is built (`initialize`; `tensor_parallel.autotp_size` in its config)."""
 
     @property
     def frozen(self) -> Strategy:
