@@ -185,24 +185,35 @@ def test_by_feature_extras_script_gives_accelerates_numbers_and_layout(tmp_path:
     assert json.loads((tmp_path / "accelerate" / "log_1.json").read_text()) == ["[RANK 1] everyone 1"]
 
 
-def test_parallelism_config_becomes_the_shard_group() -> None:
-    """Accelerate's ParallelismConfig reaches the engine as shard_group_size (hybrid sharding), or
-    is refused in one line; it is never dropped."""
+def test_parallelism_config_becomes_the_parallelism_section() -> None:
+    """Accelerate's ParallelismConfig reaches the engine as its `parallelism` section (the sizes
+    by their own names), which resolves to the layout Accelerate means, or is refused in one
+    line; it is never dropped."""
+    import torch
     from accelerate import ParallelismConfig
 
     from shardwise.accelerate.rules import read_parallelism
-    from shardwise.config import ConfigError
+    from shardwise.config import ConfigError, EngineConfig
+    from shardwise.distributed.world import DistInfo
+    from shardwise.strategies.base import Strategy, layout
+
+    def resolved(kwargs: dict[str, object]) -> tuple[int, int, int]:
+        info = DistInfo(rank=0, world_size=4, local_rank=0, local_world_size=4, device=torch.device("cpu"))
+        cfg = EngineConfig(strategy="zero3", **kwargs)  # type: ignore[arg-type]
+        dims = layout(cfg.sharding, info, shards=True, supported=Strategy.supported_dims)
+        return dims.dp_replicate, dims.dp_shard, dims.tp
 
     hybrid = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     kwargs: dict[str, object] = {"parallelism_config": hybrid}
     read_parallelism(kwargs, 4)
-    assert kwargs == {"shard_group_size": 2}
+    assert kwargs == {"parallelism": {"dp_replicate": 2, "dp_shard": 2, "tp": 1}}
+    assert resolved(kwargs) == (2, 2, 1)  # hybrid sharding: groups of 2
     kwargs = {"parallelism_config": ParallelismConfig(dp_shard_size=4)}
     read_parallelism(kwargs, 4)
-    assert kwargs == {"shard_group_size": None}  # one group of all: the default
+    assert resolved(kwargs) == (1, 4, 1)  # one group of all
     kwargs = {"parallelism_config": ParallelismConfig(dp_shard_size=2, tp_size=2)}
     read_parallelism(kwargs, 4)
-    assert kwargs == {"shard_group_size": None, "tensor_parallel_size": 2}  # 2 dp ranks x tp 2
+    assert resolved(kwargs) == (1, 2, 2)  # 2 dp ranks x tp 2
     for bad, world in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), 2),
                        (ParallelismConfig(dp_shard_size=2, tp_size=2), 8)):
         with pytest.raises(ConfigError, match="parallelism_config"):

@@ -324,15 +324,17 @@ def test_accelerate_hybrid_shard_imports_to_node_groups(spelling: str, strategy:
 
 
 @pytest.mark.parametrize(("strategy", "sizes", "want"), [
-    ("HYBRID_SHARD", {"dp_replicate_size": 2, "dp_shard_size": 2}, ("zero3", 2)),
+    ("HYBRID_SHARD", {"dp_replicate_size": 2, "dp_shard_size": 2}, ("zero3", None, (2, 2))),
     ("HYBRID_SHARD_ZERO2", {"dp_replicate_size": 4, "dp_shard_size": 1 * 1}, None),  # refused below
-    (None, {"dp_replicate_size": 2, "dp_shard_size": 2}, ("zero3", 2)),  # FSDP2 decides by the mesh
-    ("SHARD_GRAD_OP", {"dp_replicate_size": 1, "dp_shard_size": 4}, ("zero2", None)),
-    ("HYBRID_SHARD", {"dp_replicate_size": 1, "dp_shard_size": 4}, ("zero3", None)),  # sizes win
-    ("HYBRID_SHARD", {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1}, ("zero3", "node")),
+    (None, {"dp_replicate_size": 2, "dp_shard_size": 2}, ("zero3", None, (2, 2))),  # FSDP2: by the mesh
+    ("SHARD_GRAD_OP", {"dp_replicate_size": 1, "dp_shard_size": 4}, ("zero2", None, (1, 4))),
+    ("HYBRID_SHARD", {"dp_replicate_size": 1, "dp_shard_size": 4}, ("zero3", None, (1, 4))),  # sizes win
+    ("HYBRID_SHARD", {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1}, ("zero3", "node", None)),
 ])
 def test_accelerate_parallelism_config_sets_the_group(strategy: str | None, sizes: dict, want: tuple | None
                                                       ) -> None:
+    """The sizes fill the `parallelism` section (dp_replicate, dp_shard), over HYBRID_SHARD's
+    node default; all 1 asks for nothing, and the node default stands."""
     from shardwise.config import ConfigError
     from shardwise.config.translate import from_accelerate
 
@@ -342,24 +344,31 @@ def test_accelerate_parallelism_config_sets_the_group(strategy: str | None, size
             from_accelerate(acc)
         return
     settings, dropped = from_accelerate(acc)
-    assert (settings["strategy"], settings.get("shard_group_size")) == want
+    section = settings.get("parallelism")
+    got = (settings["strategy"], settings.get("shard_group_size"),
+           None if section is None else (section["dp_replicate"], section["dp_shard"]))
+    assert got == want
     assert dropped == []
     out = shardwise.EngineConfig(**{k: v for k, v in settings.items() if k != "launch"})
     assert out.shard_group_size == want[1]
+    assert (out.parallelism.dp_replicate, out.parallelism.dp_shard) == (want[2] or (None, None))
 
 
 def test_accelerate_tp_size_becomes_tensor_parallel_size() -> None:
     """`parallelism_config_tp_size` (Accelerate's YAML) and `ParallelismConfig(tp_size=...)` fields:
-    tensor parallelism inside, the rest data parallel (their product: the processes)."""
-    from shardwise.config.translate import from_accelerate, from_parallelism, parallelism_tp
+    the `parallelism` section's sizes (tensor parallelism inside, the rest data parallel; their
+    product: the processes)."""
+    from shardwise.config.translate import from_accelerate, from_parallelism
 
     settings, dropped = from_accelerate(_fsdp_yaml(None, dp_shard_size=2, tp_size=2))
-    assert (settings["strategy"], settings.get("shard_group_size"), settings["tensor_parallel_size"]) == (
-        "zero3", None, 2) and dropped == []
+    assert (settings["strategy"], settings.get("shard_group_size"), settings["parallelism"]) == (
+        "zero3", None, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}) and dropped == []
     cfg = shardwise.EngineConfig(**{k: v for k, v in settings.items() if k != "launch"})
-    assert cfg.tensor_parallel_size == 2
-    assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, 8) == 4  # processes
-    assert parallelism_tp({"parallelism_config_tp_size": 4}) == 4 and parallelism_tp({"tp_size": None}) == 1
+    assert cfg.tensor_parallel_size == 2 and cfg.parallelism.tp == 2  # the flat key follows the section
+    assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, 8) == {
+        "dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert from_parallelism({"parallelism_config_tp_size": 4}) == {"tp": 4}
+    assert from_parallelism({"tp_size": None}) is None
 
 
 def test_accelerate_hybrid_file_round_trips_through_the_cli(tmp_path: Path) -> None:
@@ -370,7 +379,8 @@ def test_accelerate_hybrid_file_round_trips_through_the_cli(tmp_path: Path) -> N
     out = tmp_path / "shardwise.yaml"
     assert cli.main(["config", "--from-accelerate", str(src), "--output", str(out)]) == 0
     cfg = load_config(out)
-    assert (cfg.strategy, cfg.shard_group_size, cfg.launch.num_processes) == ("zero2", 2, 2)
+    assert (cfg.strategy, cfg.shard_group_size, cfg.launch.num_processes) == ("zero2", None, 2)
+    assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard) == (2, 2)
     assert "dropped" not in out.read_text()
 
 
@@ -378,9 +388,10 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
     from shardwise.config.translate import from_parallelism
 
     fields = {"dp_replicate_size": 2, "dp_shard_size": 4, "tp_size": 1, "cp_size": None}
-    assert from_parallelism(fields, 8) == 4  # a ParallelismConfig's attributes (None: unset)
-    assert from_parallelism({f"parallelism_config_{k}": v for k, v in fields.items()}, 8) == 4
-    assert from_parallelism({"dp_shard_size": 8}, 8) == "all"
+    want = {"dp_replicate": 2, "dp_shard": 4, "tp": 1}
+    assert from_parallelism(fields, 8) == want  # a ParallelismConfig's attributes (None: unset)
+    assert from_parallelism({f"parallelism_config_{k}": v for k, v in fields.items()}, 8) == want
+    assert from_parallelism({"dp_shard_size": 8}, 8) == {"dp_replicate": 1, "dp_shard": 8, "tp": 1}
     assert from_parallelism({}, 8) is None
 
 

@@ -103,7 +103,9 @@ LAYERS = {
     "cli": 6, "accelerate": 5, "plan": 4, "engine": 3, "strategies": 2,
     "checkpoint": 1, "weights": 1, "runtime": 1, "distributed": 0, "config": 0, "version": 0,
 }
-# the one upward call: strategy="auto" asks the planner at the first prepare (engine -> plan.auto)
+# the one upward call: strategy="auto" asks the planner at the first prepare (engine -> plan.auto);
+# with the planner's trace of the engine's Session (plan -> engine) it is also the one package circle
+# left (`test_no_package_circle` skips it): remove it here once the engine is handed its chooser
 UPWARD = {("shardwise.engine.engine", "shardwise.plan.auto")}
 
 
@@ -142,6 +144,43 @@ def test_the_layer_check_finds_an_upward_import() -> None:
     graph = {"shardwise.checkpoint.sharded": {"shardwise.engine.session"},
              "shardwise.engine.session": {"shardwise.checkpoint.sharded"}}
     assert upward_imports(graph) == ["shardwise.checkpoint.sharded -> shardwise.engine.session"]
+
+
+# -- packages import one way -------------------------------------------------------------------
+def package_graph(graph: dict[str, set[str]],
+                  skip: set[tuple[str, str]] | None = None) -> dict[str, set[str]]:
+    """package -> the other packages of the layers its modules import (the package root and
+    __main__, which may import anything, left out), without the module imports in `skip`."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        mine = _package(module)
+        if mine not in LAYERS:
+            continue
+        theirs = {_package(t) for t in targets if (module, t) not in (skip or set())}
+        packages.setdefault(mine, set()).update(p for p in theirs if p in LAYERS and p != mine)
+    for targets in list(packages.values()):
+        for p in targets:
+            packages.setdefault(p, set())
+    return packages
+
+
+def test_no_package_circle() -> None:
+    # two packages that import each other (even through different modules, or inside a
+    # function) are one package in two folders; of a layer's packages, one builds on the other
+    # (checkpoint on weights: the storage both write through lives in `weights.storage`; the
+    # planner on the engine: the engine's strategy="auto" chooser is handed to it from above).
+    packages = package_graph(import_graph(), UPWARD)
+    cycle = find_cycle(packages)
+    assert cycle is None, "packages that import each other: " + " -> ".join(cycle or [])
+
+
+def test_the_package_circle_finder_finds_one() -> None:
+    graph = {"shardwise.checkpoint.files": {"shardwise.weights.export"},
+             "shardwise.weights.export": {"shardwise.checkpoint.storage"},
+             "shardwise.checkpoint.storage": set()}
+    assert find_cycle(package_graph(graph)) == ["checkpoint", "weights", "checkpoint"]
+    upward = {("shardwise.weights.export", "shardwise.checkpoint.storage")}
+    assert find_cycle(package_graph(graph, upward)) is None
 
 
 def test_nothing_below_the_engine_imports_it() -> None:

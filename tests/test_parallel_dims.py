@@ -1,7 +1,11 @@
 """The named mesh, asked by a user's loop: `engine.parallel_dims` and Accelerate's names for it.
 
 - A loop sizing its DataLoader by `engine.parallel_dims.dp_size` (not `num_processes`) under
-  dp 2 x tp 2 (4 processes) trains what one process trains on the same global batches.
+  dp 2 x tp 2 (4 processes, given as the `parallelism` section's sizes) trains what one process
+  trains on the same global batches; so does a user's own `parallelize(model, dims)` step (torch's
+  tensor-parallel styles on the MLPs over `dims.get_mesh("tp")`), the data-parallel step after it.
+- `from_pretrained(tp_plan="auto", device_mesh=accelerator.torch_device_mesh)`: the model
+  transformers split is kept (never split twice) and trains what one process trains.
 - A script in Accelerate's pattern, `Accelerator(parallelism_config=ParallelismConfig(tp_size=2))`
   at 2 processes and `ParallelismConfig(dp_shard_size=2, tp_size=2)` at 4, sizing its loader by
   `accelerator.parallelism_config.data_parallel_size` and reading `accelerator.torch_device_mesh`
@@ -36,10 +40,20 @@ def _loop(acc: Any, model: Any, opt: Any, loader: Any) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": acc.get_state_dict(model)}
 
 
-def _engine_sized_by_dp() -> dict[str, Any]:
+def split_mlps(model: Any, dims: Any) -> None:
+    """A user's own model-parallel step (`parallelize`): torch's styles on each Llama MLP over the
+    run's tp mesh (attention left whole)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp, dims.get_mesh("tp"), plan)
+
+
+def _engine_sized_by_dp(**layout: Any) -> dict[str, Any]:
     import shardwise
 
-    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, tensor_parallel_size=2)
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, **layout)
     dims = engine.parallel_dims
     model = W.build("llama")
     opt = W.make_optimizer(model)
@@ -48,6 +62,8 @@ def _engine_sized_by_dp() -> dict[str, Any]:
     out = _loop(engine, model, opt, loader)
     out["sizes"] = (dims.dp_size, dims.dp_rank(engine.process_index), dims.tp_rank(engine.process_index),
                     dims.get_mesh("batch").size(), dims.get_mesh("tp").size())
+    up = dict(engine.unwrap_model(model).named_parameters())["model.layers.0.mlp.up_proj.weight"]
+    out["up_local_rows"] = up.to_local().shape[0]  # 64 rows: / tp 2 / dp_shard 2
     return out
 
 
@@ -78,7 +94,9 @@ def _accelerate_pattern(sizes: dict[str, int], pretrained: str | None = None) ->
 
 
 def _four() -> dict[str, Any]:
-    return {"engine": _engine_sized_by_dp(),
+    return {"engine": _engine_sized_by_dp(parallelism={"dp_shard": 2, "tp": 2}),
+            "user_parallelize": _engine_sized_by_dp(parallelism={"dp_shard": -1, "tp": 2},
+                                                    parallelize=split_mlps),
             "accelerate": _accelerate_pattern({"dp_shard_size": 2, "tp_size": 2})}
 
 
@@ -110,8 +128,10 @@ def test_dp2_x_tp2_loops_sized_by_the_data_parallel_size_match_one_process() -> 
     ranks = spawn(_four, 4)
     ref = W.reference("llama", world=2, batch=GLOBAL // 2, accum=1, steps=STEPS)
     for rank, run in enumerate(ranks):
-        assert run["engine"]["sizes"] == (2, rank // 2, rank % 2, 2, 2), run["engine"]["sizes"]
+        for case in ("engine", "user_parallelize"):  # the section; a user step
+            assert run[case]["sizes"] == (2, rank // 2, rank % 2, 2, 2), run[case]["sizes"]
+            assert run[case]["up_local_rows"] == 64 // 2 // 2, run[case]["up_local_rows"]
         sizes = run["accelerate"]["sizes"]
         assert sizes == (2, 2, ["dp_shard"], 2, 2, rank % 2, rank // 2), sizes
-        for case in ("engine", "accelerate"):
+        for case in ("engine", "user_parallelize", "accelerate"):
             _check(run[case], ref, ranks[0][case]["state"])

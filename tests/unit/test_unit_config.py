@@ -114,10 +114,11 @@ def test_accelerates_processes_must_divide_among_its_machines() -> None:
         from_accelerate({"distributed_type": "MULTI_GPU", "num_machines": 2, "num_processes": 3})
 
 
-def test_parallelism_sizes_give_the_hybrid_group() -> None:
-    assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 4}, 8) == 4
-    assert from_parallelism({"dp_shard_size": 8}, 8) == "all"
-    assert from_parallelism({"dp_shard_size": 4, "tp_size": 2}, 8) == "all"  # tp inside, dp around it
+def test_parallelism_sizes_fill_the_parallelism_section() -> None:
+    assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 4}, 8) == {
+        "dp_replicate": 2, "dp_shard": 4, "tp": 1}
+    assert from_parallelism({"dp_shard_size": 4, "tp_size": 2}, 8) == {  # tp inside, dp around it
+        "dp_replicate": 1, "dp_shard": 4, "tp": 2}
     with pytest.raises(ConfigError, match="x tp_size=2 must equal the 8 processes"):
         from_parallelism({"tp_size": 2}, 8)
 

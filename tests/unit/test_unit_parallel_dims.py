@@ -94,3 +94,100 @@ def test_meshes_of_each_view_on_a_fake_world(rep: int, shard: int, tp: int) -> N
             assert mesh.size() == dims.view_size(view), view
             assert mesh.mesh.reshape(-1).tolist() == dims.group_of(view, 0), view
         assert torch.equal(dims.layout.reshape(-1), torch.arange(world))
+
+
+# -- the `parallelism` section: sizes resolved from it (and from the flat keys), and its refusals --
+def _layout(world: int, local: int | None = None, **config: object) -> ParallelDims:
+    from shardwise.config import EngineConfig
+    from shardwise.distributed.world import DistInfo
+    from shardwise.strategies.base import Strategy, layout
+
+    cfg = EngineConfig(**config)  # type: ignore[arg-type]
+    info = DistInfo(rank=0, world_size=world, local_rank=0, local_world_size=local or world,
+                    device=torch.device("cpu"))
+    shards = cfg.strategy != "ddp" and not (cfg.strategy == "zero1" and cfg.tensor_parallel_size > 1)
+    return layout(cfg.sharding, info, shards=shards, supported=Strategy.supported_dims)
+
+
+@pytest.mark.parametrize(("config", "sizes"), [
+    ({"strategy": "zero3"}, (1, 8, 1, 1)),
+    ({"strategy": "zero3", "parallelism": {"tp": 2}}, (1, 4, 1, 2)),
+    ({"strategy": "zero3", "tensor_parallel_size": 2, "parallelism": {"tp": 2}}, (1, 4, 1, 2)),  # agree
+    ({"strategy": "zero3", "parallelism": {"dp_replicate": 2, "tp": 2}}, (2, 2, 1, 2)),
+    ({"strategy": "zero3", "parallelism": {"dp_replicate": -1, "dp_shard": 2}}, (4, 2, 1, 1)),
+    ({"strategy": "zero2", "shard_group_size": 4, "parallelism": {"dp_shard": 2, "tp": 2}}, (2, 2, 1, 2)),
+    ({"strategy": "zero3", "shard_group_size": 4, "tensor_parallel_size": 2}, (2, 2, 1, 2)),  # flat keys
+    ({"strategy": "ddp", "parallelism": {"dp_replicate": -1}}, (8, 1, 1, 1)),
+    ({"strategy": "ddp", "tensor_parallel_size": 2}, (4, 1, 1, 2)),
+])
+def test_the_section_and_the_flat_keys_resolve_to_one_layout(config: dict, sizes: tuple) -> None:
+    dims = _layout(8, **config)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == sizes
+    assert dims.dp_size == sizes[0] * sizes[1]
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"parallelism": {"tp": 2}, "tensor_parallel_size": 4},
+     "parallelism.tp=2 and tensor_parallel_size=4 disagree"),
+    ({"parallelism": {"dp_shard": 2}}, "parallelism.dp_shard=2 with strategy: ddp, which shards nothing"),
+    ({"parallelism": {"dp_shard": -1, "dp_replicate": -1}}, "both ask for the rest"),
+    ({"parallelism": {"cp": 0}}, "parallelism.cp=0 must be an integer >= 1"),
+    ({"parallelism": {"tp": -1}}, "parallelism.tp=-1 must be an integer >= 1"),
+    ({"parallelism": {"pp": 2}}, "unexpected keyword argument 'pp'"),
+])
+def test_bad_sizes_are_refused_at_construction(config: dict, message: str) -> None:
+    from shardwise.config import EngineConfig
+
+    with pytest.raises((ValueError, TypeError), match=message.replace(".", r"\.")):
+        EngineConfig(**config)
+
+
+@pytest.mark.parametrize(("world", "config", "message"), [
+    (8, {"strategy": "zero3", "parallelism": {"dp_shard": 3}},
+     "parallelism.dp_shard=3 does not divide the 8"),
+    (8, {"strategy": "zero3", "parallelism": {"dp_replicate": 2, "dp_shard": 2, "tp": 4}},
+     "dp_replicate=2 x dp_shard=2 x cp=1 x tp=4 = 16 is not the 8 processes"),
+    (8, {"strategy": "zero3", "shard_group_size": 4, "parallelism": {"dp_shard": 2}},
+     "shard_group_size (4 processes: 4 data-parallel ranks) and parallelism.dp_shard=2 disagree"),
+    (8, {"strategy": "zero3", "parallelism": {"cp": 2}},
+     "parallelism cp=2: backend torch does not split along it (it splits dp_replicate, dp_shard, tp)"),
+    (8, {"strategy": "zero3", "parallelism": {"ep": 2}}, "parallelism ep=2: backend torch does not split"),
+    (8, {"strategy": "zero3", "parallelism": {"ep": 3}}, "ep=3 does not divide dp_shard x cp = 8"),
+    (6, {"strategy": "zero3", "parallelism": {"tp": 4}}, "tensor_parallel_size=4 does not divide the 6"),
+])
+def test_sizes_that_do_not_fit_the_world_are_refused_in_one_line(world: int, config: dict,
+                                                                 message: str) -> None:
+    from shardwise.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
+        _layout(world, **config)
+    assert "\n" not in str(refused.value)
+
+
+def test_deepspeed_declares_its_dimensions_and_refuses_the_rest() -> None:
+    from shardwise.config import ConfigError, EngineConfig
+    from shardwise.distributed.world import DistInfo
+    from shardwise.strategies.base import layout
+    from shardwise.strategies.deepspeed.strategy import DeepSpeedStrategy
+
+    assert DeepSpeedStrategy.supported_dims == {"dp_shard", "tp"} and DeepSpeedStrategy.own_steps == {"tp"}
+    cfg = EngineConfig(strategy="zero2", backend="deepspeed", parallelism={"dp_replicate": 2})
+    info = DistInfo(rank=0, world_size=4, local_rank=0, local_world_size=4, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="parallelism dp_replicate=2: backend deepspeed does not split "
+                                          "along it \\(it splits dp_shard, tp\\)"):
+        layout(cfg.sharding, info, shards=True, supported=DeepSpeedStrategy.supported_dims)
+    with pytest.raises(ConfigError, match="parallelize with backend: deepspeed"):
+        EngineConfig(strategy="zero2", backend="deepspeed", parallelize="mod:fn")
+
+
+def test_a_user_parallelize_by_name_is_imported_or_refused() -> None:
+    from shardwise.config import ConfigError, EngineConfig
+    from shardwise.config.files import to_dict
+    from shardwise.strategies.steps import resolve_parallelize
+
+    assert resolve_parallelize("os.path:join") is __import__("os").path.join
+    with pytest.raises(ConfigError, match="parallelize='nowhere_at_all:fn': cannot import 'fn'"):
+        resolve_parallelize("nowhere_at_all:fn")
+    with pytest.raises(ConfigError, match="must be a function parallelize\\(model, dims\\)"):
+        EngineConfig(parallelize="no_colon")
+    assert to_dict(EngineConfig(parallelize=_layout))["parallelize"] == f"{__name__}:_layout"

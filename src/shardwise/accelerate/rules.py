@@ -49,23 +49,21 @@ def read_dynamo(kwargs: dict[str, Any]) -> None:
 
 def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
     """`Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size, dp_shard_size, tp_size))`
-    (popped from `kwargs`) -> the engine's `shard_group_size` (hybrid sharding: groups of
-    dp_shard_size) and `tensor_parallel_size`; context and sequence parallelism, and sizes whose
-    product is not the process count, are refused in one line (`config.translate.from_parallelism`)."""
+    (popped from `kwargs`) -> the engine's `parallelism` section (`config.translate.from_parallelism`:
+    context and sequence parallelism, and sizes whose product is not the process count, are
+    refused in one line)."""
     config = kwargs.pop("parallelism_config", None)
     if config is None:
         return
-    from ..config.translate import from_parallelism, parallelism_tp
+    from ..config.translate import from_parallelism
 
     if dataclasses.is_dataclass(config):
         sizes = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     else:
         sizes = dict(vars(config))
-    group = from_parallelism(sizes, world_size, "Accelerator(parallelism_config=...)")
-    if group is not None:  # "all": shard across every process, the engine's default
-        kwargs.setdefault("shard_group_size", None if group == "all" else group)
-    if parallelism_tp(sizes) > 1:
-        kwargs.setdefault("tensor_parallel_size", parallelism_tp(sizes))
+    section = from_parallelism(sizes, world_size, "Accelerator(parallelism_config=...)")
+    if section is not None:
+        kwargs.setdefault("parallelism", section)
 
 
 def refuse_unsupported(kwargs: dict[str, Any], *, device_placement: bool) -> None:

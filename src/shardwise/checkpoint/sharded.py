@@ -57,10 +57,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor
 
 from ..distributed.arrival import is_alone
-from ..distributed.internals import is_strided_shard
+from ..distributed.internals import one_block_placements
 from ..version import __version__
 from ..weights.export import find_aliases, hf_config_json
 from .background import BackgroundWriter, stage as stage_copy
@@ -84,6 +84,7 @@ from .files import (
     verify,
     verify_files,
 )
+from .parts import Parts
 from .storage import (
     STAGING_MARK,
     CheckpointError,
@@ -110,21 +111,6 @@ __all__ = [
     "FORMAT", "META", "VERSION", "CheckpointError", "Parts", "SaveReport", "check_models", "full_model_state",
     "load", "mark_latest", "newest", "read_meta", "resolve", "save", "step_dirs", "verify", "verify_files",
 ]
-
-
-@dataclass
-class Parts:
-    """What an Engine checkpoints (the Engine fills this; nothing here reaches into it)."""
-
-    models: list[nn.Module]
-    unwrapped: list[nn.Module]
-    runners: list[Any]  # OptimizerRunner per prepared optimizer
-    optimizer_models: list[int]  # index of the model each optimizer updates
-    loop_state: dict[str, Any]  # step counters, loss scaler, schedulers, loaders, registered objects
-    strategy: Any  # model_state / load_model_state: the weights in the strategy's layout
-    info: dict[str, Any]  # backend, strategy, offload, precision
-    rank: int
-    world: int
 
 
 def _versions() -> dict[str, str]:
@@ -205,27 +191,12 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
 
 
 # -- layouts DCP can describe ------------------------------------------------------------------
-def _strided_last(t: DTensor) -> list[Placement] | None:
-    """Placements DCP can describe for `t`, when its own cannot be: a dimension split last by a
-    `_StridedShard` (tensor parallelism's fused query/key/value: each rank holds three separate
-    runs of columns, not one block) becomes a plain `Shard`. None: `t` is fine as it is (FSDP's
-    `_StridedShard` over a tp `Shard` of the same dimension still gives each rank one block)."""
-    last: dict[int, Placement] = {}
-    for p in t.placements:
-        if isinstance(p, Shard) or is_strided_shard(p):
-            last[p.dim] = p  # type: ignore[attr-defined]
-    strided = {d for d, p in last.items() if is_strided_shard(p)}
-    if not strided:
-        return None
-    return [Shard(p.dim) if is_strided_shard(p) and p.dim in strided else p  # type: ignore[attr-defined]
-            for p in t.placements]
-
-
 def _describable(obj: Any) -> Any:
-    """`obj` (a state dict, nested) with every DTensor DCP cannot describe redistributed to one it
-    can (`_strided_last`; a copy: one tensor's extra all-gather at a time)."""
+    """`obj` (a state dict, nested) with every DTensor DCP cannot describe (a rank holding several
+    runs of a dimension, not one block: `one_block_placements`) redistributed to one it can (a
+    copy: one tensor's extra all-gather at a time)."""
     if isinstance(obj, DTensor):
-        placements = _strided_last(obj)
+        placements = one_block_placements(obj.placements)
         return obj if placements is None else obj.redistribute(obj.device_mesh, placements)
     if isinstance(obj, dict):
         return {k: _describable(v) for k, v in obj.items()}

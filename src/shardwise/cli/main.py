@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from ..config.docs import field_docs
 from ..config.files import build, load_layers, merge, read_file, to_yaml, write_yaml
-from ..config.tree import ConfigError, EngineConfig, LaunchConfig, check_train_batch
+from ..config.tree import ConfigError, EngineConfig, LaunchConfig, ParallelismConfig, check_train_batch
 from .env import environment, run_env
 from .plan import add_plan_parser, run_plan
 from .scheduler import Scheduler, derive, detect, slurm_script
@@ -99,12 +99,16 @@ def _add_config_flags(parser: argparse.ArgumentParser, *, skip: frozenset[str] =
     group.add_argument("--deepspeed", dest="deepspeed_config", default=_UNSET,
                        help="a DeepSpeed JSON to translate")
     launch_fields = [f.name for f in dataclasses.fields(LaunchConfig)]
+    sizes = [f.name for f in dataclasses.fields(ParallelismConfig)]
     sections: list[tuple[type, list[str], str]] = [(EngineConfig, _ENGINE_FLAGS, ""),
-                                                   (LaunchConfig, launch_fields, "launch.")]
+                                                   (LaunchConfig, launch_fields, "launch."),
+                                                   (ParallelismConfig, sizes, "parallelism.")]
     for cls, names, prefix in sections:
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for name in names:
-            flag = "--" + name.replace("_", "-")
+            # the mesh sizes by their section's name (--parallelism-tp 2), the rest by their own
+            flag = "--" + (prefix.rstrip(".") + "_" if prefix == "parallelism." else "") + name
+            flag = flag.replace("_", "-")
             if flag in skip:
                 continue
             kind = _flag_type(hints[name])
@@ -121,8 +125,9 @@ def _flag_settings(ns: argparse.Namespace) -> dict[str, Any]:
     for dest, value in vars(ns).items():
         if value is _UNSET or dest in ("config", "command", "action") or dest.startswith("_"):
             continue
-        if dest.startswith("launch."):
-            out.setdefault("launch", {})[dest.split(".", 1)[1]] = value
+        if dest.startswith(("launch.", "parallelism.")):
+            section, key = dest.split(".", 1)
+            out.setdefault(section, {})[key] = value
         elif dest in _ENGINE_FLAGS or dest == "deepspeed_config":
             out[dest] = value
     return out

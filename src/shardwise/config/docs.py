@@ -17,7 +17,14 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from .tree import EngineConfig, LaunchConfig, LossScaleConfig, OptimizerConfig, SchedulerConfig
+from .tree import (
+    EngineConfig,
+    LaunchConfig,
+    LossScaleConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    SchedulerConfig,
+)
 
 
 @functools.cache
@@ -38,6 +45,7 @@ REGENERATE = "python -m shardwise.config.docs > docs/config.md"
 # (YAML section, dataclass): the root's keys first, then its nested sections in the file's order.
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("", EngineConfig),
+    ("parallelism", ParallelismConfig),
     ("launch", LaunchConfig),
     ("loss_scale", LossScaleConfig),
     ("optimizer", OptimizerConfig),

@@ -198,6 +198,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             value = to_dict(value)
         elif isinstance(value, tuple):
             value = [v.__name__ if isinstance(v, type) else v for v in value]
+        elif callable(value):  # parallelize: a function by its "module:function" name
+            value = f"{value.__module__}:{value.__qualname__}"
         out[f.name] = value
     return out
 

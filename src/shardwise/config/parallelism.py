@@ -134,19 +134,21 @@ def resolve_sizes(section: ParallelismConfig, *, shards: bool, shard_group: int 
                                    "data-parallel ranks hold replicas): use dp_replicate, or zero1-3")
         shard = 1
         replicate = dp if replicate in (None, _REST) else replicate
-    elif replicate is None and shard is None:
-        shard = dp if shard_group is None else _group_ranks(shard_group, tp * cp)
-        replicate = dp // shard
     else:
-        if shard in (None, _REST):
-            shard = dp // replicate if replicate not in (None, _REST) and not dp % replicate else _REST
-        if replicate in (None, _REST) and shard != _REST:
-            replicate = dp // shard if not dp % shard else _REST
-        if _REST in (shard, replicate):
-            raise ParallelismError(f"parallelism: dp_replicate={section.dp_replicate} x dp_shard="
-                                   f"{section.dp_shard} does not divide the {dp} data-parallel ranks "
-                                   f"({world} processes / cp {cp} x tp {tp})")
-        if shard_group is not None and _group_ranks(shard_group, tp * cp) != shard:
+        sized = {n: v for n, v in (("dp_replicate", replicate), ("dp_shard", shard))
+                 if v not in (None, _REST)}
+        for name, value in sized.items():
+            if dp % value:
+                raise ParallelismError(f"parallelism.{name}={value} does not divide the {dp} data-parallel "
+                                       f"ranks ({world} processes / cp {cp} x tp {tp})")
+        if not sized:  # neither given a size: shard_group_size's ranks, else every data-parallel rank
+            shard = dp if shard_group is None else _group_ranks(shard_group, tp * cp)
+            replicate = dp // shard
+        elif "dp_shard" not in sized:
+            shard = dp // sized["dp_replicate"]
+        elif "dp_replicate" not in sized:
+            replicate = dp // sized["dp_shard"]
+        if sized and shard_group is not None and _group_ranks(shard_group, tp * cp) != shard:
             raise ParallelismError(f"shard_group_size ({shard_group} processes: "
                                    f"{shard_group // (tp * cp)} data-parallel ranks) and parallelism."
                                    f"dp_shard={shard} disagree; set one of them")

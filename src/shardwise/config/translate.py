@@ -361,38 +361,33 @@ def _acc_launch(acc: Mapping[str, Any], kind: str, source: str) -> tuple[dict[st
 
 
 def _acc_parallelism(acc: Mapping[str, Any], kind: str, total: int, source: str, out: dict[str, Any]) -> None:
-    """`parallelism_config`: its sizes decide the hybrid group, over HYBRID_SHARD's node default."""
+    """`parallelism_config`: its sizes fill the `parallelism` section, over HYBRID_SHARD's node
+    default."""
     where = f"{source}: parallelism_config"
-    group = from_parallelism(acc["parallelism_config"], total if "num_processes" in acc else None, where)
-    tp = parallelism_tp(acc["parallelism_config"])
-    if tp > 1:
-        out["tensor_parallel_size"] = tp
-    if group is not None and kind != "FSDP":
+    section = from_parallelism(acc["parallelism_config"], total if "num_processes" in acc else None, where)
+    if section is None:
+        return
+    if section.get("dp_shard", 1) > 1 and kind != "FSDP":
         raise ConfigError(f"{where}: dp_shard_size > 1 shards the model, which Accelerate does under "
                           f"distributed_type FSDP only (found {kind})")
-    if group is not None:
-        out.pop("shard_group_size", None)
-        if group != "all":
-            out["shard_group_size"] = group
+    out.pop("shard_group_size", None)
+    out["parallelism"] = section
 
 
 _PARALLELISM_UNSUPPORTED = {"cp_size": "context", "sp_size": "sequence"}
 
 
 def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
-                     source: str = "parallelism_config") -> int | str | None:
-    """Accelerate's `ParallelismConfig` sizes -> shard_group_size: an int (hybrid sharding),
-    "all" (they ask for sharding across all processes) or None (they ask for nothing).
+                     source: str = "parallelism_config") -> dict[str, int] | None:
+    """Accelerate's `ParallelismConfig` sizes -> shardwise's `parallelism` section
+    (`config.parallelism`): dp_replicate, dp_shard and tp by their own names, or None where they
+    ask for nothing (every size 1, as Accelerate's defaults).
 
     `sizes` holds its fields by name (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) or
     as an Accelerate YAML's `parallelism_config` section spells them (`parallelism_config_`
-    before each). `dp_shard_size` processes shard the model and `dp_replicate_size` groups of
-    them hold replicas, so the group is `dp_shard_size` data-parallel ranks, each of `tp_size`
-    processes (tensor parallelism: `parallelism_tp`), and shard_group_size counts processes:
-    dp_shard_size x tp_size. The product of the sizes must be the process count (`num_processes`,
-    when known).
-    Context and sequence parallelism are refused; the keys that only tune those (backends,
-    strategies) mean nothing while their size is 1.
+    before each). The product of the sizes must be the process count (`num_processes`, when
+    known). Context and sequence parallelism are refused; the keys that only tune those
+    (backends, strategies) mean nothing while their size is 1.
     """
     plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
 
@@ -407,23 +402,17 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
             raise ConfigError(f"{source}: {name}={size(name)}: {what} parallelism is not supported by "
                               "shardwise; set it to 1 (data parallelism: dp_replicate_size, dp_shard_size)")
     replicas, shard, tp = size("dp_replicate_size"), size("dp_shard_size"), size("tp_size")
-    asked = replicas * shard * tp > 1  # (all 1: nothing asked for, as Accelerate's defaults)
-    if asked and num_processes is not None and replicas * shard * tp != num_processes:
+    if replicas * shard * tp == 1:
+        return None
+    if num_processes is not None and replicas * shard * tp != num_processes:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} x dp_shard_size={shard} x tp_size={tp} "
                           f"must equal the {num_processes} processes (num_processes)")
-    if replicas == shard == 1:
-        return None
-    if shard == 1:
+    if replicas > 1 and shard == 1:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
                           "parallelism, which Accelerate refuses here too; use strategy ddp instead")
-    return shard * tp if replicas > 1 else "all"  # shard_group_size counts processes (whole tp groups)
-
-
-def parallelism_tp(sizes: Mapping[str, Any]) -> int:
-    """Accelerate's `tp_size` (or a YAML's `parallelism_config_tp_size`) -> tensor_parallel_size
-    (checked with the other sizes by `from_parallelism`)."""
-    plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
-    return int(plain.get("tp_size", 1))
+    if replicas == shard == 1:
+        return {"tp": tp}  # the data-parallel ranks: the rest, laid out as the strategy does
+    return {"dp_replicate": replicas, "dp_shard": shard, "tp": tp}
 
 
 _FSDP_HYBRID = ("4", "5", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")

@@ -12,7 +12,7 @@ import difflib
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from .parallelism import (
     ConfigError as ConfigError,
@@ -21,9 +21,6 @@ from .parallelism import (
     data_parallel_size,
     tensor_parallel,
 )
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 # the strategy table lives in `specs`; re-exported here, where the config checks against it
 from .specs import (
@@ -58,7 +55,7 @@ CheckpointingName = Literal["none", "full", "selective", "offload"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 OFFLOADS: tuple[str, ...] = get_args(OffloadName)
-_S = TypeVar("_S", bound="DataclassInstance")
+_S = TypeVar("_S")
 MIN_COLLECTIVE_TIMEOUT_S = 5.0  # below it a healthy run's start-up or checkpoint collectives time out
 
 
@@ -451,7 +448,7 @@ class EngineConfig:
         """The section `cls` filled by name from the flat keys users write (which stay the
         source): each of its fields is this config's field of the same name, or `renamed`'s."""
         values = {f.name: renamed[f.name] if f.name in renamed else getattr(self, f.name)
-                  for f in fields(cls)}
+                  for f in fields(cls)}  # type: ignore[arg-type]  # (a section dataclass)
         return cls(**values)
 
     @property

@@ -50,14 +50,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup, Store
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a private module
@@ -70,8 +70,9 @@ Hook = Callable[..., Any]
 __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
     "is_fake", "is_sharded", "is_strided", "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
-    "member_groups", "no_grad_trunc_normal", "shard_box", "step_post_hooks", "step_pre_hooks", "storage_ref",
-    "strided_shard", "terminate_handler", "tree_map", "version_of", "view_base",
+    "member_groups", "no_grad_trunc_normal", "one_block_placements", "shard_box", "step_post_hooks",
+    "step_pre_hooks", "storage_ref", "strided_shard", "terminate_handler", "tree_map", "version_of",
+    "view_base",
 ]
 
 
@@ -188,6 +189,26 @@ def is_strided_shard(p: Placement) -> bool:
 def is_strided(t: DTensor) -> bool:
     """`t` is split in runs of a dimension somewhere (one of its placements is a `strided_shard`)."""
     return any(is_strided_shard(p) for p in t.placements)
+
+
+def one_block_placements(placements: Sequence[Placement]) -> list[Placement] | None:
+    """`placements` with every dimension that a `strided_shard` splits last made a plain `Shard`,
+    so that each rank holds one block of the tensor; None when each rank already does.
+
+    torch's distributed checkpoint describes a shard by one box (offset and shape), which a rank
+    holding several runs of a dimension does not fit: tensor parallelism's fused query/key/value
+    (`strided_shard(dim, 3)`) lays its columns out that way. A `strided_shard` that a plain `Shard`
+    of the same dimension splits again afterwards (FSDP2 sharding a tensor-parallel shard) still
+    leaves one block per rank and is kept."""
+    last: dict[int, Placement] = {}
+    for p in placements:
+        if isinstance(p, Shard) or is_strided_shard(p):
+            last[p.dim] = p  # type: ignore[attr-defined]  # both kinds split a dimension
+    strided = {d for d, p in last.items() if is_strided_shard(p)}
+    if not strided:
+        return None
+    return [Shard(p.dim) if is_strided_shard(p) and p.dim in strided else p  # type: ignore[attr-defined]
+            for p in placements]
 
 
 # -- process groups and the launcher -------------------------------------------------------------

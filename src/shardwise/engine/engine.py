@@ -64,6 +64,17 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class _Chooser:
+    """strategy="auto"'s chooser, handed to the engine from above (`shardwise/__init__.py`
+    registers `plan.auto.choose`): the planner traces the engine's own session, so the engine
+    must not import it (one direction between the two packages)."""
+
+    choose: Callable[..., tuple[EngineConfig, Any]] | None = None
+
+
+AUTO_CHOOSER = _Chooser()
+
+
 class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     """Runs a PyTorch training loop under ddp, zero1, zero2 or zero3 on one or many processes.
 
@@ -206,8 +217,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         for optimizer in of["optimizer"]:
             check_optimizer(optimizer, of["model"], known)
         if self._session is None:
-            from ..plan.auto import choose
-
+            choose = AUTO_CHOOSER.choose
+            if choose is None:
+                raise RuntimeError("strategy='auto' needs the planner: import shardwise (which registers it)")
             self._config, self.plan = choose(self.config, self._info, of["model"], of["dataloader"])
             self._session = self._new_session(self.config)
         session = self._session

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..checkpoint.storage import CheckpointError, fsync_path, new_staging, os_error_line
 from ..distributed.internals import is_sharded
 from .export import save_model_files
+from .storage import CheckpointError, fsync_path, new_staging, os_error_line
 
 _REFUSED = "_shardwise_refuses_save"  # marks a save_pretrained this module put on an instance
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..checkpoint.storage import (
+from .storage import (
     ALGORITHM,
     CheckpointError,
     check_file,

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.storage import CheckpointError, agree
 from ..distributed.internals import is_strided, local_part, local_tensor, shard_box
 from .export import (
     INDEX,
@@ -37,6 +36,7 @@ from .export import (
     read_safetensors_header,
     written_by_shardwise,
 )
+from .storage import CheckpointError, agree
 
 log = logging.getLogger("shardwise")
 
