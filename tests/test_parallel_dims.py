@@ -7,11 +7,12 @@
 - `from_pretrained(tp_plan="auto", device_mesh=accelerator.torch_device_mesh)`: the model
   transformers split is kept (never split twice) and trains what one process trains.
 - A script in Accelerate's pattern, `Accelerator(parallelism_config=ParallelismConfig(tp_size=2))`
-  at 2 processes and `ParallelismConfig(dp_shard_size=2, tp_size=2)` at 4, sizing its loader by
+  at 2 processes and, as Accelerate's ND-parallel example (its FSDP plugin says the strategy),
+  `ParallelismConfig(dp_shard_size=2, tp_size=2)` at 4, sizing its loader by
   `accelerator.parallelism_config.data_parallel_size` and reading `accelerator.torch_device_mesh`
   (its "tp" dimension and the flattened "dp_cp" view), with `from shardwise import Accelerator`:
-  equal to one plain process. (The strategy, zero3, comes from shardwise's config as for any
-  script; Accelerate's FSDP plugin that would say it is issue 44's.)
+  equal to one plain process. (The strategy, zero3: shardwise's keyword at 2 processes, the FSDP
+  plugin at 4.)
 Tolerances as tests/test_tensor_parallel.py: losses, clipped norms, final weights within 1e-5.
 """
 
@@ -67,13 +68,21 @@ def _engine_sized_by_dp(**layout: Any) -> dict[str, Any]:
     return out
 
 
-def _accelerate_pattern(sizes: dict[str, int], pretrained: str | None = None) -> dict[str, Any]:
+def _accelerate_pattern(sizes: dict[str, int], pretrained: str | None = None, *,
+                        plugin: bool = False) -> dict[str, Any]:
     from accelerate import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
 
     from shardwise import Accelerator  # the script's one changed line
 
-    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(**sizes), strategy="zero3",
-                              seed=W.SEED)
+    # the strategy: shardwise's keyword, or (`plugin`) as Accelerate's ND-parallel example says it
+    said: dict[str, Any] = {"strategy": "zero3"}
+    if plugin:
+        said = {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT")}
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(**sizes), seed=W.SEED, **said)
+    assert accelerator.config.strategy == "zero3"
     torch.manual_seed(W.SEED)
     pc, mesh = accelerator.parallelism_config, accelerator.torch_device_mesh
     if pretrained is None:
@@ -97,7 +106,7 @@ def _four() -> dict[str, Any]:
     return {"engine": _engine_sized_by_dp(parallelism={"dp_shard": 2, "tp": 2}),
             "user_parallelize": _engine_sized_by_dp(parallelism={"dp_shard": -1, "tp": 2},
                                                     parallelize=split_mlps),
-            "accelerate": _accelerate_pattern({"dp_shard_size": 2, "tp_size": 2})}
+            "accelerate": _accelerate_pattern({"dp_shard_size": 2, "tp_size": 2}, plugin=True)}
 
 
 def _check(run: dict[str, Any], ref: W.Trained, state: dict[str, torch.Tensor]) -> None:

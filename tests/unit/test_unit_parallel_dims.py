@@ -80,17 +80,15 @@ def test_unknown_views_and_ranks_are_refused() -> None:
 @pytest.mark.parametrize(("rep", "shard", "tp"), [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2),
                                                   (1, 1, 4), (2, 2, 2)])
 def test_meshes_of_each_view_on_a_fake_world(rep: int, shard: int, tp: int) -> None:
-    """get_mesh on rank 0 of a fake world: each view's mesh has the view's size and holds rank
-    0's group, in view-rank order; flattened views keep their names."""
+    """get_mesh on rank 0 of a fake world: each view's mesh (a view of the one world mesh) has the
+    view's size and holds rank 0's group, in view-rank order; flattened views keep their names."""
     from shardwise.plan.fakes import fake_world
 
     world = rep * shard * tp
     with fake_world(world):
         dims = ParallelDims(rep, shard, world, "cpu", tp=tp)
         for view in ("batch", "dp", "fsdp", "dp_shard_cp", "loss", "dp_cp", "tp", "dp_shard", "dp_replicate"):
-            if dims.view_size(view) == 1 and view not in dims.named_mesh.mesh_dim_names:
-                continue
-            mesh = dims.get_mesh(view)
+            mesh = dims.get_mesh(view)  # (a view of one process too: its dimension of the world mesh)
             assert mesh.size() == dims.view_size(view), view
             assert mesh.mesh.reshape(-1).tolist() == dims.group_of(view, 0), view
         assert torch.equal(dims.layout.reshape(-1), torch.arange(world))

@@ -177,7 +177,7 @@ def test_throughput_counts_a_tp_groups_batch_once() -> None:
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     records = []
     for copies in (1, 2):
-        meter = Meter(info, 1, peak=None, flops_per_token=None, copies=copies)
+        meter = Meter(info, 1, peak=None, flops_per_token=None, same_samples=lambda copies=copies: copies)
         meter.on_batch(torch.zeros(4, 8, dtype=torch.long))  # 4 samples of 8 tokens
         meter.on_backward(torch.tensor(2.0))
         meter.due(1)

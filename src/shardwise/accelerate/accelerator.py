@@ -55,6 +55,7 @@ from .objects import (
     ParallelSizes,
     ProjectConfiguration,
 )
+from .plugins import read_plugins
 from .process import ProcessHelpers, all_tensors, join_uneven_inputs, trigger_sync_in_backward
 from .rules import (
     accelerate_rules,
@@ -94,7 +95,9 @@ class Accelerator(ProcessHelpers):
     ) -> None:
         refuse_unsupported(kwargs, device_placement=device_placement)
         read_dynamo(kwargs)  # dynamo_backend / dynamo_plugin: compile each block
-        asked_layout = kwargs.get("parallelism_config") is not None
+        # Accelerate's plugins (and its launcher's variables): translated as their file forms are
+        self.plugin_settings = read_plugins(kwargs)
+        asked_layout = kwargs.get("parallelism_config") is not None or "parallelism" in kwargs
         read_parallelism(kwargs, int(os.environ.get("WORLD_SIZE", "1")))
         if mixed_precision is None:  # Accelerate: from the launcher's config or environment, else "no"
             mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -154,7 +157,7 @@ class Accelerator(ProcessHelpers):
         names = self._layout.active_mesh_dims
         if not names:
             return
-        mesh = dims.named_mesh
+        mesh = dims.world_mesh  # the run's one mesh (its dimensions of one process too, by name)
         layout = self._layout
         for view, over in (("dp", layout.dp_dim_names), ("dp_shard_cp", layout.dp_shard_cp_dim_names),
                            ("dp_cp", layout.dp_cp_dim_names)):
@@ -171,9 +174,10 @@ class Accelerator(ProcessHelpers):
 
     @property
     def torch_device_mesh(self) -> Any:
-        """Accelerate's `torch_device_mesh`: the run's DeviceMesh with named dimensions
-        (`dp_replicate`, `dp_shard`, `tp`) and the flattened `dp`, `dp_shard_cp` and `dp_cp`
-        views; None where `parallelism_config` is."""
+        """Accelerate's `torch_device_mesh`: the run's one DeviceMesh (`ParallelDims.world_mesh`),
+        its dimensions named (`dp_replicate`, `dp_shard`, `cp`, `tp`; Accelerate's holds those of
+        more than one process only, and every name it has slices the same here), with the
+        flattened `dp`, `dp_shard_cp` and `dp_cp` views; None where `parallelism_config` is."""
         return self._mesh
 
     @property

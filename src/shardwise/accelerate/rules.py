@@ -20,7 +20,10 @@ from ..config.tree import ConfigError, EngineConfig, backend_spec, is_auto, stra
 from ..engine.loop_rules import LoopRules
 from .objects import DistributedType
 
-_REFUSED = ("deepspeed_plugin", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin", "deepspeed_plugins")
+# the plugins shardwise cannot honour (the others are translated: `accelerate.plugins`)
+_REFUSED = {"megatron_lm_plugin": "Megatron-LM's pipeline and tensor parallelism is not an engine of "
+                                  "shardwise; use tensor_parallel_size (or TorchTensorParallelPlugin) with a "
+                                  "ZeRO strategy"}
 log = logging.getLogger("shardwise")
 
 
@@ -69,11 +72,9 @@ def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
 def refuse_unsupported(kwargs: dict[str, Any], *, device_placement: bool) -> None:
     """Refuse Accelerate's plugins for other engines (popped from `kwargs`) and
     `device_placement=False`, each in one line."""
-    for name in _REFUSED:
+    for name, why in _REFUSED.items():
         if kwargs.pop(name, None) is not None:
-            raise ConfigError(f"Accelerator({name}=...): shardwise does not take Accelerate's plugins "
-                              "for other engines; choose strategy/backend/offload in shardwise's "
-                              "config (`shardwise config`)")
+            raise ConfigError(f"Accelerator({name}=...): {why}")
     if not device_placement:
         raise ConfigError("Accelerator(device_placement=False): shardwise places prepared models and "
                           "batches on the process's device; move tensors yourself only outside prepare()")

@@ -304,7 +304,7 @@ def _acc_kind(acc: Mapping[str, Any], kind: str, source: str,
         if kind == "MULTI_CPU":
             out["cpu"] = True
     elif kind == "FSDP":
-        out.update(_acc_fsdp(acc.get("fsdp_config") or {}, dropped, source))
+        out.update(acc_fsdp(acc.get("fsdp_config") or {}, dropped, source))
     elif kind == "DEEPSPEED":
         out.update(_acc_deepspeed(acc.get("deepspeed_config") or {}, dropped, source))
         ds_file = out.pop("deepspeed_config", None)
@@ -416,12 +416,26 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
 
 
 _FSDP_HYBRID = ("4", "5", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-# FSDP1 switches FSDP2 (and so shardwise) always behaves as if they were set.
-_FSDP_NEUTRAL = {"sync_module_states": True, "use_orig_params": True}
+# FSDP1 switches FSDP2 (and so shardwise) always behaves as if they were set; what shardwise's
+# checkpoints are (shards any world size loads); FSDP's own defaults.
+_FSDP_NEUTRAL = {"sync_module_states": True, "use_orig_params": True, "state_dict_type": "SHARDED_STATE_DICT",
+                 "limit_all_gathers": True, "backward_prefetch": "BACKWARD_PRE"}
+_FSDP_NOTES = {
+    "state_dict_type": "save_state writes shards that any world size and strategy load; save_model writes "
+                       "the whole weights",
+    "cpu_ram_efficient_loading": "shardwise: build the model under `init_empty()` or load it with "
+                                 "from_pretrained, so each process allocates its shards only",
+    "ignored_modules": "shardwise shards every module of the model",
+    "auto_wrap_policy": "a callable policy: shardwise wraps the repeated blocks; name their classes in "
+                        "transformer_cls_names_to_wrap",
+}
+_TORCH_DTYPES = {"torch.bfloat16": "bf16", "bfloat16": "bf16", "bf16": "bf16", "torch.float16": "fp16",
+                 "float16": "fp16", "fp16": "fp16", "torch.float32": "fp32", "float32": "fp32"}
 
 
-def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[str, Any]:
-    plain = {k.removeprefix("fsdp_"): v for k, v in cfg.items()}
+def _fsdp_strategy(plain: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """`sharding_strategy` (FSDP1) or `reshard_after_forward` (FSDP2: a bool, or an FSDP1 name)
+    -> the strategy, and hybrid sharding's node group."""
     out: dict[str, Any] = {"strategy": "zero3"}
     if "sharding_strategy" in plain:
         key = str(plain["sharding_strategy"]).upper()
@@ -433,7 +447,7 @@ def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[s
         out["strategy"] = _FSDP_SHARDING[key]
         if key in _FSDP_HYBRID:  # FSDP's hybrid shards within a node; a parallelism_config may say otherwise
             out["shard_group_size"] = "node"
-    if "reshard_after_forward" in plain:  # FSDP2 spelling; a bool, or an FSDP1 strategy name
+    if "reshard_after_forward" in plain:
         value = plain["reshard_after_forward"]
         flag = _flag(value, f"{source}: fsdp_config.reshard_after_forward") if not (
             isinstance(value, str) and value.upper() in _FSDP_SHARDING) else None
@@ -442,6 +456,15 @@ def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[s
         )
         if flag is None and str(value).upper() in _FSDP_HYBRID:
             out["shard_group_size"] = "node"
+    return out
+
+
+def acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[str, Any]:
+    """An Accelerate YAML's `fsdp_config` (or a FullyShardedDataParallelPlugin's fields spelled the
+    same way: `accelerate.plugins.fsdp_fields`) -> shardwise settings; what is not applied is
+    appended to `dropped`, with why where it helps."""
+    plain = {k.removeprefix("fsdp_"): v for k, v in cfg.items()}
+    out = _fsdp_strategy(plain, source)
     if _flag(plain.get("offload_params", False), f"{source}: fsdp_config.offload_params"):
         out["offload"] = "params"
     if _flag(plain.get("activation_checkpointing", False), f"{source}: fsdp_config.activation_checkpointing"):
@@ -451,13 +474,24 @@ def _acc_fsdp(cfg: Mapping[str, Any], dropped: list[str], source: str) -> dict[s
     if layers and policy in ("", "TRANSFORMER_BASED_WRAP"):
         names = layers if isinstance(layers, list) else str(layers).split(",")
         out["wrap"] = [n.strip() for n in names if n.strip()]
+    if _flag(plain.get("activation_checkpointing_offload", False),
+             f"{source}: fsdp_config.activation_checkpointing_offload"):
+        out["activation_checkpointing"] = "offload"  # the saved activations kept on the host
+    mp = plain.get("mixed_precision_policy")
+    if mp is not None and str(mp) in _TORCH_DTYPES:
+        out["precision"] = _TORCH_DTYPES[str(mp)]
     handled = {"sharding_strategy", "reshard_after_forward", "offload_params", "activation_checkpointing",
-               "auto_wrap_policy", "transformer_layer_cls_to_wrap", "version"}
+               "activation_checkpointing_offload", "transformer_layer_cls_to_wrap", "version"}
+    if mp is not None and str(mp) in _TORCH_DTYPES:
+        handled.add("mixed_precision_policy")
+    if policy in ("", "NO_WRAP", "TRANSFORMER_BASED_WRAP"):
+        handled.add("auto_wrap_policy")
     for key, value in plain.items():
         if key == "min_num_params" or (key == "auto_wrap_policy" and policy == "SIZE_BASED_WRAP"):
             dropped.append(f"fsdp_config.{key} (size-based wrapping: shardwise wraps the repeated blocks)")
         elif key not in handled and value and _FSDP_NEUTRAL.get(key, object()) != value:
-            dropped.append(f"fsdp_config.{key}")
+            note = _FSDP_NOTES.get(key)
+            dropped.append(f"fsdp_config.{key}" + (f"={value} ({note})" if note else ""))
     return out
 
 

@@ -17,7 +17,10 @@ Ranks are laid out on (dp_replicate, dp_shard, cp, tp) as `init_device_mesh` lay
 (`layout`), and every rank and size is read from that layout by named view (`VIEWS`): `batch`
 (the data-parallel ranks: loaders split by it), `loss` (batch x cp), `fsdp` (dp_shard x cp: what
 ZeRO shards over), `tp`, `cp`, ... (`coordinates`, `view_rank`, `view_size`, `group_of`);
-`get_mesh(name)` is the view's DeviceMesh, each flattened view made once from one named mesh.
+`get_mesh(name)` is the view's DeviceMesh, each flattened view made once from the one world mesh
+(`world_mesh`: every dimension named, built once per process and layout; the sharding `mesh`, the
+`tp_mesh` and Accelerate's `named_mesh` are its views). The sizes come from the config's
+`parallelism` section (`config.parallelism.resolve_sizes`), never from arithmetic here.
 Loaders, `gather`/`reduce`, the metrics' counts and `train_batch_size` ask this object.
 """
 
@@ -132,8 +135,7 @@ class ParallelDims:
     @property
     def names(self) -> tuple[str, ...]:
         """The dimensions of more than one process, outermost first (the mesh's dimension names)."""
-        sizes = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
-        return tuple(n for n, size in sizes if size > 1)
+        return tuple(n for n in DIMS if getattr(self, n) > 1)
 
     @property
     def dp_size(self) -> int:
@@ -149,27 +151,25 @@ class ParallelDims:
         return self.coordinates(rank)["tp"]
 
     @functools.cached_property
-    def full_mesh(self) -> DeviceMesh:
-        """The 3-D mesh ("dp_replicate", "dp_shard", "tp") of a run with tensor parallelism
-        (built at first use, collectively)."""
-        return init_device_mesh(self.device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    def world_mesh(self) -> DeviceMesh:
+        """The world's one mesh, (dp_replicate, dp_shard, cp, tp) with every dimension named
+        (dimensions of one process included), as `layout` lays the ranks out: every other mesh
+        of the run is a view of it. Built at first use, collectively, once per process and
+        layout (`world_mesh`)."""
+        return world_mesh(self.device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp))
 
     @functools.cached_property
     def mesh(self) -> DeviceMesh:
-        """The data-parallel sharding mesh (built at first use, collectively): 1-D over the
-        data-parallel ranks when one group shards over all, else hybrid's 2-D ("dp_replicate",
-        "dp_shard"); with tensor parallelism, those dimensions of `full_mesh`."""
-        if self.tp == 1:
-            return device_mesh(torch.device(self.device_type), self.dp_shard)
+        """The data-parallel sharding mesh: `world_mesh`'s "dp_shard" dimension, with hybrid
+        sharding its ("dp_replicate", "dp_shard")."""
         if self.dp_replicate > 1:
-            return self.full_mesh["dp_replicate", "dp_shard"]
-        return self.full_mesh["dp_shard"]
+            return self.world_mesh["dp_replicate", "dp_shard"]
+        return self.world_mesh["dp_shard"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
         """The 1-D mesh of this process's tensor-parallel group."""
-        return self.full_mesh["tp"]
+        return self.world_mesh["tp"]
 
     def groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         """(shard group, replicate group): the processes this one shards with, and those holding
@@ -178,63 +178,39 @@ class ParallelDims:
 
     @functools.cached_property
     def named_mesh(self) -> DeviceMesh:
-        """The run's mesh with named dimensions (built at first use, collectively): with tensor
-        parallelism `full_mesh`; else the data-parallel `mesh`, named ("dp_shard" when it is 1-D)."""
-        if self.tp > 1:
-            return self.full_mesh
-        mesh = self.mesh
-        if mesh.mesh_dim_names:
-            return mesh
-        return init_device_mesh(self.device_type, (self.world_size,), mesh_dim_names=("dp_shard",))
+        """`world_mesh`'s dimensions of more than one process, by name (Accelerate's
+        `torch_device_mesh` shape); "dp_shard" alone where every dimension is of one process."""
+        return self.world_mesh[self.names or ("dp_shard",)]
 
     def get_mesh(self, view: str) -> DeviceMesh:
         """The DeviceMesh of a named view (`VIEWS`): its dimensions of more than one process,
         flattened into one dimension named `view` where there are several (made once, on every
         process together: call it on all of them); a dimension of one process where none is."""
         dims = self._dims_of(view)
-        named = self.named_mesh
-        have = [d for d in dims if d in (named.mesh_dim_names or ())]
-        missing = [d for d in dims if getattr(self, d) > 1 and d not in have]
-        if missing:
-            raise ValueError(f"the view {view!r} spans {', '.join(missing)}, which this run's mesh does "
-                             "not hold")
-        active = [d for d in have if getattr(self, d) > 1]
+        active = [d for d in dims if getattr(self, d) > 1]
         if len(active) > 1:
-            return flatten_mesh(named[tuple(active)], view)
-        if active or have:
-            return named[(active or have)[0]]
-        raise ValueError(f"the view {view!r} is of one process here: {', '.join(dims)} are all 1")
+            return flatten_mesh(self.world_mesh[tuple(active)], view)
+        return self.world_mesh[(active or list(dims))[0]]
 
 
-# see device_mesh; keyed by the default group too, so the planner's fake world (plan/fakes.py),
+# see world_mesh; keyed by the default group too, so the planner's fake world (plan/fakes.py),
 # which runs inside a live job, never replaces the live job's mesh
-_MESHES: dict[tuple[str, int, int], tuple[dist.ProcessGroup, DeviceMesh]] = {}
+_MESHES: dict[tuple[str, tuple[int, ...], int], tuple[dist.ProcessGroup, DeviceMesh]] = {}
 
 
-def device_mesh(device: torch.device, group: int | None = None) -> DeviceMesh:
-    """The data-parallel mesh of a run whose sharding groups hold `group` processes (None: all).
-
-    `group` equal to the world size: a 1-D mesh over every process, the sharding dimension.
-    Otherwise a 2-D mesh, dims named ("dp_replicate", "dp_shard"), of world/group rows of `group`
-    consecutive ranks: ranks 0..group-1 are sharding group 0 (one node, with `shard_group_size:
-    node`), and the replicate dimension links the processes at the same position in each group.
-    `mesh_groups(mesh)` gives the two process groups. A 2-D mesh is built once per default
-    process group and size (building one makes new process groups on every rank, collectively).
-    """
-    world = dist.get_world_size()
-    group = world if group is None else group
-    if group == world:
-        return init_device_mesh(device.type, (world,))
-    if group < 1 or world % group:
-        raise ValueError(f"a sharding group of {group} processes does not divide the world of {world}")
-    key = (device.type, group, id(dist.group.WORLD))
+def world_mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
+    """The (dp_replicate, dp_shard, cp, tp) mesh of `shape` over every process, built once per
+    default process group and shape: building one makes new process groups on every rank,
+    collectively, so every engine (and every strategy a `free_memory` rebuilds) of a process
+    reuses it."""
+    world = dist.group.WORLD
+    key = (device_type, shape, id(world))
     cached = _MESHES.get(key)
-    if cached is not None and cached[0] is dist.group.WORLD:
+    if cached is not None and cached[0] is world:
         return cached[1]
-    mesh = init_device_mesh(device.type, (world // group, group), mesh_dim_names=("dp_replicate", "dp_shard"))
-    world_group = dist.group.WORLD
-    assert world_group is not None  # init_device_mesh needs (and made sure of) a default group
-    _MESHES[key] = (world_group, mesh)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+    assert world is not None  # init_device_mesh needs (and made sure of) a default group
+    _MESHES[key] = (world, mesh)
     return mesh
 
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ..checkpoint import run_record
 from ..checkpoint.manager import CheckpointManager
+from ..config.parallelism import data_parallel_size
 from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
 from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one, whole
 from ..distributed.mesh import ParallelDims
@@ -117,8 +118,8 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
         self._supervisor = Supervisor(cfg.supervision, cfg.checkpointing, self._info)  # preemption, timeouts
         self._observer = Observer(cfg.observation, self._info)  # metrics, trackers, progress
-        dims = self._dims()
-        self._observer.meter.copies = 1 if dims is None else dims.non_data_parallel
+        # a batch counts once per group of processes that take the same samples (the layout's)
+        self._observer.meter.same_samples = lambda: dims.non_data_parallel if (dims := self._dims()) else 1
         # between two optimizer steps, in this order (`shardwise.engine.boundary`)
         self._boundary_hooks = boundary.StepBoundary()
         self._boundary_hooks.add("observation", lambda step: self._observer.at_boundary(step, self._probe))
@@ -129,13 +130,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             say(self._info, f"the worker group was restarted ({restarts} restart(s) so far)")
 
     def _new_session(self, cfg: EngineConfig) -> Session:
-        """A session on the strategy `cfg` describes; each part gets its own section. The meter
-        counts a batch once per group of processes that take the same samples (the layout's)."""
-        session = Session(cfg.blocks, make_strategy(cfg.sharding, self._info),
-                          grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
-        if hasattr(self, "_observer"):  # (at construction the observer comes after the session)
-            self._observer.meter.copies = session.strategy.dims.non_data_parallel
-        return session
+        """A session on the strategy `cfg` describes; each part gets its own section."""
+        return Session(cfg.blocks, make_strategy(cfg.sharding, self._info),
+                       grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
 
     @property
     def config(self) -> EngineConfig:
@@ -289,10 +286,10 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if loader.batch_size is not None:
             accum = resolve_grad_accum(self.config, loader.batch_size, self.num_processes)
             if accum != self.config.grad_accum_steps:
-                tp = self.config.tensor_parallel_size
-                n = self.num_processes
-                ranks = (f"{n} process(es)" if tp == 1 else
-                         f"{n // tp} data-parallel rank(s) ({n} processes / tp {tp})")
+                cfg, n = self.config, self.num_processes
+                dp = data_parallel_size(cfg.parallelism, cfg.tensor_parallel_size, n)
+                ranks = (f"{n} process(es)" if dp == n else
+                         f"{dp} data-parallel rank(s) ({n} processes / tp {n // dp})")
                 say(self._info, f"train_batch_size={self.config.train_batch_size} at {ranks} "
                     f"x batch {loader.batch_size}: grad_accum_steps "
                     f"{self.config.grad_accum_steps} -> {accum}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.parallelism import ParallelismConfig, Sizes, resolve_sizes
 from ..config.tree import ConfigError, OffloadSpec, StrategySpec, offload_spec, strategy_spec
 
 AC_MODES = ("none", "full", "selective", "offload")
@@ -84,6 +85,15 @@ class Candidate:
         if mode == "none":
             return ""
         return " + AC" + ("" if mode == "full" else f" {mode}") + (f"/{every}" if every else "")
+
+    def sizes(self, world_size: int) -> Sizes:
+        """This candidate's mesh sizes on `world_size` processes, resolved as a run resolves its
+        own (`config.parallelism.resolve_sizes`: the one place a data-parallel size is computed;
+        `shard_group_size` here counts data-parallel ranks, the config counts processes)."""
+        tp = self.tensor_parallel_size
+        group = None if self.shard_group_size is None else self.shard_group_size * tp
+        return resolve_sizes(ParallelismConfig(), shards=self.strategy_spec.stage >= 1, shard_group=group,
+                             tensor_parallel_size=tp, world=world_size, local_world=world_size)
 
     def sharding_group(self, world_size: int) -> int:
         """Processes that share the sharded state among themselves: its group under hybrid

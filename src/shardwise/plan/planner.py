@@ -239,7 +239,7 @@ def layout(cand: Candidate, world_size: int) -> Candidate:
     (world / tensor_parallel_size = 1) without offload: its optimizer shard is the whole
     optimizer and its gather of the updated slices moves nothing, as ddp (traces equal, every
     segment and role, `tests/test_plan_tp.py`)."""
-    dp = world_size // cand.tensor_parallel_size
+    dp = cand.sizes(world_size).dp
     if dp == 1 and cand.strategy_spec.stage == 1 and not cand.offload_spec.any:
         return replace(cand, strategy=_DDP)
     return cand
@@ -315,8 +315,9 @@ def _volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> Co
     if tp == 1:
         return step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
                          world_size=req.world_size, nodes=req.nodes, group_size=cand.shard_group_size)
+    dp_ranks = cand.sizes(req.world_size).dp
     dp = step_comm(cand.strategy, fitted.linear("tp_parameters", batch), req.precision,
-                   world_size=req.world_size // tp, nodes=req.nodes, group_size=cand.shard_group_size)
+                   world_size=dp_ranks, nodes=req.nodes, group_size=cand.shard_group_size)
     return with_tensor_parallel(dp, fitted.comm_bytes(f"allreduce@{tp}"), tp,
                                 gathered=fitted.comm_bytes(f"allgather@{tp}"),
                                 scattered=fitted.comm_bytes(f"reduce_scatter@{tp}"))

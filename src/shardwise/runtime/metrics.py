@@ -24,7 +24,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -98,10 +98,12 @@ class Meter:
 
     def __init__(
         self, info: DistInfo, every: int, *, peak: float | None, flops_per_token: float | None,
-        copies: int = 1,
+        same_samples: Callable[[], int] = lambda: 1,
     ) -> None:
         self.info, self.every = info, every
-        self.copies = copies  # processes that see each batch (a tensor-parallel group): counted once
+        # processes that take each batch (a tp x cp group: counted once), asked of the run's
+        # layout (`ParallelDims.non_data_parallel`) at each record
+        self.same_samples = same_samples
         self.peak = peak if peak is not None else peak_tflops(info.device)
         self.flops_per_token = flops_per_token  # None: from the model at prepare
         self._loss = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -154,7 +156,8 @@ class Meter:
         else:
             table = mine.cpu().unsqueeze(0)
         loss_sum, losses, samples, tokens = (float(table[:, i].sum()) for i in range(4))
-        samples, tokens = samples / self.copies, tokens / self.copies  # (the loss: a mean, unchanged)
+        copies = self.same_samples()
+        samples, tokens = samples / copies, tokens / copies  # (the loss: a mean, unchanged)
         steps = max(1, self.steps_since_record)
         out: dict[str, Any] = {"step": step, **extra}
         out["loss"] = loss_sum / losses if losses else None

@@ -31,7 +31,7 @@ class Observer:
         self.trackers: list[Tracker] = []
         self.started = False
         self.meter = Meter(info, max(1, cfg.log_every_steps), peak=cfg.peak_tflops,
-                           flops_per_token=cfg.flops_per_token)  # copies: the engine's layout sets it
+                           flops_per_token=cfg.flops_per_token)  # same_samples: the engine's layout
         show = progress_wanted(cfg.progress, info.is_main)
         if info.world_size > 1 and dist.is_initialized():  # every process must agree to make records
             flag = torch.tensor([int(show)], device=info.device)

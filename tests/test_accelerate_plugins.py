@@ -1,0 +1,129 @@
+"""Accelerate's plugin objects configure shardwise (issue 44), each run against one plain process.
+
+A script in Accelerate's pattern passes its plugin to `Accelerator(...)` with only the import
+changed: `DeepSpeedPlugin` (zero 2 with optimizer offload; zero 3 from `hf_ds_config` as a dict
+and as a file: backend deepspeed), `FullyShardedDataParallelPlugin` (FULL_SHARD on FSDP2 with
+transformer-based wrapping and a sharded state dict; SHARD_GRAD_OP with activation checkpointing;
+HYBRID_SHARD with cpu_offload) and `TorchTensorParallelPlugin(tp_size=2)`. Each run's config is
+the one the same settings give as a shardwise config (the translation is checked field by field),
+and trains what one process trains on the same global batches (fp32; losses, clipped norms and
+final weights within 1e-5, as tests/test_tensor_parallel.py; 1e-4 for DeepSpeed's offload, whose
+host Adam sums in another order, as tests/test_deepspeed.py). 2 CPU processes, two spawns: the
+torch backend's cases, then DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import workloads as W
+from spawn import spawn
+from torch.utils.data import DataLoader
+
+pytest.importorskip("accelerate")
+GLOBAL, STEPS = 4, 3
+
+# the same settings, as a shardwise config would give them
+TORCH_CASES: dict[str, dict[str, Any]] = {
+    "fsdp2_full_shard": {"strategy": "zero3", "wrap": ("LlamaDecoderLayer",), "offload": "none"},
+    "fsdp1_shard_grad_op_ac": {"strategy": "zero2", "activation_checkpointing": "full"},
+    "fsdp1_hybrid_offload": {"strategy": "zero3", "shard_group_size": "node", "offload": "params"},
+    "tp_plugin": {"tensor_parallel_size": 2},
+}
+DS_CASES: dict[str, dict[str, Any]] = {
+    "ds_zero2_offload": {"backend": "deepspeed", "strategy": "zero2", "offload": "optimizer"},
+    "ds_zero3_dict": {"backend": "deepspeed", "strategy": "zero3"},
+    "ds_zero3_file": {"backend": "deepspeed", "strategy": "zero3"},
+}
+DS_JSON = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0,
+           "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+
+
+def _plugin(case: str, ds_file: str) -> dict[str, Any]:
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchTensorParallelPlugin
+
+    if case == "fsdp2_full_shard":  # the pattern of Accelerate's ND-parallel example
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT")}
+    if case == "fsdp1_shard_grad_op_ac":
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            sharding_strategy="SHARD_GRAD_OP", activation_checkpointing=True,
+            state_dict_type="SHARDED_STATE_DICT")}
+    if case == "fsdp1_hybrid_offload":
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+            sharding_strategy="HYBRID_SHARD", cpu_offload=True, state_dict_type="SHARDED_STATE_DICT")}
+    if case == "tp_plugin":
+        return {"torch_tp_plugin": TorchTensorParallelPlugin(tp_size=2)}
+    if case == "ds_zero2_offload":
+        return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu",
+                                                    gradient_clipping=1.0)}
+    if case == "ds_zero3_dict":
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=dict(DS_JSON))}
+    return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=ds_file)}
+
+
+def _one(case: str, ds_file: str) -> dict[str, Any]:
+    from shardwise import Accelerator  # the script's one changed line
+
+    accelerator = Accelerator(cpu=True, seed=W.SEED, **_plugin(case, ds_file))
+    cfg = accelerator.config
+    torch.manual_seed(W.SEED)
+    model = W.build("llama")
+    opt = W.make_optimizer(model)
+    dp = accelerator.parallelism_config.data_parallel_size if accelerator.parallelism_config else 2
+    loader = DataLoader(W.Tokens(GLOBAL * STEPS), batch_size=GLOBAL // dp, shuffle=True)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    losses, norms = [], []
+    for ids in loader:
+        loss = W.lm_loss(model, ids)
+        accelerator.backward(loss)
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+    state = accelerator.get_state_dict(model)
+    settings = {k: getattr(cfg, k) for k in ("strategy", "backend", "offload", "wrap", "shard_group_size",
+                                             "activation_checkpointing", "tensor_parallel_size")}
+    return {"losses": losses, "norms": norms, "state": state, "settings": settings,
+            "end": accelerator.end_training}
+
+
+def _cases(cases: list[str], ds_file: str) -> dict[str, Any]:
+    """The cases one after another in one process group (DeepSpeed keeps its groups for the
+    process's life), ended once."""
+    runs = {case: _one(case, ds_file) for case in cases}
+    for run in runs.values():
+        end = run.pop("end")
+    end()
+    return runs
+
+
+def _check(runs: list[dict[str, Any]], cases: dict[str, dict[str, Any]], tol: dict[str, float]) -> None:
+    ref = W.reference("llama", world=2, batch=GLOBAL // 2, accum=1, steps=STEPS)
+    for case, want in cases.items():
+        settings = runs[0][case]["settings"]
+        for key, value in want.items():
+            assert settings[key] == value, (case, key, settings[key], value)
+        for rank in runs:
+            got = rank[case]
+            assert W.close(got["losses"], ref.losses) < tol.get(case, 1e-5), (case, got["losses"], ref.losses)
+            assert W.close(got["norms"], ref.norms) < tol.get(case, 1e-5), (case, got["norms"], ref.norms)
+        assert W.max_diff(runs[0][case]["state"], ref.state) < tol.get(case, 1e-5), case
+
+
+def test_fsdp_and_tensor_parallel_plugins_train_what_one_process_trains() -> None:
+    runs = spawn(_cases, 2, list(TORCH_CASES), "")
+    _check(runs, TORCH_CASES, {})
+
+
+def test_deepspeed_plugins_train_what_one_process_trains(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps(DS_JSON))
+    runs = spawn(_cases, 2, list(DS_CASES), str(ds_file))
+    _check(runs, DS_CASES, {"ds_zero2_offload": 1e-4})
