@@ -127,3 +127,71 @@ def test_deepspeed_plugins_train_what_one_process_trains(tmp_path: Path) -> None
     ds_file.write_text(json.dumps(DS_JSON))
     runs = spawn(_cases, 2, list(DS_CASES), str(ds_file))
     _check(runs, DS_CASES, {"ds_zero2_offload": 1e-4})
+
+
+# -- Accelerate's launcher: `accelerate launch --config_file X.yaml` = `shardwise launch --config X.yaml` --
+SCRIPT = Path(__file__).parent / "scripts" / "launcher_settings.py"
+LAUNCH_YAMLS = {
+    "fsdp": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+             "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+             "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+             "  fsdp_reshard_after_forward: true\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+             "  fsdp_activation_checkpointing: true\n",
+             {"strategy": "zero3", "backend": "torch", "wrap": ["LlamaDecoderLayer"],
+              "activation_checkpointing": "full"}),
+    "deepspeed": ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
+                  "  offload_optimizer_device: cpu\n  offload_param_device: none\n"
+                  "  gradient_accumulation_steps: 1\n  gradient_clipping: 1.0\n",
+                  {"strategy": "zero2", "backend": "deepspeed", "offload": "optimizer"}),
+}
+COMMON_YAML = ("compute_environment: LOCAL_MACHINE\nmixed_precision: 'no'\nnum_machines: 1\n"
+               "num_processes: 2\nuse_cpu: true\n")
+
+
+def _launched(cmd: list[str], out: Path) -> dict[str, Any]:
+    """The script's results under a launcher: it must exit 0 within 300 s and say it finished."""
+    import os
+    import subprocess
+    import sys
+
+    from spawn import kill_tree
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env.pop("SHARDWISE_CONFIG", None)
+    proc = subprocess.Popen([sys.executable, "-m", *cmd, str(SCRIPT), str(out)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        pytest.fail(f"{cmd[0]} still running after 300 s (a hang)")
+    assert proc.returncode == 0, f"{cmd}: exited {proc.returncode}\n{err[-4000:]}"
+    results = json.loads(out.read_text())
+    assert results["done"], results
+    results["state"] = torch.load(out.with_suffix(".pt"))
+    return results
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+def test_accelerate_launch_config_file_trains_as_shardwise_launch(engine: str, tmp_path: Path) -> None:
+    """The script passes no plugin: under `accelerate launch --config_file X.yaml` its settings
+    come from the launcher's variables (ACCELERATE_USE_FSDP and FSDP_*, ACCELERATE_USE_DEEPSPEED and
+    ACCELERATE_DEEPSPEED_*), and equal what `shardwise launch --config X.yaml` reads from the same
+    file; both train what one process trains."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    text, want = LAUNCH_YAMLS[engine]
+    config = tmp_path / f"{engine}.yaml"
+    config.write_text(COMMON_YAML + text)
+    ours = _launched(["shardwise", "launch", "--config", str(config)], tmp_path / "shardwise.json")
+    theirs = _launched(["accelerate.commands.launch", "--config_file", str(config)],
+                       tmp_path / "accelerate.json")
+    assert theirs["settings"] == ours["settings"], (theirs["settings"], ours["settings"])
+    for key, value in want.items():
+        assert ours["settings"][key] == value, (key, ours["settings"])
+    ref = W.reference("llama", world=2, batch=GLOBAL // 2, accum=1, steps=STEPS)
+    tol = 1e-4 if engine == "deepspeed" else 1e-5
+    for run in (ours, theirs):
+        assert W.close(run["losses"], ref.losses) < tol, (run["losses"], ref.losses)
+        assert W.close(run["norms"], ref.norms) < tol, (run["norms"], ref.norms)
+        assert W.max_diff(run["state"], ref.state) < tol

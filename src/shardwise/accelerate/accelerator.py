@@ -55,7 +55,7 @@ from .objects import (
     ParallelSizes,
     ProjectConfiguration,
 )
-from .plugins import read_plugins
+from .plugins import env_flag, launcher_dynamo, read_plugins
 from .process import ProcessHelpers, all_tensors, join_uneven_inputs, trigger_sync_in_backward
 from .rules import (
     accelerate_rules,
@@ -94,6 +94,11 @@ class Accelerator(ProcessHelpers):
         **kwargs: Any,
     ) -> None:
         refuse_unsupported(kwargs, device_placement=device_placement)
+        # Accelerate's launcher variables, read where Accelerate reads them (`accelerate.plugins`)
+        cpu = cpu or env_flag("ACCELERATE_USE_CPU")
+        if gradient_accumulation_plugin is None and gradient_accumulation_steps == 1:
+            gradient_accumulation_steps = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1"))
+        launcher_dynamo(kwargs)
         read_dynamo(kwargs)  # dynamo_backend / dynamo_plugin: compile each block
         # Accelerate's plugins (and its launcher's variables): translated as their file forms are
         self.plugin_settings = read_plugins(kwargs)

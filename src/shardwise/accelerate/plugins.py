@@ -37,8 +37,21 @@ log = logging.getLogger("shardwise")
 _DS_NEUTRAL = {"steps_per_print", "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
 
 
-def _truthy(name: str) -> bool:
+def env_flag(name: str) -> bool:
+    """A launcher variable that is a flag ("true", "1", "yes"), as Accelerate parses one."""
     return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def launcher_dynamo(kwargs: dict[str, Any]) -> None:
+    """`ACCELERATE_DYNAMO_*` (a YAML's dynamo_config, exported by `accelerate launch`): the
+    TorchDynamoPlugin Accelerate builds from them, when the script passes no compile setting."""
+    if "dynamo_backend" in kwargs or "dynamo_plugin" in kwargs:
+        return
+    if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() in ("NO", ""):
+        return
+    from accelerate.utils import TorchDynamoPlugin  # type: ignore[import-untyped]
+
+    kwargs["dynamo_plugin"] = TorchDynamoPlugin()  # reads ACCELERATE_DYNAMO_*
 
 
 def _launcher_plugins(kwargs: dict[str, Any]) -> list[str]:
@@ -46,18 +59,18 @@ def _launcher_plugins(kwargs: dict[str, Any]) -> list[str]:
     (in `kwargs`, as if passed); the variables that did so, by name."""
     said = []
     if kwargs.get("deepspeed_plugin") is None and kwargs.get("deepspeed_plugins") is None \
-            and _truthy("ACCELERATE_USE_DEEPSPEED"):
-        from accelerate.utils import DeepSpeedPlugin  # type: ignore[import-untyped]
+            and env_flag("ACCELERATE_USE_DEEPSPEED"):
+        from accelerate.utils import DeepSpeedPlugin
 
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin()  # reads ACCELERATE_DEEPSPEED_*
         said.append("ACCELERATE_USE_DEEPSPEED")
-    if kwargs.get("fsdp_plugin") is None and _truthy("ACCELERATE_USE_FSDP"):
+    if kwargs.get("fsdp_plugin") is None and env_flag("ACCELERATE_USE_FSDP"):
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()  # reads FSDP_*
         said.append("ACCELERATE_USE_FSDP")
     if kwargs.get("parallelism_config") is None and kwargs.get("torch_tp_plugin") is None \
-            and _truthy("ACCELERATE_USE_PARALLELISM_CONFIG"):
+            and env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         from accelerate import ParallelismConfig  # type: ignore[import-untyped]
 
         kwargs["parallelism_config"] = ParallelismConfig()  # reads PARALLELISM_CONFIG_*

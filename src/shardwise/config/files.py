@@ -157,16 +157,30 @@ def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
     return bool(ds_only & set(data))
 
 
+def looks_like_accelerate(data: Mapping[str, Any]) -> bool:
+    """An Accelerate config YAML (what `accelerate config` writes, `accelerate launch
+    --config_file` reads) has keys of its own that no shardwise file has."""
+    return bool({"distributed_type", "compute_environment"} & set(data))
+
+
 def load_layers(
     path: str | Path | None, flags: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """The settings a file (and the DeepSpeed JSON it names) and flags give, unvalidated,
-    plus the DeepSpeed keys that have no equivalent here."""
-    from .translate import from_deepspeed
+    plus the DeepSpeed or Accelerate keys that have no equivalent here. The file may be a
+    shardwise YAML, a DeepSpeed JSON or an Accelerate YAML (translated as `shardwise config
+    --from-accelerate` translates it)."""
+    from .translate import from_accelerate, from_deepspeed
 
     data: dict[str, Any] = read_file(path) if path is not None else {}
     layered: dict[str, Any] = {}
     dropped: list[str] = []
+    if path is not None and looks_like_accelerate(data):
+        here = Path(path).parent
+        data, dropped = from_accelerate(data, source=str(path), read_json=lambda p: read_file(
+            p if Path(p).is_absolute() else here / p))
+        data.pop("deepspeed_config", None)  # (its JSON is translated in already)
+        return merge(data, flags or {}), dropped
     ds_path = (flags or {}).get("deepspeed_config") or data.get("deepspeed_config")
     if path is not None and looks_like_deepspeed(data):  # a DeepSpeed JSON given as the config
         ds_path, data = str(path), {}

@@ -305,7 +305,8 @@ def _acc_kind(acc: Mapping[str, Any], kind: str, source: str,
             out["cpu"] = True
     elif kind == "FSDP":
         out.update(acc_fsdp(acc.get("fsdp_config") or {}, dropped, source))
-    elif kind == "DEEPSPEED":
+    elif kind == "DEEPSPEED":  # the DeepSpeed engine, as Accelerate runs it (and its DeepSpeedPlugin)
+        out["backend"] = "deepspeed"
         out.update(_acc_deepspeed(acc.get("deepspeed_config") or {}, dropped, source))
         ds_file = out.pop("deepspeed_config", None)
         if ds_file is not None:
