@@ -139,12 +139,14 @@ def test_diffusers_unconditional_script_gives_accelerates_numbers_and_refuses_lo
     _check_resumed("ddp resumed", resumed, loaded, ckpt, ddp, steps=1)
 
     # zero3 with the EMA, checkpoints and samples made on every process (--everywhere): the hook
-    # saves the sharded UNet it is given and the (prepared, sharded) EMA on the main process
-    # alone, with Accelerate's numbers; a resume through the load hook brings both back
+    # saves the sharded UNet it is given and the sharded EMA on the main process alone, with
+    # Accelerate's numbers. The EMA in diffusers' own order (built before prepare, never passed to
+    # it: adopted at its first step on the sharded parameters); the resume below passes it to
+    # prepare, and the load hook brings both back
     ref_all = _run(HERE / SCRIPT, tmp_path, "acc_all", None, "--output_dir", str(tmp_path / "acc_all_ckpt"),
                    "--everywhere", reference=True)
     z3_all = _run(ours, tmp_path, "zero3_all", "strategy: zero3\n", "--output_dir",
-                  str(tmp_path / "z3_ckpt"), "--everywhere")
+                  str(tmp_path / "z3_ckpt"), "--everywhere", "--ema_as_diffusers")
     assert [s for s, _ in z3_all["losses"]] == [s for s, _ in ref_all["losses"]] == list(range(1, 9))
     for (_, a), (_, b) in zip(z3_all["losses"], ref_all["losses"]):
         assert _close(a, b, 1e-4), (a, b)

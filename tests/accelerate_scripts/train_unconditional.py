@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--checkpointing_steps", type=int, default=4)
     ap.add_argument("--resume_from_checkpoint", default=None)
     ap.add_argument("--no_ema", action="store_true")
+    # diffusers' own order: the EMA, built from the model's parameters before prepare, never passed to it
+    ap.add_argument("--ema_as_diffusers", action="store_true")
     ap.add_argument("--no_sample", action="store_true")
     ap.add_argument("--epochs", type=int, default=2)
     # save_state and sampling on every process (under a sharded strategy they need every process)
@@ -95,7 +97,8 @@ def main():
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader,
                                                                            lr_scheduler)
     if use_ema:
-        ema_model = accelerator.prepare(ema_model)  # Accelerate: unchanged; shardwise: sharded like the model
+        if not args.ema_as_diffusers:  # Accelerate: unchanged; shardwise: sharded like the model
+            ema_model = accelerator.prepare(ema_model)
         ema_model.to(accelerator.device)
 
     global_step, first_epoch = 0, 0

@@ -44,7 +44,7 @@ from ..strategies.compile import compile_boundary
 from ..strategies.frozen import check_inference_models, for_inference
 from ..strategies.precision import check_device_supports
 from ..weights.adapters import attach_full_weights
-from ..weights.ema import PreparedEMA, bind, shard
+from ..weights.ema import PreparedEMA, adopt_at_first_step, bind, shard
 from . import boundary
 from .data import PreparedDataLoader
 from .items import per_item
@@ -230,9 +230,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             # its own save_pretrained, called on every process, gathers through this engine
             attach_full_weights(self.unwrap_model(ready), self._full_weights(ready))
         for ema in of["ema"]:  # an EMA of a prepared model: its shadows take the model's layout
-            self._emas.append(bind(ema, [self.unwrap_model(m) for m in session.models]))
-            shard(self._emas[-1])
+            self._adopt_ema(ema)
             prepared[id(ema)] = ema
+        adopt_at_first_step(self._adopt_ema_of)  # ... and one built before prepare, never passed to it
         for loader in of["dataloader"]:
             prepared[id(loader)] = self._prepare_loader(loader)
             self._loaders.loaders.append(prepared[id(loader)])
@@ -519,6 +519,27 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._boundary_hooks.passed(self.step)  # no checkpoint of the step just restored
         say(self._info, f"resumed from {path} at step {self.step}")
         return self.step
+
+    def _adopt_ema(self, ema: Any) -> None:
+        """`ema`'s shadows follow a prepared model's parameters: cut to its layout, gathered for
+        the save hooks (`whole_emas`)."""
+        self._emas.append(bind(ema, [self.unwrap_model(m) for m in self.session.models]))
+        shard(self._emas[-1])
+
+    def _adopt_ema_of(self, ema: Any, params: list[torch.Tensor]) -> bool:
+        """An EMA at its first `step` on `params` with whole shadows: this engine's if it prepared
+        them (then adopted, as if passed to `prepare`)."""
+        session = self._session
+        if session is None or not any(id(p) in session.param_ids for p in params):
+            return False
+        known = [p for p in self._emas if p.ema is ema]
+        if known:  # adopted before; its shadows were replaced by whole ones since (load_state_dict)
+            shard(known[0])
+            return True
+        self._adopt_ema(ema)
+        say(self._info, f"{type(ema).__name__} built before prepare() follows the prepared model: its "
+                        "shadows are sharded like its parameters (as if passed to prepare)")
+        return True
 
     def _checkpoint_parts(self) -> Any:
         return checkpoint_parts(self.session, self._loaders.loaders, self._registered, self.config,

@@ -7,7 +7,9 @@ its shadows are whole tensors, and its first `step` on a sharded model's paramet
 fails inside torch (`aten.sub.Tensor got mixed torch.Tensor and DTensor`).
 
 Passed to `prepare` (`ema_model = accelerator.prepare(ema_model)`; Accelerate returns objects it
-does not know unchanged, so the line runs under Accelerate as well), each shadow takes its
+does not know unchanged, so the line runs under Accelerate as well), or built before `prepare`
+and never passed to it, as diffusers' own scripts do (adopted at its first `step` on the sharded
+parameters: `adopt_at_first_step`, which wraps diffusers' `EMAModel.step`), each shadow takes its
 parameter's layout: the rows of this process's shard, cut locally (every process built the same
 EMA from the same weights: no communication), so the EMA costs each process 1/W of the model and
 `step`, `copy_to`, `store` and `restore` run on local shards. The Accelerator's save hooks call
@@ -20,7 +22,10 @@ replaces them with whole tensors (`load_state_dict`) is cut back to shards after
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +68,42 @@ def bind(ema: Any, models: Sequence[nn.Module]) -> PreparedEMA:
         f"{type(ema).__name__}: its {len(shadows)} shadow tensors match no prepared model's parameters; "
         "build it from the parameters of the model you train (EMAModel(model.parameters(), ...)) and "
         "prepare that model first, or in the same prepare() call")
+
+
+# EMAs built before `prepare` and never passed to it (diffusers' scripts: `EMAModel(model.parameters())`,
+# then `ema_model.step(model.parameters())` each step): diffusers' `EMAModel.step` is wrapped, once
+# per process, and such an EMA is handed, at its first step on sharded parameters, to the engine
+# that prepared them (`adopt_at_first_step`); module-level, as the class it wraps is
+_ADOPTERS: list[weakref.WeakMethod[Callable[[Any, list[torch.Tensor]], bool]]] = []
+_WRAPPED: set[type] = set()
+
+
+def adopt_at_first_step(adopt: Callable[[Any, list[torch.Tensor]], bool]) -> None:
+    """Let `adopt(ema, params)` (an engine's bound method: it binds and shards the EMA if it
+    prepared `params`, and says whether it did) take diffusers' EMAModel objects that reach their
+    first `step` with whole shadows while the parameters they follow are shards. diffusers must
+    be imported already (its scripts import EMAModel before `prepare`); nothing is imported here."""
+    if not any(ref() == adopt for ref in _ADOPTERS):
+        _ADOPTERS.append(weakref.WeakMethod(adopt))
+    module = sys.modules.get("diffusers.training_utils")
+    cls = getattr(module, "EMAModel", None)
+    if cls is None or cls in _WRAPPED:
+        return
+    original = cls.step
+
+    @functools.wraps(original)
+    def step(self: Any, parameters: Any) -> Any:
+        params = list(parameters)
+        if (any(isinstance(p, DTensor) for p in params)
+                and not any(isinstance(s, DTensor) for s in self.shadow_params)):
+            for ref in list(_ADOPTERS):
+                fn = ref()
+                if fn is not None and fn(self, params):
+                    break
+        return original(self, params)
+
+    cls.step = step
+    _WRAPPED.add(cls)
 
 
 def shard(prepared: PreparedEMA) -> None:
