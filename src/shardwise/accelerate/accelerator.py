@@ -55,7 +55,7 @@ from .objects import (
     ParallelSizes,
     ProjectConfiguration,
 )
-from .plugins import env_flag, launcher_dynamo, read_plugins
+from .plugins import announce, env_flag, launcher_dynamo, read_plugins
 from .process import ProcessHelpers, all_tensors, join_uneven_inputs, trigger_sync_in_backward
 from .rules import (
     accelerate_rules,
@@ -101,7 +101,7 @@ class Accelerator(ProcessHelpers):
         launcher_dynamo(kwargs)
         read_dynamo(kwargs)  # dynamo_backend / dynamo_plugin: compile each block
         # Accelerate's plugins (and its launcher's variables): translated as their file forms are
-        self.plugin_settings = read_plugins(kwargs)
+        self.plugin_settings, plugin_source = read_plugins(kwargs)
         asked_layout = kwargs.get("parallelism_config") is not None or "parallelism" in kwargs
         read_parallelism(kwargs, int(os.environ.get("WORLD_SIZE", "1")))
         if mixed_precision is None:  # Accelerate: from the launcher's config or environment, else "no"
@@ -135,6 +135,9 @@ class Accelerator(ProcessHelpers):
         self.rng_types = rng_types
         self.engine = Engine(rules=self._rules(), **kwargs)
         self.engine.noun = "accelerator"  # messages name the verbs of the object the script holds
+        if self.plugin_settings:  # the start-up line: where the settings came from
+            said = ", ".join(f"{k}={v!r}" for k, v in self.plugin_settings.items())
+            announce(self.engine.is_main_process, f"settings from {plugin_source}: {said}")
         self.gradient_state = GradientState(self.engine)
         self.state = AcceleratorState(self)
         self.flag_tensor: torch.Tensor | None = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -78,9 +79,12 @@ def _launcher_plugins(kwargs: dict[str, Any]) -> list[str]:
     return said
 
 
-def read_plugins(kwargs: dict[str, Any]) -> dict[str, Any]:
+def read_plugins(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """Pop Accelerate's plugins (and the launcher's variables) from the Accelerator's `kwargs` and
-    set their settings there; return those settings, by key (`kwargs` already holds them)."""
+    set their settings there; return those settings, by key (`kwargs` already holds them), and
+    where they came from, in words (the start-up line and `shardwise env` say it)."""
+    given = [n for n in ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "torch_tp_plugin")
+             if kwargs.get(n) is not None]
     launcher = _launcher_plugins(kwargs)
     many = kwargs.pop("deepspeed_plugins", None)
     ds = kwargs.pop("deepspeed_plugin", None)
@@ -121,9 +125,15 @@ def read_plugins(kwargs: dict[str, Any]) -> dict[str, Any]:
     if dropped:
         warnings.warn("Accelerate plugin fields shardwise does not apply: " + "; ".join(dropped),
                       stacklevel=3)
-    if launcher:
-        log.info("shardwise: settings from Accelerate's launcher (%s): %s", ", ".join(launcher), settings)
-    return settings
+    sources = [f"Accelerator({n}=...)" for n in given] + [f"Accelerate's launcher ({v})" for v in launcher]
+    return settings, ", ".join(sources)
+
+
+def announce(is_main: bool, message: str) -> None:
+    """A start-up line on process 0's stderr (and in the log on every process)."""
+    log.info(message)
+    if is_main:
+        print(f"shardwise: {message}", file=sys.stderr, flush=True)
 
 
 def _agree(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -52,7 +52,31 @@ def environment() -> dict[str, str]:
     except (ValueError, OSError, AttributeError):
         info["memory"] = "unknown"
     info["scheduler"] = scheduler_line(os.environ)
+    info["config"] = os.environ.get("SHARDWISE_CONFIG") or "none (SHARDWISE_CONFIG unset)"
+    info["accelerate"] = accelerate_line(os.environ) or info["accelerate"]
     return info
+
+
+_ACCELERATE_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED",
+                        "ACCELERATE_USE_PARALLELISM_CONFIG")
+
+
+def accelerate_line(environ: Mapping[str, str]) -> str | None:
+    """The settings Accelerate's launcher variables give an `Accelerator` (`accelerate launch
+    --config_file X.yaml`), and which variables: None where no such variable is set."""
+    on = [v for v in _ACCELERATE_SWITCHES if environ.get(v, "false").lower() in ("1", "true", "yes")]
+    if not on:
+        return None
+    from importlib import metadata
+
+    try:
+        from ..accelerate.plugins import read_plugins
+
+        settings, source = read_plugins({})
+    except (ImportError, ConfigError, ValueError) as err:
+        return f"{metadata.version('accelerate')}; {', '.join(on)} set, unreadable: {err}"
+    said = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+    return f"{metadata.version('accelerate')}; settings from {source}: {said}"
 
 
 def scheduler_line(environ: Mapping[str, str]) -> str:
