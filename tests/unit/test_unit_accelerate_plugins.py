@@ -107,8 +107,13 @@ def test_fields_not_applied_are_named_in_one_warning() -> None:
 def test_contradictions_are_refused_in_one_line(kwargs: dict, message: str) -> None:
     plugins = {"ds": DeepSpeedPlugin(zero_stage=2), "fsdp": FullyShardedDataParallelPlugin(),
                "zero2": FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP")}
-    given = {k: (plugins[v] if isinstance(v, str) and v in plugins else
-                 {n: plugins[p] for n, p in v.items()} if isinstance(v, dict) else v) for k, v in kwargs.items()}
+
+    def named(v: object) -> object:
+        if isinstance(v, dict):
+            return {n: plugins[p] for n, p in v.items()}
+        return plugins[v] if isinstance(v, str) and v in plugins else v
+
+    given = {k: named(v) for k, v in kwargs.items()}
     with pytest.raises(ConfigError) as refused:
         read_plugins(given)
     assert message in str(refused.value) and "\n" not in str(refused.value)
