@@ -127,7 +127,7 @@ def test_a_single_deepspeed_plugins_entry_is_the_plugin() -> None:
 def test_megatron_is_refused_naming_the_alternative() -> None:
     from shardwise.accelerate.rules import refuse_unsupported
 
-    with pytest.raises(ConfigError, match="megatron_lm_plugin=...\\): Megatron-LM.*tensor_parallel_size"):
+    with pytest.raises(ConfigError, match=r"megatron_lm_plugin=\.\.\.\): Megatron-LM.*tensor_parallel_size"):
         refuse_unsupported({"megatron_lm_plugin": object()}, device_placement=True)
 
 
