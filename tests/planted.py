@@ -167,14 +167,14 @@ def _reorder_gather() -> None:
 def _no_plan_not_refused() -> None:
     """A model without a tensor-parallel plan is left unsplit instead of refused: the run goes on
     as plain data parallelism while the user asked for tp."""
-    from shardwise.strategies import base
+    from shardwise.strategies import steps  # the tensor-parallel step
 
     def apply_tensor_parallel(model: Any, plan: dict[str, str], *args: Any, **kwargs: Any) -> dict[str, str]:
         if not plan:
             return {}
         return apply_tensor_parallel.__wrapped__(model, plan, *args, **kwargs)  # type: ignore[attr-defined,no-any-return]
 
-    _patch(base, "apply_tensor_parallel", apply_tensor_parallel)
+    _patch(steps, "apply_tensor_parallel", apply_tensor_parallel)
 
 
 @fault("refusal_two_lines", row="refusals in one line: a sequence tp does not divide",
@@ -277,12 +277,12 @@ def _keep_gathered_after_no_grad() -> None:
 def _sequence_parallel_off() -> None:
     """`sequence_parallel: true` silently ignored: the model split as plain tensor parallelism
     (the same losses, weights and shares; the activations whole on every tp rank)."""
-    from shardwise.strategies import base
+    from shardwise.strategies import steps  # the tensor-parallel step
 
     def apply(model: Any, plan: Any, mesh: Any, *, sequence_parallel: bool = False) -> Any:
         return apply.__wrapped__(model, plan, mesh, sequence_parallel=False)  # type: ignore[attr-defined]
 
-    _patch(base, "apply_tensor_parallel", apply)
+    _patch(steps, "apply_tensor_parallel", apply)
 
 
 @fault("zero1_whole_optimizer_state", row="tensor parallelism (`tests/test_tensor_parallel.py`",
@@ -299,3 +299,35 @@ def _zero1_whole_optimizer_state() -> None:
         return [(gi, p, 0, local_flat(p).numel()) for gi, p in owned]
 
     _patch(ShardedOptimizer, "_ranges", ranges)
+
+
+# -- the parallelism section, Accelerate's plugins (issues 43 and 44) -----------------------------
+@fault("parallelism_swapped", row="the `parallelism` section",
+       test="tests/test_parallel_dims.py::test_a_swapped_layout_is_caught")
+def _parallelism_swapped() -> None:
+    """The resolved sizes' two data-parallel dimensions swapped (dp_shard x dp_replicate): the
+    same data-parallel size, ranks and losses, but the model replicated where it should be sharded."""
+    import dataclasses
+
+    from shardwise.strategies import base
+
+    def resolve_sizes(*args: Any, **kwargs: Any) -> Any:
+        sizes = resolve_sizes.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+        return dataclasses.replace(sizes, dp_replicate=sizes.dp_shard, dp_shard=sizes.dp_replicate)
+
+    _patch(base, "resolve_sizes", resolve_sizes)
+
+
+@fault("plugin_wrap_dropped", row="Accelerate's plugin objects",
+       test="tests/test_accelerate_plugins.py::test_a_plugin_field_dropped_is_caught")
+def _plugin_wrap_dropped() -> None:
+    """The FSDP plugin's `transformer_cls_names_to_wrap` lost on the way to the translator (the
+    blocks are then detected, so the numbers stay: only the settings say it)."""
+    from shardwise.accelerate import plugins
+
+    def fsdp_fields(plugin: Any) -> dict[str, Any]:
+        out: dict[str, Any] = fsdp_fields.__wrapped__(plugin)  # type: ignore[attr-defined]
+        out.pop("transformer_layer_cls_to_wrap", None)
+        return out
+
+    _patch(plugins, "fsdp_fields", fsdp_fields)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch.utils.data import DataLoader
 
@@ -119,6 +120,14 @@ def _check(runs: list[dict[str, Any]], cases: dict[str, dict[str, Any]], tol: di
 def test_fsdp_and_tensor_parallel_plugins_train_what_one_process_trains() -> None:
     runs = spawn(_cases, 2, list(TORCH_CASES), "")
     _check(runs, TORCH_CASES, {})
+
+
+def test_a_plugin_field_dropped_is_caught() -> None:
+    """Planted `plugin_wrap_dropped`: the FSDP plugin's block classes lost on the way (the blocks
+    are detected anyway: the same numbers); the settings' check must fail."""
+    case = "fsdp2_full_shard"
+    runs = spawn(planted(_cases, "plugin_wrap_dropped"), 2, [case], "")
+    caught(_check, runs, {case: TORCH_CASES[case]}, {})
 
 
 def test_deepspeed_plugins_train_what_one_process_trains(tmp_path: Path) -> None:

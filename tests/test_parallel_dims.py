@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch.utils.data import DataLoader
 
@@ -133,14 +134,32 @@ def test_tp2_accelerate_pattern_sized_by_its_parallelism_config_matches_one_proc
             _check(run[case], ref, ranks[0][case]["state"])
 
 
-def test_dp2_x_tp2_loops_sized_by_the_data_parallel_size_match_one_process() -> None:
-    ranks = spawn(_four, 4)
+def _check_layout(ranks: list[dict[str, Any]], cases: tuple[str, ...]) -> None:
+    """dp 2 x tp 2 as asked: each rank's sizes and coordinates, the MLP's rows split over tp and
+    then sharded over dp_shard, and one process's numbers."""
     ref = W.reference("llama", world=2, batch=GLOBAL // 2, accum=1, steps=STEPS)
     for rank, run in enumerate(ranks):
-        for case in ("engine", "user_parallelize"):  # the section; a user step
+        for case in cases:
             assert run[case]["sizes"] == (2, rank // 2, rank % 2, 2, 2), run[case]["sizes"]
-            assert run[case]["up_local_rows"] == 64 // 2 // 2, run[case]["up_local_rows"]
+            assert run[case]["up_local_rows"] == 64 // 2 // 2, (case, run[case]["up_local_rows"])
+            _check(run[case], ref, ranks[0][case]["state"])
+
+
+def _section_only() -> dict[str, Any]:
+    return {"engine": _engine_sized_by_dp(parallelism={"dp_shard": 2, "tp": 2})}
+
+
+def test_a_swapped_layout_is_caught() -> None:
+    """Planted `parallelism_swapped`: dp_shard and dp_replicate exchanged once resolved (the same
+    data-parallel size, ranks and numbers; the model replicated): the layout's check must fail."""
+    caught(_check_layout, spawn(planted(_section_only, "parallelism_swapped"), 4), ("engine",))
+
+
+def test_dp2_x_tp2_loops_sized_by_the_data_parallel_size_match_one_process() -> None:
+    ranks = spawn(_four, 4)
+    _check_layout(ranks, ("engine", "user_parallelize"))  # the section's sizes; a user's own step
+    ref = W.reference("llama", world=2, batch=GLOBAL // 2, accum=1, steps=STEPS)
+    for rank, run in enumerate(ranks):
         sizes = run["accelerate"]["sizes"]
         assert sizes == (2, 2, ["dp_shard"], 2, 2, rank % 2, rank // 2), sizes
-        for case in ("engine", "user_parallelize", "accelerate"):
-            _check(run[case], ref, ranks[0][case]["state"])
+        _check(run["accelerate"], ref, ranks[0]["accelerate"]["state"])
