@@ -155,3 +155,22 @@ def test_the_launchers_variables_give_the_plugins_settings(monkeypatch: pytest.M
     else:  # ParallelismConfig from PARALLELISM_CONFIG_*: left for read_parallelism, as a script's own
         assert kwargs["parallelism_config"].tp_size == 2
     assert accelerate_line({}) is None
+
+
+def test_a_plugin_and_the_config_file_that_disagree_are_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: object) -> None:
+    from pathlib import Path
+
+    from shardwise.accelerate.plugins import check_config_file
+
+    config = Path(str(tmp_path)) / "shardwise.yaml"
+    config.write_text("strategy: zero2\n")
+    monkeypatch.setenv("SHARDWISE_CONFIG", str(config))
+    settings, source = read_plugins({"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)})
+    with pytest.raises(ConfigError) as refused:
+        check_config_file(settings, source)
+    said = str(refused.value)
+    assert said.startswith("Accelerator(fsdp_plugin=...) and the config file disagree: strategy='zero3'")
+    assert "'zero2' in " in said and "\n" not in said
+    agreeing = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False)  # zero2
+    check_config_file(*read_plugins({"fsdp_plugin": agreeing}))

@@ -55,7 +55,7 @@ from .objects import (
     ParallelSizes,
     ProjectConfiguration,
 )
-from .plugins import announce, env_flag, launcher_dynamo, read_plugins
+from .plugins import announce, check_config_file, env_flag, launcher_dynamo, read_plugins
 from .process import ProcessHelpers, all_tensors, join_uneven_inputs, trigger_sync_in_backward
 from .rules import (
     accelerate_rules,
@@ -102,6 +102,7 @@ class Accelerator(ProcessHelpers):
         read_dynamo(kwargs)  # dynamo_backend / dynamo_plugin: compile each block
         # Accelerate's plugins (and its launcher's variables): translated as their file forms are
         self.plugin_settings, plugin_source = read_plugins(kwargs)
+        check_config_file(self.plugin_settings, plugin_source)
         asked_layout = kwargs.get("parallelism_config") is not None or "parallelism" in kwargs
         read_parallelism(kwargs, int(os.environ.get("WORLD_SIZE", "1")))
         if mixed_precision is None:  # Accelerate: from the launcher's config or environment, else "no"

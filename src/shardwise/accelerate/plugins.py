@@ -129,6 +129,20 @@ def read_plugins(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return settings, ", ".join(sources)
 
 
+def check_config_file(settings: dict[str, Any], source: str) -> None:
+    """A plugin (or launcher variable) and the shardwise config file the launcher handed this
+    worker (SHARDWISE_CONFIG) that disagree on a setting: refused in one line, naming both."""
+    from ..config.files import config_with_code
+    from ..distributed.world import config_source
+
+    path = config_source()
+    if not settings or not path:
+        return
+    _, conflicts = config_with_code(dict(settings), path)
+    if conflicts:
+        raise ConfigError(f"{source} and the config file disagree: {'; '.join(conflicts)}; drop one of them")
+
+
 def announce(is_main: bool, message: str) -> None:
     """A start-up line on process 0's stderr (and in the log on every process)."""
     log.info(message)
