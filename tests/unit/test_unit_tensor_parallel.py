@@ -67,11 +67,11 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_in_one_line(se
 # the optimizer sharded over the replicas (zero1), the mesh (dp_replicate, dp_shard, tp), how the
 # optimizer steps (its runner, the partition, on the host) and the parameters offloaded
 COMPOSED: dict[tuple[str, str], tuple[int, bool, bool, tuple[int, int, int], str, bool]] = {
-    ("ddp", "none"): (2, True, False, (2, 1, 2), "InPlaceRunner", False),
-    ("zero1", "none"): (2, True, True, (2, 1, 2), "ShardedOptimizer flat", False),
+    ("ddp", "none"): (0, True, False, (2, 1, 2), "InPlaceRunner", False),
+    ("zero1", "none"): (1, True, True, (2, 1, 2), "ShardedOptimizer flat", False),
     ("zero2", "none"): (2, False, False, (1, 2, 2), "InPlaceRunner", False),
     ("zero3", "none"): (3, False, False, (1, 2, 2), "InPlaceRunner", False),
-    ("zero1", "optimizer"): (2, True, True, (2, 1, 2), "ShardedOptimizer flat host", False),
+    ("zero1", "optimizer"): (1, True, True, (2, 1, 2), "ShardedOptimizer flat host", False),
     ("zero2", "optimizer"): (2, False, False, (1, 2, 2), "ShardedOptimizer local host", False),
     ("zero3", "optimizer"): (3, False, False, (1, 2, 2), "ShardedOptimizer local host", False),
     ("zero3", "params"): (3, False, False, (1, 2, 2), "InPlaceRunner", True),

@@ -21,9 +21,7 @@ def make_strategy(cfg: ShardingSection, info: DistInfo) -> Strategy:
         from .deepspeed.strategy import DeepSpeedStrategy  # imports deepspeed itself only when built
 
         return DeepSpeedStrategy(cfg, info, stage=stage)
-    if stage <= 1 and cfg.tensor_parallel_size > 1:  # torch's DDP takes no DTensor parameters
-        return FSDPStrategy(cfg, info, stage=2, replicas_only=True, shard_optimizer=stage == 1)
-    if stage <= 1:
+    if stage <= 1 and cfg.tensor_parallel_size == 1:  # (torch's DDP takes no DTensor parameters)
         return DDPStrategy(cfg, info, shard_optimizer=stage == 1)
     return FSDPStrategy(cfg, info, stage=stage)
 

@@ -154,19 +154,18 @@ def _model_no_sync(model: nn.Module) -> Iterator[None]:
 
 
 class FSDPStrategy(Strategy):
-    """ZeRO stage 2 or 3 on FSDP2; with `replicas_only`, ddp under tensor parallelism: every
-    data-parallel rank holds its tp share whole (FSDP2 over groups of one dp rank: DDP's memory,
-    its gradients all-reduced across the replicas), since torch's DDP takes no DTensor parameters;
-    and with `shard_optimizer` too, zero1 under tensor parallelism: each data-parallel rank steps
-    1/dp of its tp share's elements, then one all-gather among the replicas (`sharded_optim`)."""
+    """A ZeRO stage on FSDP2. Stages 2 and 3 shard over the `fsdp` view of the mesh. Stages 0
+    (ddp) and 1 (zero1) are here under tensor parallelism, whose DTensor parameters torch's DDP
+    does not take: every data-parallel rank holds its tp share whole (FSDP2 over groups of one dp
+    rank, its layout's dp_shard of 1: DDP's memory, the gradients all-reduced across the
+    replicas), and zero1 also splits the optimizer: each data-parallel rank steps 1/dp of its tp
+    share's elements, then one all-gather among the replicas (`sharded_optim`)."""
 
-    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int,
-                 replicas_only: bool = False, shard_optimizer: bool = False) -> None:
-        # ddp under tensor parallelism: groups of one data-parallel rank (nothing sharded)
-        super().__init__(cfg, info, shards=not replicas_only)
-        self.replicas_only = replicas_only
-        self.shard_optimizer = shard_optimizer
+    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int) -> None:
+        super().__init__(cfg, info, shards=stage >= 2)
         self.stage = stage
+        self.replicas_only = stage <= 1  # (the layout's data-parallel ranks are replicas)
+        self.shard_optimizer = stage == 1
         # 1-D over every process, or hybrid's 2-D (dp_replicate, dp_shard): `distributed.mesh`
         self.mesh: DeviceMesh = self.dims.mesh
 

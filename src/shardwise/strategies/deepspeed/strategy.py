@@ -163,7 +163,8 @@ class DeepSpeedStrategy(Strategy):
         if self._torch is None:
             from ..fsdp import FSDPStrategy
 
-            self._torch = FSDPStrategy(self.cfg, self.info, stage=self.stage)
+            # (an inference-only model: a replica below zero3, whatever the stage)
+            self._torch = FSDPStrategy(self.cfg, self.info, stage=max(self.stage, 2))
         return self._torch
 
     def make_precision(self) -> Precision:
