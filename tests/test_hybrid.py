@@ -279,11 +279,12 @@ def test_memory_report_counts_by_group(results: list) -> None:
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
 def test_group_of_the_world_is_full_sharding(results: list, strategy: str) -> None:
-    """shard_group_size=4 at 4 processes: today's 1-D mesh, the same numbers bit for bit."""
+    """shard_group_size=4 at 4 processes: the 1-D dp_shard view of the world mesh, the same numbers
+    bit for bit."""
     for res in results:
         plain, four = (res.runs[_key(c)] for c in ({"strategy": strategy},
                                                    {"strategy": strategy, "shard_group_size": 4}))
-        assert plain.mesh == four.mesh == ((4,), None)
+        assert plain.mesh == four.mesh == ((4,), ("dp_shard",))
         assert four.group == 4 and four.ranks == ([0, 1, 2, 3], None)
         assert four.losses == plain.losses and four.norms == plain.norms
         assert all(torch.equal(four.local[n], t) for n, t in plain.local.items())

@@ -115,11 +115,12 @@ def tensor_parallel(section: ParallelismConfig, tensor_parallel_size: int) -> in
 
 
 def resolve_sizes(section: ParallelismConfig, *, shards: bool, shard_group: int | None,
-                  tensor_parallel_size: int, world: int, local_world: int) -> Sizes:
+                  tensor_parallel_size: int, world: int, local_world: int, group_said: Any = None) -> Sizes:
     """The sizes of a run of `world` processes (`local_world` per node): the one place that
     computes a data-parallel size. `shards`: the strategy shards over dp_shard (zero1-3; ddp and
     ddp-like layouts hold replicas only). `shard_group`: shard_group_size resolved to processes
-    (None: not set). Each refusal is one line naming the sizes and the fix."""
+    (None: not set; `group_said`: as the config wrote it). Each refusal is one line naming the
+    sizes and the fix."""
     tp = tensor_parallel(section, tensor_parallel_size)
     check_tp(tp, world, local_world)
     cp = section.cp
@@ -142,13 +143,13 @@ def resolve_sizes(section: ParallelismConfig, *, shards: bool, shard_group: int 
                 raise ParallelismError(f"parallelism.{name}={value} does not divide the {dp} data-parallel "
                                        f"ranks ({world} processes / cp {cp} x tp {tp})")
         if not sized:  # neither given a size: shard_group_size's ranks, else every data-parallel rank
-            shard = dp if shard_group is None else _group_ranks(shard_group, tp * cp)
+            shard = dp if shard_group is None else _group_ranks(shard_group, tp * cp, group_said)
             replicate = dp // shard
         elif "dp_shard" not in sized:
             shard = dp // sized["dp_replicate"]
         elif "dp_replicate" not in sized:
             replicate = dp // sized["dp_shard"]
-        if sized and shard_group is not None and _group_ranks(shard_group, tp * cp) != shard:
+        if sized and shard_group is not None and _group_ranks(shard_group, tp * cp, group_said) != shard:
             raise ParallelismError(f"shard_group_size ({shard_group} processes: "
                                    f"{shard_group // (tp * cp)} data-parallel ranks) and parallelism."
                                    f"dp_shard={shard} disagree; set one of them")
@@ -163,13 +164,13 @@ def resolve_sizes(section: ParallelismConfig, *, shards: bool, shard_group: int 
     return Sizes(replicate, shard, cp, tp, section.ep)
 
 
-def _group_ranks(group: int, per_rank: int) -> int:
+def _group_ranks(group: int, per_rank: int, said: Any = None) -> int:
     """A sharding group of `group` processes in data-parallel ranks of `per_rank` processes."""
     if group % per_rank:
         raise ParallelismError(
-            f"shard_group_size={group} processes does not hold whole tensor-parallel groups of {per_rank} "
-            f"processes: choose a multiple of tensor_parallel_size={per_rank} (a group of G processes is "
-            f"G / {per_rank} data-parallel ranks)")
+            f"shard_group_size={group if said is None else said!r} ({group} processes) does not hold whole "
+            f"tensor-parallel groups of {per_rank} processes: choose a multiple of tensor_parallel_size="
+            f"{per_rank} (a group of G processes is G / {per_rank} data-parallel ranks)")
     return group // per_rank
 
 

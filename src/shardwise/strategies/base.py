@@ -64,7 +64,8 @@ def layout(cfg: ShardingSection, info: DistInfo, *, shards: bool, supported: fro
     given = shards and cfg.shard_group_size is not None
     group = resolve_shard_group(cfg.shard_group_size, world, local) if given else None
     sizes = resolve_sizes(cfg.parallelism, shards=shards, shard_group=group,
-                          tensor_parallel_size=cfg.tensor_parallel_size, world=world, local_world=local)
+                          tensor_parallel_size=cfg.tensor_parallel_size, world=world, local_world=local,
+                          group_said=cfg.shard_group_size)
     unsupported = [f"{d}={getattr(sizes, d)}" for d in DIMS if getattr(sizes, d) > 1 and d not in supported]
     if unsupported:
         raise ConfigError(f"parallelism {', '.join(unsupported)}: backend {cfg.backend} does not split "
