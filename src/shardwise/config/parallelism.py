@@ -48,8 +48,8 @@ class ParallelismConfig:
     """Data-parallel ranks that shard parameters, gradients or optimizer state (zero1-3; ddp: 1).
     None: shard_group_size's ranks, else every data-parallel rank."""
     cp: int = 1
-    """Context parallelism: ranks that split each sequence along its length (no backend of this
-    version splits sequences: 1)."""
+    """Context parallelism: ranks that split each sequence along its length (context_parallel_size;
+    torch backend, a transformers model)."""
     tp: int | None = None
     """Tensor parallelism: ranks that split each planned layer (None: tensor_parallel_size)."""
     ep: int = 1

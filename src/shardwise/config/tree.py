@@ -45,6 +45,7 @@ PrecisionName = Literal["fp32", "bf16", "fp16"]
 OffloadName = Literal["none", "optimizer", "params"]
 BackendName = Literal["torch", "deepspeed"]
 HostKernelName = Literal["torch", "deepspeed"]
+ContextMethod = Literal["ring", "ulysses"]
 ResumeName = Literal["auto", "required", "never"]
 Rendezvous = Literal["c10d", "static"]
 OptimizerType = Literal["AdamW", "Adam", "SGD"]
@@ -232,6 +233,8 @@ class ShardingSection:
     tensor_parallel_size: int = 1
     tensor_parallel_plan: dict[str, str] | None = None
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    context_parallel: ContextMethod = "ring"
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     parallelize: str | Callable[..., Any] | None = None
 
@@ -326,6 +329,16 @@ class EngineConfig:
     dropouts) split over the sequence across the tp ranks too, instead of whole on each (the
     all-reduces become all-gathers and reduce-scatters of the same bytes). The sequence length
     must divide by tensor_parallel_size. Torch backend."""
+    context_parallel_size: int = 1
+    """Processes that split each sequence along its length (context parallelism, the mesh's cp
+    dimension: parallelism.cp): they take the same samples, each holds 1/N of every sequence's
+    tokens and activations, and attention spans the whole sequence (`context_parallel`). A
+    transformers model (its attention is replaced through transformers' attention registry);
+    ddp and zero1-3, hybrid sharding and tensor parallelism compose with it. Torch backend."""
+    context_parallel: ContextMethod = "ring"
+    """How attention spans a split sequence: ring (key/value blocks passed round the group, a
+    zigzag split that balances the causal mask; any head count) or ulysses (two all-to-alls per
+    attention: sequence shards to head shards and back; the heads must divide by the size)."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The sizes of the run's named mesh dimensions: dp_replicate, dp_shard, cp, tp, ep (their
     product, ep aside, is the number of processes; -1: the rest). The keys above translate into
@@ -529,6 +542,20 @@ def _check_parallelism(cfg: EngineConfig) -> None:
                           "use backend: torch for your own model-parallel step")
 
 
+def _check_context_parallel(cfg: EngineConfig) -> None:
+    """context_parallel_size (parallelism.cp, which it must agree with) and its method."""
+    size, section = cfg.context_parallel_size, cfg.parallelism
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"context_parallel_size={size!r} must be an integer >= 1")
+    if size > 1 and section.cp not in (1, size):
+        raise ConfigError(f"parallelism.cp={section.cp} and context_parallel_size={size} disagree; "
+                          "set one of them")
+    # the section's cp and the flat key read the same from here on
+    section.cp = cfg.context_parallel_size = max(size, section.cp)
+    if cfg.context_parallel not in ("ring", "ulysses"):
+        raise ConfigError(f"context_parallel={cfg.context_parallel!r} must be ring or ulysses")
+
+
 def _check_tensor_parallel(cfg: EngineConfig) -> None:
     """tensor_parallel_size: an integer >= 1; above 1, the torch backend (every strategy and offload)."""
     tp = cfg.tensor_parallel_size
@@ -537,6 +564,7 @@ def _check_tensor_parallel(cfg: EngineConfig) -> None:
     _check_parallelism(cfg)
     # the section's tp and the flat key agree (or one was refused): both read the same from here on
     tp = cfg.tensor_parallel_size = tensor_parallel(cfg.parallelism, tp)
+    _check_context_parallel(cfg)
     plan = cfg.tensor_parallel_plan
     valid = isinstance(plan, dict) and all(isinstance(k, str) and v in TP_STYLES for k, v in plan.items())
     if plan is not None and not valid:

@@ -7,8 +7,8 @@ dimension; their product is the world size. Today's dimensions are data parallel
 ddp is dp_replicate = W; zero1-3 are dp_shard = W, or with hybrid sharding (shard_group_size G)
 dp_replicate = W/G x dp_shard = G, ranks laid out with dp_shard innermost (consecutive ranks
 shard together, within a node), and
-  cp            context parallelism (reserved: 1 until a strategy splits sequences), between
-                dp_shard and tp;
+  cp            context parallelism (`strategies.context_parallel`: sequences split along their
+                length; its ranks take the same samples), between dp_shard and tp;
   tp            tensor parallelism (`tensor_parallel_size`), innermost: the tp consecutive ranks of
                 a node split each planned layer (`strategies.tensor_parallel`) and see the same
                 batch;
@@ -59,7 +59,7 @@ class ParallelDims:
     tp: int = 1
     """tensor parallel: the innermost dimension (consecutive ranks, within a node)"""
     cp: int = 1
-    """context parallel (reserved: 1)"""
+    """context parallel: ranks splitting each sequence, between dp_shard and tp"""
     ep: int = 1
     """expert parallel (reserved: 1), borrowed from dp_shard x cp"""
 
@@ -161,10 +161,17 @@ class ParallelDims:
     @functools.cached_property
     def mesh(self) -> DeviceMesh:
         """The data-parallel sharding mesh: `world_mesh`'s "dp_shard" dimension, with hybrid
-        sharding its ("dp_replicate", "dp_shard")."""
+        sharding its ("dp_replicate", "dp_shard"). Under context parallelism the shard dimension
+        is the `fsdp` view (dp_shard x cp, flattened where both are above 1): a context group's
+        ranks hold the same parameters, so they shard them too, as torchtitan does."""
+        shard = "dp_shard"
+        if self.cp > 1:
+            shard = "cp" if self.dp_shard == 1 else "fsdp"
+            if shard == "fsdp":
+                self.get_mesh("fsdp")  # (flattened on the world mesh once: then found by name)
         if self.dp_replicate > 1:
-            return self.world_mesh["dp_replicate", "dp_shard"]
-        return self.world_mesh["dp_shard"]
+            return self.world_mesh["dp_replicate", shard]
+        return self.world_mesh[shard]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -219,6 +226,6 @@ def mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup 
     and those holding the same shard in the other groups (None on a 1-D mesh: no replicas)."""
     if mesh.ndim == 1:
         return mesh.get_group(), None
-    return mesh.get_group("dp_shard"), mesh.get_group("dp_replicate")
+    return mesh.get_group(1), mesh.get_group(0)
 
 

@@ -196,7 +196,7 @@ class Strategy(ABC):
     mesh: DeviceMesh | None = None
     """`dims.mesh`: 1-D over every process, or 2-D ("dp_replicate", "dp_shard") under hybrid
     sharding; None where the strategy shards nothing itself (ddp, the DeepSpeed engine)."""
-    supported_dims: frozenset[str] = frozenset({"dp_replicate", "dp_shard", "tp"})
+    supported_dims: frozenset[str] = frozenset({"dp_replicate", "dp_shard", "cp", "tp"})
     """The mesh dimensions this backend splits along; a size above 1 on any other is refused."""
     own_steps: frozenset[str] = frozenset()
     """Model-parallel steps the backend applies itself when it builds a model (DeepSpeed: its

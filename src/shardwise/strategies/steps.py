@@ -7,10 +7,13 @@ order:
      user's own `parallelize(model, dims)`; or nothing, where the model arrives split already
      (transformers' `from_pretrained(tp_plan="auto", device_mesh=...)`) on a tp group equal to
      this run's: it is never split twice;
-  2. activation checkpointing, per block (`blocks_step`);
-  3. compile, per block (`blocks_step`: each replaces the block's own `forward`; full and
+  2. context parallelism on the `cp` view (`context_parallel_step`): the batch split along the
+     sequence at the model's door, attention over the whole sequence (ring or Ulysses), the whole
+     sequence's loss;
+  3. activation checkpointing, per block (`blocks_step`);
+  4. compile, per block (`blocks_step`: each replaces the block's own `forward`; full and
      selective checkpointing compile with the block, offload's hooks stay outside);
-  4. the data-parallel step: FSDP2 on the `fsdp` view, DDP, or a DeepSpeed engine
+  5. the data-parallel step: FSDP2 on the `fsdp` view, DDP, or a DeepSpeed engine
      (`Strategy.setup_model`, run by the session, which knows how the model was built).
 A backend that applies a step itself names it in `Strategy.own_steps` (DeepSpeed's AutoTP splits
 the layers when its engine is built). A new dimension is a new step here and a new view of the
@@ -33,6 +36,7 @@ from ..distributed.mesh import ParallelDims
 from ..weights.record import recipes_kept
 from .blocks import apply_activation_checkpointing, find_blocks
 from .compile import apply_compile, compile_options
+from .context_parallel import context_parallel_step
 from .tensor_parallel import apply_tensor_parallel, model_plan
 
 log = logging.getLogger("shardwise")
@@ -40,9 +44,10 @@ log = logging.getLogger("shardwise")
 
 def parallelize(model: nn.Module, dims: ParallelDims, sharding: ShardingSection, blocks: BlocksSection,
                 *, own_steps: frozenset[str] = frozenset()) -> None:
-    """Steps 1-3 on `model`, in place (step 4 is the strategy's `setup_model`)."""
+    """Steps 1-4 on `model`, in place (step 5 is the strategy's `setup_model`)."""
     if "tp" not in own_steps:
         model_parallel_step(model, dims, sharding)
+    context_parallel_step(model, dims, sharding.context_parallel)
     blocks_step(model, blocks)
 
 

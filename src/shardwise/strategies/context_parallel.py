@@ -1,0 +1,187 @@
+"""Context parallelism, a step on the `cp` view of the mesh (`strategies.steps`): each sequence is
+split along its length over the ranks of a context group, which take the same samples.
+
+The loop stays as it is. The step gives a transformers model:
+- **a split at the model's door** (a forward pre-hook on the prepared model): the batch the model
+  is called with (`input_ids`, `labels`, `attention_mask`, `position_ids` made if missing,
+  `inputs_embeds`, `token_type_ids`) is cut along the sequence, each rank keeping its share
+  (contiguous for Ulysses, zigzag for the ring, `strategies.attention`). The labels are shifted
+  first (`shift_labels`), so no token's target is lost at a cut, and the mask's facts (padding,
+  packed documents) are kept for the whole sequence;
+- **its attention** through transformers' attention registry (`AttentionInterface`): no model code
+  is copied; the model's `_attn_implementation` names ours, which runs Ulysses or the ring;
+- **the whole sequence's loss** on every rank of the group: each rank's cross entropy is summed
+  over its tokens and divided by the tokens of the whole sequence (transformers'
+  `num_items_in_batch`), then summed over the group by a differentiable all-reduce. So
+  `model(**batch).loss`, `engine.backward(loss)`, a logged loss and `engine.reduce(loss,
+  "mean")` are one process's; the logits are this rank's share of the tokens (in its split's
+  order).
+The data-parallel step then shards over data x context ranks (the `fsdp` view), as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from ..config.tree import ConfigError
+from ..distributed.mesh import ParallelDims
+from .attention import Split, contiguous_index, ring_attention, sum_over, ulysses_attention, zigzag_index
+
+log = logging.getLogger("shardwise")
+
+METHODS = ("ring", "ulysses")
+SPLIT_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "inputs_embeds",
+              "token_type_ids")
+_ATTR = "_shardwise_context"  # on every submodule of a prepared model: its `ContextParallel`
+
+
+class ContextParallel:
+    """One prepared model's context parallelism: its group, its method, the current batch's split."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, method: str, config: Any) -> None:
+        self.group, self.size, self.method, self.config = group, size, method, config
+        self.rank = dist.get_rank(group)
+        self.split: Split | None = None
+
+    def cut(self, seq: int) -> tuple[torch.Tensor, ...]:
+        parts = 2 * self.size if self.method == "ring" else self.size
+        if seq % parts:
+            raise ValueError(f"context_parallel_size={self.size} ({self.method}): a sequence of {seq} tokens "
+                             f"cannot be cut into {parts} equal chunks; pad the sequences to a multiple of "
+                             f"{parts} (e.g. the collator's pad_to_multiple_of={parts})")
+        return zigzag_index(seq, self.size) if self.method == "ring" else contiguous_index(seq, self.size)
+
+    def split_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments this rank's model forward takes: the batch cut along its sequence."""
+        kwargs = dict(kwargs)
+        if args:
+            if len(args) > 1 or "input_ids" in kwargs:
+                raise ValueError("context parallelism: call the model with keyword arguments "
+                                 "(model(input_ids=..., labels=..., ...)) so each can be split along the "
+                                 "sequence")
+            kwargs["input_ids"] = args[0]
+        ref = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if not isinstance(ref, torch.Tensor):
+            raise ValueError(  # noqa: TRY004 -- a missing argument, not a wrong type
+                "context parallelism: the model was called without input_ids or "
+                             "inputs_embeds")
+        batch, seq = ref.shape[:2]
+        index = self.cut(seq)
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        # transformers' packed sequences: documents restart their position ids in one row, each
+        # attending only within itself, where no attention mask is given and no cache is made
+        # (use_cache off: with the default on, one process masks causally across documents)
+        cached = kwargs.get("use_cache", getattr(self.config, "use_cache", False))
+        packed = positions is not None and mask is None and not cached
+        if positions is None:
+            positions = torch.arange(seq, device=ref.device).expand(batch, seq)
+        positions = kwargs["position_ids"] = positions.expand(batch, seq)
+        kwargs["use_cache"] = False  # (a training forward: no cache of this rank's keys and values)
+        valid = torch.ones(batch, seq, dtype=torch.bool, device=ref.device) if mask is None else mask.bool()
+        doc = torch.zeros(batch, seq, dtype=torch.long, device=ref.device)
+        if packed:
+            diff = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+            doc = (diff != 1).cumsum(-1)
+        labels = kwargs.get("labels")
+        if isinstance(labels, torch.Tensor) and kwargs.get("shift_labels") is None:
+            kwargs["shift_labels"] = F.pad(labels[..., 1:], (0, 1), value=-100)
+        if isinstance(labels, torch.Tensor) and kwargs.get("num_items_in_batch") is None:
+            kwargs["num_items_in_batch"] = (kwargs["shift_labels"] != -100).sum()
+        kwargs.pop("attention_mask", None)  # (kept in the split: the model must not build its own)
+        mine = index[self.rank].to(ref.device)
+        for key in SPLIT_KEYS:
+            value = kwargs.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq:
+                kwargs[key] = value.index_select(1, mine)
+        self.split = Split(tuple(i.to(ref.device) for i in index), valid, doc,
+                           causal_only=mask is None and not packed)
+        return kwargs
+
+    def whole_loss(self, output: Any) -> Any:
+        """The loss of the whole sequence on every rank of the group (differentiable)."""
+        loss = getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            output.loss = sum_over(loss, self.group)
+        return output
+
+    def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scaling: float | None) -> torch.Tensor:
+        if self.split is None:
+            raise RuntimeError("context parallelism: attention ran before the model's forward split "
+                               "the batch")
+        if not getattr(module, "is_causal", True):
+            raise ValueError(f"context parallelism: {type(module).__name__} is not causal; this "
+                             "version splits causal (decoder) attention only")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        fn = ring_attention if self.method == "ring" else ulysses_attention
+        return fn(query, key, value, self.split, self.group, scale)
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function signature: [B, H, S, D] in, ([B, S, H, D], None) out."""
+    cp = module.__dict__.get(_ATTR)
+    if cp is None:
+        raise RuntimeError(f"attn_implementation {IMPLEMENTATION!r} is shardwise's context-parallel "
+                           "attention: it runs only in a model prepared with context_parallel_size > 1")
+    if dropout and module.training:
+        raise ValueError("context parallelism: attention dropout is not split exactly; set the model's "
+                         "attention_dropout to 0")
+    out = cp.attention(module, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+IMPLEMENTATION = "shardwise_context_parallel"
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(IMPLEMENTATION, _attention)
+    # no 4-D mask is built for it: the split keeps the mask's facts for the whole sequence
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, lambda *a, **k: None)
+
+
+def context_parallel_step(model: nn.Module, dims: ParallelDims, method: str) -> ContextParallel | None:
+    """Split `model`'s sequences over its context group (see the module's text); refused in one
+    line where it cannot be done exactly."""
+    if dims.cp == 1:
+        return None
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        raise ConfigError(f"context_parallel_size={dims.cp}: {type(model).__name__} is not a transformers "
+                          "model, whose attention shardwise replaces through transformers' attention "
+                          "registry; set context_parallel_size to 1 for this model")
+    heads = getattr(config, "num_attention_heads", None)
+    if method == "ulysses":
+        local = heads // dims.tp if isinstance(heads, int) else None
+        if local is None or local % dims.cp:
+            split_by = f"/ tp {dims.tp} " if dims.tp > 1 else ""
+            raise ConfigError(f"context_parallel: ulysses splits the attention heads: {heads} heads "
+                              f"{split_by}do not divide by context_parallel_size={dims.cp}; choose a size "
+                              "that divides them, or context_parallel: ring")
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ConfigError(f"context_parallel_size={dims.cp}: attention_dropout="
+                          f"{config.attention_dropout} is not split exactly; set it to 0")
+    _register()
+    rank = dist.get_rank()
+    cp = ContextParallel(dims.get_mesh("cp").get_group(), dims.cp, method, config)
+    was = config._attn_implementation
+    for sub in [config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}) or {})]:
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            sub._attn_implementation = IMPLEMENTATION
+    for m in model.modules():
+        m.__dict__[_ATTR] = cp
+    model.register_forward_pre_hook(lambda _m, a, k: ((), cp.split_inputs(a, k)), with_kwargs=True)
+    model.register_forward_hook(lambda _m, _a, out: cp.whole_loss(out))
+    log.info("prepare: context parallelism %s over %d ranks (rank %d holds part %d); attention %s -> %s",
+             method, dims.cp, rank, cp.rank, was, IMPLEMENTATION)
+    return cp

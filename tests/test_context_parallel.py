@@ -1,0 +1,254 @@
+"""Context parallelism (`context_parallel_size`, ring and Ulysses) against one plain process (fp32).
+
+The tiny transformers Llama (4 query heads, 2 key/value heads) trains on sequences of 64 tokens,
+8x the suite's usual, from an unchanged loop (`model(**batch).loss`, `engine.backward`,
+`clip_grad_norm_`, `opt.step`):
+  2 processes   cp 2 (one data-parallel rank): ring and Ulysses under zero3 on plain batches,
+                right-padded batches (an attention mask, labels -100 on the padding) and packed
+                batches (position ids restarting per document, use_cache off, so one process
+                masks across documents); the ring under ddp, zero1 and zero2 too. Every rank's
+                loss is the whole sequence's (the same on both ranks); losses and clipped
+                gradient norms within 1e-5 of one process, final weights within 5e-5 or twice
+                the fp32 noise floor, whichever is larger (`_floor`: one process with sdpa
+                against eager attention, 1e-5 to 2e-4 after 3 AdamW steps at lr 1e-2).
+                Activation memory: the bytes autograd saves in one forward (each storage once),
+                less the weights every rank saves whole (zero3 gathers them), are at most 0.55 of
+                one process's for the same sequence, against 0.5 for a perfect split (the rest:
+                the ring's key/value heads repeated for grouped-query attention, its fp32 output
+                and log-sum-exp). One-line refusals: a size that does not divide the world, a
+                sequence the split cannot take, heads Ulysses cannot split, a model whose
+                attention it cannot replace, the DeepSpeed backend.
+  4 processes   cp 2 x dp 2 under zero3 (ring and Ulysses) and cp 2 x tp 2 under zero3 (ring):
+                against one process on the global batch, the same tolerances.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import pytest
+import torch
+from spawn import spawn
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+SEQ, VOCAB, BATCH, STEPS, LR = 64, 64, 2, 3, 1e-2
+LOSS_TOL, WEIGHT_TOL, MEMORY_SHARE = 1e-5, 5e-5, 0.55
+TWO = [("ring", "plain", "zero3"), ("ring", "padding", "zero3"), ("ring", "packed", "zero3"),
+       ("ulysses", "plain", "zero3"), ("ulysses", "padding", "zero3"), ("ulysses", "packed", "zero3"),
+       ("ring", "plain", "ddp"), ("ring", "plain", "zero1"), ("ring", "plain", "zero2")]
+FOUR = [("ring", "plain", "zero3", 1), ("ulysses", "plain", "zero3", 1), ("ring", "plain", "zero3", 2)]
+
+
+def build(kind: str) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         tie_word_embeddings=False, use_cache=kind != "packed")
+    return LlamaForCausalLM(config)
+
+
+class Batches(Dataset):
+    """Samples as dicts: plain (input_ids, labels), padding (right padding: attention_mask,
+    labels -100 there), packed (two documents per row: position_ids restarting)."""
+
+    def __init__(self, n: int, kind: str) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.lengths = torch.randint(SEQ // 3, SEQ, (n,), generator=g)
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, n = self.ids[i], int(self.lengths[i])
+        out = {"input_ids": ids, "labels": ids.clone()}
+        if self.kind == "padding":
+            keep = torch.arange(SEQ) < n
+            out["attention_mask"] = keep.long()
+            out["labels"] = torch.where(keep, ids, -100)
+        elif self.kind == "packed":
+            out["position_ids"] = torch.cat([torch.arange(n), torch.arange(SEQ - n)])
+        return out
+
+
+def _saved_bytes() -> tuple[Any, dict[int, int]]:
+    """saved_tensors_hooks recording each saved storage once (a DTensor's local one)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t
+        st = local.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
+
+
+@functools.cache
+def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]:
+    """One plain process on the global batches (dp x BATCH samples each, in order)."""
+    model = build(kind)
+    model.config._attn_implementation = attention
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms, saved = [], [], 0
+    for i, batch in enumerate(DataLoader(Batches(dp * BATCH * STEPS, kind), batch_size=dp * BATCH)):
+        hooks, seen = _saved_bytes()
+        with hooks:
+            loss = model(**batch).loss
+        saved = saved or sum(seen.values())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        del i
+    return {"losses": losses, "norms": norms, "saved": saved,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _train(method: str, kind: str, strategy: str, tp: int = 1) -> dict[str, Any]:
+    import shardwise
+
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, context_parallel_size=2,
+                              context_parallel=method, tensor_parallel_size=tp)
+    model = build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = Batches(engine.parallel_dims.dp_size * BATCH * STEPS, kind)
+    model, opt, loader = engine.prepare(model, opt, DataLoader(data, batch_size=BATCH))
+    losses, norms, saved = [], [], 0
+    for batch in loader:
+        hooks, seen = _saved_bytes()
+        with hooks:
+            loss = model(**batch).loss
+        saved = saved or sum(seen.values())
+        engine.backward(loss)
+        norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append((loss.item(), engine.reduce(loss.detach(), "mean").item()))
+    state = engine.get_state_dict(model)
+    engine.free_memory()
+    return {"losses": losses, "norms": norms, "saved": saved, "state": state}
+
+
+def _two() -> dict[Any, Any]:
+    return {case: _train(*case) for case in TWO}
+
+
+def _four() -> dict[Any, Any]:
+    return {case: _train(*case[:3], tp=case[3]) for case in FOUR}
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[Any, Any]]:
+    return spawn(_two, 2)
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[Any, Any]]:
+    return spawn(_four, 4)
+
+
+def _check(runs: list[dict[Any, Any]], case: tuple[Any, ...], dp: int = 1) -> None:
+    ref = reference(case[1], dp)
+    for rank, res in enumerate(runs):
+        run = res[case]
+        own = [own for own, _ in run["losses"]]
+        mean = [mean for _, mean in run["losses"]]
+        # every rank's own loss is a whole loss (its context group's sequences), the mean is one process's
+        assert mean == pytest.approx(ref["losses"], abs=LOSS_TOL), (case, rank, mean, ref["losses"])
+        assert run["norms"] == pytest.approx(ref["norms"], abs=LOSS_TOL), (case, rank)
+        if len(runs) == 2:
+            assert own == pytest.approx(ref["losses"], abs=LOSS_TOL), (case, rank)
+    state = runs[0][case]["state"]
+    assert state.keys() == ref["state"].keys()
+    worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
+    assert worst <= max(WEIGHT_TOL, 2 * _floor(case[1], dp)), (case, worst)
+
+
+def _floor(kind: str, dp: int) -> float:
+    """The fp32 noise floor of the final weights: how far apart one process ends with two correct
+    attention kernels (transformers' sdpa and eager), which sum in different orders. AdamW turns
+    round-off on near-zero gradients into steps of up to lr (packed rows: ~2e-4 here)."""
+    a, b = reference(kind, dp), reference(kind, dp, "eager")
+    return max((a["state"][k] - b["state"][k]).abs().max().item() for k in a["state"])
+
+
+@pytest.mark.parametrize("case", TWO, ids=["-".join(c) for c in TWO])
+def test_cp2_matches_one_process(two: list[dict[Any, Any]], case: tuple[str, str, str]) -> None:
+    _check(two, case)
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_each_rank_saves_about_half_the_activations(two: list[dict[Any, Any]], method: str) -> None:
+    weights = sum(p.numel() * p.element_size() for n, p in build("plain").named_parameters()
+                  if "embed_tokens" not in n)  # (the embedding saves its indices, not its weight)
+    one = reference("plain")["saved"] - weights
+    for res in two:
+        share = (res[(method, "plain", "zero3")]["saved"] - weights) / one
+        assert 0.45 < share <= MEMORY_SHARE, (method, share)
+
+
+@pytest.mark.parametrize("case", FOUR, ids=[f"{c[0]}-{'tp2' if c[3] == 2 else 'dp2'}" for c in FOUR])
+def test_cp2_with_dp2_or_tp2_matches_one_process(four: list[dict[Any, Any]], case: tuple[Any, ...]) -> None:
+    dp = 2 if case[3] == 1 else 1
+    _check(four, case, dp)
+
+
+# -- refusals, each one line ----------------------------------------------------------------------
+def _refusals() -> dict[str, str]:
+    import shardwise
+    from shardwise.config.tree import ConfigError
+
+    out: dict[str, str] = {}
+
+    def refused(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ConfigError, ValueError) as err:
+            out[name] = str(err)
+        else:
+            out[name] = "(accepted)"
+
+    refused("world", lambda: shardwise.Engine(cpu=True, strategy="zero3",
+                                              context_parallel_size=4).prepare(build("plain")))
+    refused("deepspeed", lambda: shardwise.Engine(cpu=True, strategy="zero2", backend="deepspeed",
+                                                  context_parallel_size=2).prepare(build("plain")))
+    refused("model", lambda: shardwise.Engine(cpu=True, strategy="zero3", context_parallel_size=2).prepare(
+        nn.Sequential(nn.Linear(4, 4))))
+
+    def three_heads() -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=3, num_key_value_heads=1)
+        shardwise.Engine(cpu=True, strategy="zero3", context_parallel_size=2,
+                         context_parallel="ulysses").prepare(LlamaForCausalLM(config))
+
+    refused("heads", three_heads)
+
+    def odd_sequence() -> None:
+        engine = shardwise.Engine(cpu=True, strategy="zero3", context_parallel_size=2)
+        model = engine.prepare(build("plain"))
+        model(input_ids=torch.zeros(1, 30, dtype=torch.long))
+
+    refused("sequence", odd_sequence)
+    return out
+
+
+def test_refusals_are_one_line() -> None:
+    results = spawn(_refusals, 2)
+    expected = {"world": r"does not divide the 2 processes", "deepspeed": r"backend deepspeed does not split",
+                "model": r"not a transformers model",
+                "heads": r"3 heads do not divide by context_parallel_size=2",
+                "sequence": r"a sequence of 30 tokens cannot be cut into 4 equal chunks"}
+    for res in results:
+        for name, pattern in expected.items():
+            assert re.search(pattern, res[name]), (name, res[name])
+            assert "\n" not in res[name], (name, res[name])
