@@ -331,3 +331,24 @@ def _plugin_wrap_dropped() -> None:
         return out
 
     _patch(plugins, "fsdp_fields", fsdp_fields)
+
+
+# -- context parallelism: the whole sequence's loss, attention over every block (issue 45) ------
+@fault("context_loss_not_summed", row="context parallelism (`tests/test_context_parallel.py`",
+       test="tests/test_context_parallel.py::test_a_loss_left_unsummed_is_caught")
+def _context_loss_not_summed() -> None:
+    """Each rank of a context group keeps its own tokens' share of the loss (divided by the whole
+    sequence's tokens) instead of the group's sum: the logged loss is a part, the gradient half."""
+    from shardwise.strategies.context_parallel import ContextParallel
+
+    _patch(ContextParallel, "whole_loss", lambda self, output: output)
+
+
+@fault("ring_own_block_only", row="context parallelism (`tests/test_context_parallel.py`",
+       test="tests/test_context_parallel.py::test_a_ring_standing_still_is_caught")
+def _ring_own_block_only() -> None:
+    """The ring's blocks never move on: each rank attends to its own tokens only (a ring whose
+    send/recv got lost); the shapes and the loss's size all look right."""
+    from shardwise.strategies import attention
+
+    _patch(attention._Ring, "source", lambda self, step: self.rank)

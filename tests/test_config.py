@@ -393,6 +393,9 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
     assert from_parallelism({f"parallelism_config_{k}": v for k, v in fields.items()}, 8) == want
     assert from_parallelism({"dp_shard_size": 8}, 8) == {"dp_replicate": 1, "dp_shard": 8, "tp": 1}
     assert from_parallelism({}, 8) is None
+    # context parallelism's size goes into the section (the method: ring, as Accelerate's)
+    assert from_parallelism({"dp_shard_size": 2, "cp_size": 2}, 4) == {"dp_replicate": 1, "dp_shard": 2,
+                                                                       "tp": 1, "cp": 2}
 
 
 @pytest.mark.parametrize(("acc", "message"), [
@@ -400,7 +403,10 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
      "dp_replicate_size=2 x dp_shard_size=2 x tp_size=1 must equal the 8 processes"),
     (_fsdp_yaml(None, dp_replicate_size=2, dp_shard_size=2, tp_size=2),
      "dp_replicate_size=2 x dp_shard_size=2 x tp_size=2 must equal the 4 processes"),
-    (_fsdp_yaml(None, dp_shard_size=2, cp_size=2), "cp_size=2: context parallelism is not supported"),
+    (_fsdp_yaml(None, dp_shard_size=2, sp_size=2), "sp_size=2: sequence (DeepSpeed's Ulysses, sp_size) "
+     "parallelism is not read from Accelerate's config; set it to 1 and use cp_size (ring)"),
+    (_fsdp_yaml(None, dp_shard_size=2, cp_size=4),
+     "dp_replicate_size=1 x dp_shard_size=2 x tp_size=1 x cp_size=4 must equal the 4 processes"),
     (_fsdp_yaml(None, dp_replicate_size=0, dp_shard_size=4), "dp_replicate_size: expected an integer >= 1"),
     (_fsdp_yaml(None, dp_shard_size="two"), "dp_shard_size: expected a number"),  # type: ignore[arg-type]
     ({"distributed_type": "MULTI_GPU", "num_processes": 4, "parallelism_config": {

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from planted import caught, planted
 from spawn import spawn
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -137,8 +138,57 @@ def _train(method: str, kind: str, strategy: str, tp: int = 1) -> dict[str, Any]
     return {"losses": losses, "norms": norms, "saved": saved, "state": state}
 
 
-def _two() -> dict[Any, Any]:
-    return {case: _train(*case) for case in TWO}
+def _two(folder: str) -> dict[Any, Any]:
+    out: dict[Any, Any] = {case: _train(*case) for case in TWO}
+    out["resume"] = _resume(folder)
+    return out
+
+
+def _prepared(cp: int) -> tuple[Any, Any, Any]:
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=0, context_parallel_size=cp)
+    model = build("plain")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = engine.prepare(model, opt)
+    return engine, model, opt
+
+
+def _one_step(engine: Any, model: Any, opt: Any, batch: dict[str, torch.Tensor]) -> float:
+    loss = model(**batch).loss
+    engine.backward(loss)
+    engine.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return float(engine.reduce(loss.detach(), "mean"))
+
+
+def _resume(folder: str) -> dict[str, Any]:
+    """cp 2 -> cp 1 (zero3 over 2 data-parallel ranks) -> cp 2: each load bit-identical to what
+    was saved, and the step after the round trip the same as the straight run's."""
+    data = Batches(2 * (STEPS + 1), "plain")
+    batches = [{k: torch.stack([data[i][k] for i in range(j, j + 2)]) for k in data[0]}
+               for j in range(0, len(data), 2)]
+    engine, model, opt = _prepared(2)
+    for batch in batches[:STEPS]:
+        _one_step(engine, model, opt, batch)
+    saved_state, saved_step = engine.get_state_dict(model), engine.step
+    engine.save_state(f"{folder}/cp2")
+    straight = _one_step(engine, model, opt, batches[-1]), engine.get_state_dict(model)
+    engine.free_memory()
+    import torch.distributed as dist
+
+    one, model, opt = _prepared(1)  # (cp 1: the two processes are data-parallel ranks: half a batch each)
+    steps = [one.load_state(f"{folder}/cp2")]
+    into_one = one.get_state_dict(model)
+    one.save_state(f"{folder}/cp1")
+    one.free_memory()
+    back, model, opt = _prepared(2)
+    steps.append(back.load_state(f"{folder}/cp1"))
+    into_two = back.get_state_dict(model)
+    after = _one_step(back, model, opt, batches[-1]), back.get_state_dict(model)
+    return {"saved": saved_state, "step": saved_step, "steps": steps, "into_one": into_one,
+            "into_two": into_two, "straight": straight, "after": after, "rank": dist.get_rank()}
 
 
 def _four() -> dict[Any, Any]:
@@ -146,8 +196,8 @@ def _four() -> dict[Any, Any]:
 
 
 @pytest.fixture(scope="module")
-def two() -> list[dict[Any, Any]]:
-    return spawn(_two, 2)
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
+    return spawn(_two, 2, str(tmp_path_factory.mktemp("cp")))
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +235,22 @@ def test_cp2_matches_one_process(two: list[dict[Any, Any]], case: tuple[str, str
     _check(two, case)
 
 
+def test_a_checkpoint_resumes_across_context_sizes_bit_identical(two: list[dict[Any, Any]]) -> None:
+    """cp 2 -> cp 1 -> cp 2 (zero3, ring): every load holds the saved weights bit for bit, and the
+    step after the round trip gives the straight run's loss and weights (its optimizer state came
+    through too)."""
+    for res in two:
+        run = res["resume"]
+        assert run["steps"] == [STEPS, STEPS] == [run["step"]] * 2, run["steps"]
+        assert run["after"][0] == pytest.approx(run["straight"][0], abs=1e-7)
+    run = two[0]["resume"]  # (the whole weights are gathered on process 0)
+    saved = run["saved"]
+    assert saved and all(torch.equal(run["into_one"][k], v) for k, v in saved.items())
+    assert all(torch.equal(run["into_two"][k], v) for k, v in saved.items())
+    worst = max((run["after"][1][k] - v).abs().max().item() for k, v in run["straight"][1].items())
+    assert worst <= 1e-7, worst
+
+
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_each_rank_saves_about_half_the_activations(two: list[dict[Any, Any]], method: str) -> None:
     weights = sum(p.numel() * p.element_size() for n, p in build("plain").named_parameters()
@@ -199,6 +265,20 @@ def test_each_rank_saves_about_half_the_activations(two: list[dict[Any, Any]], m
 def test_cp2_with_dp2_or_tp2_matches_one_process(four: list[dict[Any, Any]], case: tuple[Any, ...]) -> None:
     dp = 2 if case[3] == 1 else 1
     _check(four, case, dp)
+
+
+def _planted_case() -> dict[Any, Any]:
+    return {TWO[0]: _train(*TWO[0])}
+
+
+def test_a_loss_left_unsummed_is_caught() -> None:
+    """The equivalence check fails on a run whose ranks keep their own share of the loss."""
+    caught(_check, spawn(planted(_planted_case, "context_loss_not_summed"), 2), TWO[0])
+
+
+def test_a_ring_standing_still_is_caught() -> None:
+    """The equivalence check fails on a run whose ring blocks never move on."""
+    caught(_check, spawn(planted(_planted_case, "ring_own_block_only"), 2), TWO[0])
 
 
 # -- refusals, each one line ----------------------------------------------------------------------

@@ -375,7 +375,7 @@ def _acc_parallelism(acc: Mapping[str, Any], kind: str, total: int, source: str,
     out["parallelism"] = section
 
 
-_PARALLELISM_UNSUPPORTED = {"cp_size": "context", "sp_size": "sequence"}
+_PARALLELISM_UNSUPPORTED = {"sp_size": "sequence (DeepSpeed's Ulysses, sp_size)"}
 
 
 def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
@@ -387,8 +387,8 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     `sizes` holds its fields by name (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) or
     as an Accelerate YAML's `parallelism_config` section spells them (`parallelism_config_`
     before each). The product of the sizes must be the process count (`num_processes`, when
-    known). Context and sequence parallelism are refused; the keys that only tune those
-    (backends, strategies) mean nothing while their size is 1.
+    known). cp_size is context parallelism's cp (a ring, as Accelerate's is); sp_size (DeepSpeed's
+    Ulysses there) is refused, pointing to context_parallel: ulysses.
     """
     plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
 
@@ -400,20 +400,23 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
 
     for name, what in _PARALLELISM_UNSUPPORTED.items():
         if size(name) > 1:
-            raise ConfigError(f"{source}: {name}={size(name)}: {what} parallelism is not supported by "
-                              "shardwise; set it to 1 (data parallelism: dp_replicate_size, dp_shard_size)")
-    replicas, shard, tp = size("dp_replicate_size"), size("dp_shard_size"), size("tp_size")
-    if replicas * shard * tp == 1:
+            raise ConfigError(f"{source}: {name}={size(name)}: {what} parallelism is not read from "
+                              "Accelerate's config; set it to 1 and use cp_size (ring), or shardwise's "
+                              "context_parallel_size with context_parallel: ulysses")
+    replicas, shard, tp, cp = (size(n) for n in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"))
+    if replicas * shard * tp * cp == 1:
         return None
-    if num_processes is not None and replicas * shard * tp != num_processes:
+    if num_processes is not None and replicas * shard * tp * cp != num_processes:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} x dp_shard_size={shard} x tp_size={tp} "
-                          f"must equal the {num_processes} processes (num_processes)")
+                          f"{f'x cp_size={cp} ' if cp > 1 else ''}must equal the {num_processes} processes "
+                          "(num_processes)")
     if replicas > 1 and shard == 1:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
                           "parallelism, which Accelerate refuses here too; use strategy ddp instead")
+    context = {"cp": cp} if cp > 1 else {}  # (Accelerate's cp is a ring: shardwise's default method)
     if replicas == shard == 1:
-        return {"tp": tp}  # the data-parallel ranks: the rest, laid out as the strategy does
-    return {"dp_replicate": replicas, "dp_shard": shard, "tp": tp}
+        return {"tp": tp, **context}  # the data-parallel ranks: the rest, laid out as the strategy does
+    return {"dp_replicate": replicas, "dp_shard": shard, "tp": tp, **context}
 
 
 _FSDP_HYBRID = ("4", "5", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
