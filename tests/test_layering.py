@@ -271,6 +271,8 @@ ALLOWED = {
     # accelerate's PartialState, shared so accelerate.logging works
     "accelerate/extras.py": {"_shared_state"},
     "cli/main.py": {"_actions"},  # torchrun's own argparse parser: argparse lists its flags no other way
+    # transformers' config names its attention implementation only so (`attention_of`)
+    "strategies/context_parallel.py": {"_attn_implementation"},
 }
 
 

@@ -9,7 +9,8 @@ The loop stays as it is. The step gives a transformers model:
   first (`shift_labels`), so no token's target is lost at a cut, and the mask's facts (padding,
   packed documents) are kept for the whole sequence;
 - **its attention** through transformers' attention registry (`AttentionInterface`): no model code
-  is copied; the model's `_attn_implementation` names ours, which runs Ulysses or the ring;
+  is copied; the model's attention implementation (`set_attn_implementation`) names ours, which
+  runs Ulysses or the ring;
 - **the whole sequence's loss** on every rank of the group: each rank's cross entropy is summed
   over its tokens and divided by the tokens of the whole sequence (transformers'
   `num_items_in_batch`), then summed over the group by a differentiable all-reduce. So
@@ -141,6 +142,12 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 IMPLEMENTATION = "shardwise_context_parallel"
 
 
+def attention_of(config: Any) -> str | None:
+    """The attention implementation a transformers config names (transformers keeps it under a
+    private name, read here only)."""
+    return getattr(config, "_attn_implementation", None)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -156,7 +163,8 @@ def context_parallel_step(model: nn.Module, dims: ParallelDims, method: str) -> 
     if dims.cp == 1:
         return None
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
+    setter = getattr(model, "set_attn_implementation", None)
+    if config is None or not callable(setter):
         raise ConfigError(f"context_parallel_size={dims.cp}: {type(model).__name__} is not a transformers "
                           "model, whose attention shardwise replaces through transformers' attention "
                           "registry; set context_parallel_size to 1 for this model")
@@ -174,10 +182,12 @@ def context_parallel_step(model: nn.Module, dims: ParallelDims, method: str) -> 
     _register()
     rank = dist.get_rank()
     cp = ContextParallel(dims.get_mesh("cp").get_group(), dims.cp, method, config)
-    was = config._attn_implementation
-    for sub in [config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}) or {})]:
-        if sub is not None and hasattr(sub, "_attn_implementation"):
-            sub._attn_implementation = IMPLEMENTATION
+    was = attention_of(config)
+    setter(IMPLEMENTATION)  # (the model and its sub-models; transformers checks it is registered)
+    if attention_of(config) != IMPLEMENTATION:
+        raise ConfigError(f"context_parallel_size={dims.cp}: {type(model).__name__} does not take its "
+                          "attention from transformers' attention registry (its attention is its own code), so "
+                          "it cannot be split; set context_parallel_size to 1 for this model")
     for m in model.modules():
         m.__dict__[_ATTR] = cp
     model.register_forward_pre_hook(lambda _m, a, k: ((), cp.split_inputs(a, k)), with_kwargs=True)
