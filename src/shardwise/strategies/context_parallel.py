@@ -186,8 +186,8 @@ def context_parallel_step(model: nn.Module, dims: ParallelDims, method: str) -> 
     setter(IMPLEMENTATION)  # (the model and its sub-models; transformers checks it is registered)
     if attention_of(config) != IMPLEMENTATION:
         raise ConfigError(f"context_parallel_size={dims.cp}: {type(model).__name__} does not take its "
-                          "attention from transformers' attention registry (its attention is its own code), so "
-                          "it cannot be split; set context_parallel_size to 1 for this model")
+                          "attention from transformers' attention registry (its attention is its own "
+                          "code), so it cannot be split; set context_parallel_size to 1 for this model")
     for m in model.modules():
         m.__dict__[_ATTR] = cp
     model.register_forward_pre_hook(lambda _m, a, k: ((), cp.split_inputs(a, k)), with_kwargs=True)
