@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 SEQ, VOCAB, BATCH, STEPS, LR = 64, 64, 2, 3, 1e-2
-LOSS_TOL, WEIGHT_TOL, MEMORY_SHARE = 1e-5, 5e-5, 0.55
+LOSS_TOL, WEIGHT_TOL, MEMORY_SHARE, TILE = 1e-5, 5e-5, 0.55, 8
 TWO = [("ring", "plain", "zero3"), ("ring", "padding", "zero3"), ("ring", "packed", "zero3"),
        ("ulysses", "plain", "zero3"), ("ulysses", "padding", "zero3"), ("ulysses", "packed", "zero3"),
        ("ring", "plain", "ddp"), ("ring", "plain", "zero1"), ("ring", "plain", "zero2")]
@@ -113,11 +113,14 @@ def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _train(method: str, kind: str, strategy: str, tp: int = 1) -> dict[str, Any]:
+def _train(method: str, kind: str, strategy: str, tp: int = 1, tiles: bool = True) -> dict[str, Any]:
+    """A cp 2 run; `tiles`: tiled MLP and loss on (the default under context parallelism) over
+    TILE tokens, so a 32-token share is 4 tiles; off: the activations as they are."""
     import shardwise
 
     engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, context_parallel_size=2,
-                              context_parallel=method, tensor_parallel_size=tp)
+                              context_parallel=method, tensor_parallel_size=tp, tile_tokens=TILE,
+                              tiled_mlp=tiles, tiled_loss=tiles)
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = Batches(engine.parallel_dims.dp_size * BATCH * STEPS, kind)
@@ -140,6 +143,8 @@ def _train(method: str, kind: str, strategy: str, tp: int = 1) -> dict[str, Any]
 
 def _two(folder: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case) for case in TWO}
+    for method in ("ring", "ulysses"):  # (one step's activations, untiled: what the split alone saves)
+        out[method, "untiled"] = _train(method, "plain", "zero3", tiles=False)
     out["resume"] = _resume(folder)
     return out
 
@@ -257,7 +262,7 @@ def test_each_rank_saves_about_half_the_activations(two: list[dict[Any, Any]], m
                   if "embed_tokens" not in n)  # (the embedding saves its indices, not its weight)
     one = reference("plain")["saved"] - weights
     for res in two:
-        share = (res[(method, "plain", "zero3")]["saved"] - weights) / one
+        share = (res[(method, "untiled")]["saved"] - weights) / one
         assert 0.45 < share <= MEMORY_SHARE, (method, share)
 
 
@@ -332,3 +337,59 @@ def test_refusals_are_one_line() -> None:
         for name, pattern in expected.items():
             assert re.search(pattern, res[name]), (name, res[name])
             assert "\n" not in res[name], (name, res[name])
+
+
+# -- tiled MLP and tiled loss, in one process -----------------------------------------------------
+def _llama(vocab: int, seq: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=seq, tie_word_embeddings=False))
+
+
+def _step_peak(model: nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor], int, int]:
+    """Loss, gradients, the peak of live tensor bytes over forward + backward (`LiveStorage`), and
+    the bytes autograd saves in the forward."""
+    from test_plan import LiveStorage
+
+    hooks, seen = _saved_bytes()
+    with LiveStorage() as live:
+        with hooks:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.item(), grads, live.peak, sum(seen.values())
+
+
+def test_tiled_loss_and_mlp_are_exact_and_the_loss_keeps_peak_memory_flat() -> None:
+    """One process, sequences of 256 tokens, tiles of 16: the tiled loss and MLP give the untiled
+    loss within 1e-6 and gradients within 1e-6; the tiled MLP saves fewer activation bytes (its
+    batch x sequence x intermediate products recomputed per tile); and as the vocabulary grows
+    from 512 to 8192 (dV) the untiled step's peak grows by the parameters' growth (the embedding's
+    and the head's weights and gradients, 4 x dV x H x 4 bytes) plus at least the whole fp32
+    logits (B x S x dV x 4), the tiled step's by the parameters' growth plus at most two tiles'
+    logits (B x 16 x dV x 4; observed: one): flat but for the weights."""
+    from shardwise.strategies.tiling import tile_loss, tile_mlps
+
+    seq, batch, tokens = 256, 2, 16
+    peaks: dict[tuple[int, bool], int] = {}
+    for vocab in (512, 8192):
+        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+        plain = _llama(vocab, seq)
+        loss, grads, peaks[vocab, False], saved = _step_peak(plain, ids)
+        tiled = _llama(vocab, seq)
+        assert tile_mlps(tiled, (), tokens) == 2
+        tile_loss(tiled, tokens)
+        t_loss, t_grads, peaks[vocab, True], t_saved = _step_peak(tiled, ids)
+        assert abs(t_loss - loss) <= 1e-6, (vocab, t_loss, loss)
+        assert max((t_grads[n] - g).abs().max().item() for n, g in grads.items()) <= 1e-6
+        assert t_saved < saved, (vocab, t_saved, saved)
+    grown = 8192 - 512
+    logits, tile = batch * seq * grown * 4, batch * tokens * grown * 4
+    weights = 4 * grown * 32 * 4  # the embedding's and the head's weights and gradients
+    grown_plain, grown_tiled = peaks[8192, False] - peaks[512, False], peaks[8192, True] - peaks[512, True]
+    assert grown_plain >= weights + logits, (grown_plain, logits)
+    assert grown_tiled <= weights + 2 * tile, (grown_tiled, weights, tile, peaks)

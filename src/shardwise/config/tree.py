@@ -252,6 +252,9 @@ class BlocksSection:
     compile_mode: str | None = None
     compile_fullgraph: bool = False
     compile_dynamic: bool | None = None
+    tiled_mlp: bool | None = None
+    tiled_loss: bool | None = None
+    tile_tokens: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +388,18 @@ class EngineConfig:
     block runs compiled around the break)."""
     compile_dynamic: bool | None = None
     """torch.compile's dynamic: None (a shape seen to change is made dynamic, one recompile), True, False."""
+    tiled_mlp: bool | None = None
+    """Run each block's MLP (a transformers block's `mlp`) over tile_tokens tokens at a time and
+    recompute it in backward, so its wide intermediate never exists for the whole sequence (as
+    DeepSpeed's ALST tiles it). Exact (the MLP works token by token). None: on under context
+    parallelism, off otherwise."""
+    tiled_loss: bool | None = None
+    """A transformers causal LM called with labels computes its head and cross entropy over
+    tile_tokens tokens at a time, recomputed in backward: the logits (batch x sequence x
+    vocabulary, fp32) never exist whole, and the output's `logits` is None. The same loss
+    (summed per tile, divided by the tokens). None: on under context parallelism, off otherwise."""
+    tile_tokens: int = 1024
+    """Tokens per tile of tiled_mlp and tiled_loss (per sequence of the batch)."""
     micro_batch_size: int | Auto | None = None
     """Per-process batch the config expects (None/"auto": the prepared DataLoader's)."""
     train_batch_size: int | Auto | None = None
@@ -680,6 +695,13 @@ def _check_speed(cfg: EngineConfig) -> None:
             raise ConfigError(f"{name}={getattr(cfg, name)!r} must be true or false")
     if cfg.compile_dynamic is not None and not isinstance(cfg.compile_dynamic, bool):
         raise ConfigError(f"compile_dynamic={cfg.compile_dynamic!r} must be true, false or None")
+    for name in ("tiled_mlp", "tiled_loss"):
+        if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} must be true, false or None (on under context "
+                              "parallelism)")
+    tile = cfg.tile_tokens
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ConfigError(f"tile_tokens={tile!r} must be an integer >= 1")
     modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
     if cfg.compile_mode is not None:
         _choice("compile_mode", cfg.compile_mode, modes)

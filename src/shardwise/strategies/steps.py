@@ -10,6 +10,8 @@ order:
   2. context parallelism on the `cp` view (`context_parallel_step`): the batch split along the
      sequence at the model's door, attention over the whole sequence (ring or Ulysses), the whole
      sequence's loss;
+  2b. tiled MLP and tiled loss (`tiling_step`; on by default under context parallelism): the
+     MLP intermediate and the logits computed a tile of tokens at a time;
   3. activation checkpointing, per block (`blocks_step`);
   4. compile, per block (`blocks_step`: each replaces the block's own `forward`; full and
      selective checkpointing compile with the block, offload's hooks stay outside);
@@ -38,6 +40,7 @@ from .blocks import apply_activation_checkpointing, find_blocks
 from .compile import apply_compile, compile_options
 from .context_parallel import context_parallel_step
 from .tensor_parallel import apply_tensor_parallel, model_plan
+from .tiling import tiling_step
 
 log = logging.getLogger("shardwise")
 
@@ -48,6 +51,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, sharding: ShardingSection,
     if "tp" not in own_steps:
         model_parallel_step(model, dims, sharding)
     context_parallel_step(model, dims, sharding.context_parallel)
+    tiling_step(model, blocks, context_parallel=dims.cp > 1)
     blocks_step(model, blocks)
 
 
