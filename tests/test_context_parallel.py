@@ -393,3 +393,40 @@ def test_tiled_loss_and_mlp_are_exact_and_the_loss_keeps_peak_memory_flat() -> N
     grown_plain, grown_tiled = peaks[8192, False] - peaks[512, False], peaks[8192, True] - peaks[512, True]
     assert grown_plain >= weights + logits, (grown_plain, logits)
     assert grown_tiled <= weights + 2 * tile, (grown_tiled, weights, tile, peaks)
+
+
+# -- Accelerate's way: ParallelismConfig(cp_size=2) and maybe_context_parallel ---------------------
+def _accelerate_cp() -> dict[str, Any]:
+    from types import SimpleNamespace
+
+    from shardwise import Accelerator
+
+    sizes = SimpleNamespace(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=2, sp_size=1)
+    acc = Accelerator(cpu=True, parallelism_config=sizes)
+    model = build("padding")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = DataLoader(Batches(BATCH * STEPS, "padding"), batch_size=BATCH)
+    model, opt, loader = acc.prepare(model, opt, data)
+    losses, norms = [], []
+    for batch in loader:
+        buffers = [batch["input_ids"], batch["labels"], batch["attention_mask"]]
+        with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                        no_restore_buffers=set(buffers)):
+            loss = model(**batch).loss
+            acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "cp": acc.parallelism_config.cp_size,
+            "dp": acc.parallelism_config.data_parallel_size, "whole": tuple(batch["input_ids"].shape)}
+
+
+def test_accelerates_cp_size_and_maybe_context_parallel_match_one_process() -> None:
+    """A script in Accelerate's context-parallel pattern, the import switched: the same losses and
+    clipped norms as one process (1e-5); the buffers stay whole; one data-parallel rank."""
+    ref = reference("padding")
+    for res in spawn(_accelerate_cp, 2):
+        assert (res["cp"], res["dp"], res["whole"]) == (2, 1, (BATCH, SEQ))
+        assert res["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+        assert res["norms"] == pytest.approx(ref["norms"], abs=LOSS_TOL)

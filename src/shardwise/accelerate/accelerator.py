@@ -401,6 +401,24 @@ class Accelerator(ProcessHelpers):
         as in Accelerate)."""
         return trigger_sync_in_backward(model)
 
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
+                               buffer_seq_dims: list[int] | None = None,
+                               no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
+        """Accelerate's context-parallel block, for scripts written that way. shardwise splits the
+        sequences at the prepared model's door (`strategies.context_parallel`), so the buffers
+        are left whole, as one process sees them, inside the block and after it; the model's loss
+        is the whole sequence's. A buffer whose sequence dimension is not 1 is refused in one line."""
+        dims = list(buffer_seq_dims or [])
+        if buffers is not None and dims and len(dims) != len(buffers):
+            raise ValueError(f"maybe_context_parallel: {len(buffers)} buffers but {len(dims)} "
+                             "buffer_seq_dims")
+        if any(d != 1 for d in dims) and self.engine.parallel_dims.cp > 1:
+            raise ValueError(f"maybe_context_parallel: buffer_seq_dims={dims}: shardwise splits dimension 1 "
+                             "(batch, sequence, ...) of what the model is called with")
+        del no_restore_buffers
+        yield
+
     def join_uneven_inputs(self, joinables: list[Any],
                            even_batches: bool | None = None) -> contextlib.AbstractContextManager[None]:
         """Let processes with fewer batches finish (DDP: torch's Join; elsewhere a warning)."""
