@@ -33,3 +33,8 @@ if [ "$GPUS" -ge 4 ]; then
 else
     echo "tensor_parallel.py skipped: $GPUS GPU(s), it needs 4 (one per process)"
 fi
+# long context (benchmarks/long_context.py): the longest sequence under a 24 GiB activation budget,
+# one process on one GPU, context parallelism over the GPUs there are (one per process)
+CP=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || { [ "$GPUS" -ge 2 ] && echo "1 2" || echo "1"; })
+timeout "${LONG_S:-120}" python3 benchmarks/long_context.py --device cuda --processes $CP --cap-mib 24576 \
+    --lengths 16384 32768 65536 --out "$OUT" 2>&1 | grep -v "Warning" | tee "$OUT/long_context.log" | tail -8

@@ -74,7 +74,7 @@ def train(
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            tokens += tokens_in(batch) * engine.num_processes
+            tokens += tokens_in(batch) * engine.parallel_dims.dp_size  # (a tp or cp group: one batch)
             window.append(engine.reduce(loss.detach(), "mean").item())
             if not engine.sync_gradients:
                 continue

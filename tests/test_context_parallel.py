@@ -18,8 +18,9 @@ The tiny transformers Llama (4 query heads, 2 key/value heads) trains on sequenc
                 and log-sum-exp). One-line refusals: a size that does not divide the world, a
                 sequence the split cannot take, heads Ulysses cannot split, a model whose
                 attention it cannot replace, the DeepSpeed backend.
-  4 processes   cp 2 x dp 2 under zero3 (ring and Ulysses) and cp 2 x tp 2 under zero3 (ring):
-                against one process on the global batch, the same tolerances.
+  4 processes   cp 2 x dp 2 under zero3 (ring and Ulysses), hybrid (dp_replicate 2 x cp 2, each
+                replica sharded over its cp pair) and cp 2 x tp 2 under zero3 (ring): against one
+                process on the global batch, the same tolerances, each sharding mesh as named.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ from spawn import spawn
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from shardwise import SavedActivations
+
 SEQ, VOCAB, BATCH, STEPS, LR = 64, 64, 2, 3, 1e-2
 LOSS_TOL, WEIGHT_TOL, MEMORY_SHARE, TILE = 1e-5, 5e-5, 0.55, 8
 TWO = [("ring", "plain", "zero3"), ("ring", "padding", "zero3"), ("ring", "packed", "zero3"),
        ("ulysses", "plain", "zero3"), ("ulysses", "padding", "zero3"), ("ulysses", "packed", "zero3"),
        ("ring", "plain", "ddp"), ("ring", "plain", "zero1"), ("ring", "plain", "zero2")]
-FOUR = [("ring", "plain", "zero3", 1), ("ulysses", "plain", "zero3", 1), ("ring", "plain", "zero3", 2)]
+# (method, batches, strategy, layout): dp2 (full sharding over dp 2 x cp 2), hybrid (replicas over
+# dp_replicate 2, each sharded over its cp pair), tp2 (cp 2 x tp 2)
+FOUR = [("ring", "plain", "zero3", "dp2"), ("ulysses", "plain", "zero3", "dp2"),
+        ("ring", "plain", "zero3", "hybrid"), ("ring", "plain", "zero3", "tp2")]
+LAYOUT = {"dp2": {}, "hybrid": {"parallelism": {"dp_replicate": 2}}, "tp2": {"tensor_parallel_size": 2}}
 
 
 def build(kind: str) -> nn.Module:
@@ -78,19 +85,6 @@ class Batches(Dataset):
         return out
 
 
-def _saved_bytes() -> tuple[Any, dict[int, int]]:
-    """saved_tensors_hooks recording each saved storage once (a DTensor's local one)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t
-        st = local.untyped_storage()
-        seen[st._cdata] = st.nbytes()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
-
-
 @functools.cache
 def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]:
     """One plain process on the global batches (dp x BATCH samples each, in order)."""
@@ -99,10 +93,9 @@ def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, saved = [], [], 0
     for i, batch in enumerate(DataLoader(Batches(dp * BATCH * STEPS, kind), batch_size=dp * BATCH)):
-        hooks, seen = _saved_bytes()
-        with hooks:
+        with SavedActivations() as seen:
             loss = model(**batch).loss
-        saved = saved or sum(seen.values())
+        saved = saved or seen.total
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
@@ -113,24 +106,24 @@ def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _train(method: str, kind: str, strategy: str, tp: int = 1, tiles: bool = True) -> dict[str, Any]:
+def _train(method: str, kind: str, strategy: str, tiles: bool = True, **layout: Any) -> dict[str, Any]:
     """A cp 2 run; `tiles`: tiled MLP and loss on (the default under context parallelism) over
     TILE tokens, so a 32-token share is 4 tiles; off: the activations as they are."""
     import shardwise
 
     engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, context_parallel_size=2,
-                              context_parallel=method, tensor_parallel_size=tp, tile_tokens=TILE,
-                              tiled_mlp=tiles, tiled_loss=tiles)
+                              context_parallel=method, tile_tokens=TILE, tiled_mlp=tiles, tiled_loss=tiles,
+                              **layout)
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = Batches(engine.parallel_dims.dp_size * BATCH * STEPS, kind)
     model, opt, loader = engine.prepare(model, opt, DataLoader(data, batch_size=BATCH))
     losses, norms, saved = [], [], 0
+    mesh = engine.parallel_dims.mesh  # (the data-parallel sharding mesh: its shape and names)
     for batch in loader:
-        hooks, seen = _saved_bytes()
-        with hooks:
+        with SavedActivations() as seen:
             loss = model(**batch).loss
-        saved = saved or sum(seen.values())
+        saved = saved or seen.total
         engine.backward(loss)
         norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
@@ -138,7 +131,8 @@ def _train(method: str, kind: str, strategy: str, tp: int = 1, tiles: bool = Tru
         losses.append((loss.item(), engine.reduce(loss.detach(), "mean").item()))
     state = engine.get_state_dict(model)
     engine.free_memory()
-    return {"losses": losses, "norms": norms, "saved": saved, "state": state}
+    return {"losses": losses, "norms": norms, "saved": saved, "state": state,
+            "mesh": (tuple(mesh.shape), mesh.mesh_dim_names)}
 
 
 def _two(folder: str) -> dict[Any, Any]:
@@ -197,7 +191,7 @@ def _resume(folder: str) -> dict[str, Any]:
 
 
 def _four() -> dict[Any, Any]:
-    return {case: _train(*case[:3], tp=case[3]) for case in FOUR}
+    return {case: _train(*case[:3], **LAYOUT[case[3]]) for case in FOUR}
 
 
 @pytest.fixture(scope="module")
@@ -266,9 +260,14 @@ def test_each_rank_saves_about_half_the_activations(two: list[dict[Any, Any]], m
         assert 0.45 < share <= MEMORY_SHARE, (method, share)
 
 
-@pytest.mark.parametrize("case", FOUR, ids=[f"{c[0]}-{'tp2' if c[3] == 2 else 'dp2'}" for c in FOUR])
+@pytest.mark.parametrize("case", FOUR, ids=[f"{c[0]}-{c[3]}" for c in FOUR])
 def test_cp2_with_dp2_or_tp2_matches_one_process(four: list[dict[Any, Any]], case: tuple[Any, ...]) -> None:
-    dp = 2 if case[3] == 1 else 1
+    """At 4 processes: against one process on the global batch; the parameters sharded over the
+    data x context ranks (all 4), over each replica's cp pair (hybrid), or over the cp pair of
+    each tp rank."""
+    meshes = {"dp2": ((4,), ("fsdp",)), "hybrid": ((2, 2), ("dp_replicate", "cp")), "tp2": ((2,), ("cp",))}
+    assert all(res[case]["mesh"] == meshes[case[3]] for res in four), [res[case]["mesh"] for res in four]
+    dp = 1 if case[3] == "tp2" else 2
     _check(four, case, dp)
 
 
@@ -354,14 +353,13 @@ def _step_peak(model: nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, to
     the bytes autograd saves in the forward."""
     from test_plan import LiveStorage
 
-    hooks, seen = _saved_bytes()
     with LiveStorage() as live:
-        with hooks:
+        with SavedActivations() as seen:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    return loss.item(), grads, live.peak, sum(seen.values())
+    return loss.item(), grads, live.peak, seen.total
 
 
 def test_tiled_loss_and_mlp_are_exact_and_the_loss_keeps_peak_memory_flat() -> None:

@@ -35,6 +35,8 @@ def _launch(config: str, script: str, *args: str, cwd: Path) -> str:
     ("script", "config", "expect"),
     [
         ("seq2seq.py", "zero3_offload.yaml", "exact-match replies"),
+        ("long_context.py", "long_context.yaml",
+         "context parallelism ring over 2 process(es) (512 tokens each)"),
     ],
 )
 def test_example_runs(script: str, config: str, expect: str, tmp_path: Path) -> None:

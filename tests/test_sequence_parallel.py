@@ -36,6 +36,8 @@ from spawn import spawn
 from test_tensor_parallel import BATCH, PLANNED, STEPS, Moved, tp_share
 from torch.utils.data import DataLoader
 
+from shardwise import SavedActivations
+
 # case -> (model, strategy, activation checkpointing)
 TWO = {"ddp": ("llama", "ddp", "none"), "zero2": ("llama", "zero2", "none"),
        "zero3": ("llama", "zero3", "none"), "zero3 AC": ("llama", "zero3", "full"),
@@ -61,21 +63,6 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _saved_bytes() -> tuple[Any, dict[int, int]]:
-    """saved_tensors_hooks that record each saved tensor's storage once (a DTensor's local one)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t
-        st = local.untyped_storage()
-        # keyed by the storage itself (`_cdata`), not its address: FSDP2 frees a block's gathered
-        # weights after its forward, and the next block's may reuse the address
-        seen[st._cdata] = st.nbytes()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), seen
-
-
 def _train(engine: Any, dp: int, name: str) -> Run:
     model = W.build(name)
     opt = W.make_optimizer(model)
@@ -83,11 +70,10 @@ def _train(engine: Any, dp: int, name: str) -> Run:
     model, opt, loader = engine.prepare(model, opt, loader)
     losses, norms, saved = [], [], 0
     for i, ids in enumerate(loader):
-        hooks, seen = _saved_bytes()
-        with hooks:
+        with SavedActivations() as seen:  # (each storage once, a DTensor's local one)
             loss = W.lm_loss(model, ids)
         if i == 0:
-            saved = sum(seen.values())
+            saved = seen.total
         engine.backward(loss)
         losses.append(engine.reduce(loss.detach(), "mean").item())
         norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
@@ -105,12 +91,11 @@ def _saved_without_sp(name: str, strategy: str, ac: str) -> int:
     engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED, tensor_parallel_size=2,
                               activation_checkpointing=ac)
     model = engine.prepare(W.build(name))
-    hooks, seen = _saved_bytes()
-    with hooks:
+    with SavedActivations() as seen:
         loss = W.lm_loss(model, W.Tokens(BATCH).data)
     engine.backward(loss)
     engine.free_memory()
-    return sum(seen.values())
+    return seen.total
 
 
 def _case(case: str, spec: tuple[str, str, str], dp: int, folder: str | None = None) -> Run:

@@ -13,7 +13,7 @@ from .accelerate.objects import (
 from .config.tree import ConfigError, EngineConfig, LossScaleConfig
 from .engine import engine as _engine_module
 from .engine.engine import Engine, set_seed
-from .runtime.memory import MemoryReport, tensor_memory
+from .runtime.memory import MemoryReport, SavedActivations, tensor_memory
 from .version import __version__
 
 
@@ -38,6 +38,7 @@ __all__ = [
     "MemoryReport",
     "ProfileKwargs",
     "ProjectConfiguration",
+    "SavedActivations",
     "__version__",
     "set_seed",
     "tensor_memory",

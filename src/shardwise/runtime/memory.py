@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
-from ..distributed.internals import fsdp_params, local_tensor
+from ..distributed.internals import fsdp_params, local_tensor, storage_ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +101,35 @@ def _held_params(model: nn.Module) -> Iterator[torch.Tensor]:
             yield sharded
             if gathered is not None:  # set once first gathered
                 yield gathered
+
+
+class SavedActivations:
+    """The bytes autograd saves for backward while the block runs: the activations a step holds
+    at its peak (the weights a layer saves included), each storage counted once (a DTensor's
+    local one), keyed by the storage itself, not its address (FSDP2 frees a block's gathered
+    weights after its forward and the next block's may reuse the address).
+
+        with shardwise.SavedActivations() as saved:
+            loss = model(**batch).loss
+        print(saved.total)          # bytes
+    """
+
+    def __init__(self) -> None:
+        self.sizes: dict[Any, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        local = local_tensor(t)
+        self.sizes[storage_ref(local)] = local.untyped_storage().nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    def __enter__(self) -> Self:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)

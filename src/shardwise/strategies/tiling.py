@@ -108,8 +108,11 @@ def tile_loss(model: nn.Module, tokens: int) -> None:
             assert labels is not None
             shift = F.pad(labels[..., 1:], (0, 1), value=ignore)
         none = torch.empty(0, dtype=torch.long)  # (the head runs on no token inside the model)
+        asked = kwargs.pop("output_hidden_states", None)
         out = forward(*args, logits_to_keep=none, output_hidden_states=True, **kwargs)
         hidden = out.hidden_states[-1]
+        if not asked:
+            out.hidden_states = None
         total = sum((_tile_loss_sum(head, h, y, ignore) for h, y in
                      zip(_tiles(hidden, tokens), _tiles(shift.to(hidden.device), tokens), strict=True)),
                     hidden.new_zeros((), dtype=torch.float32))
