@@ -188,3 +188,27 @@ def test_tensor_parallel_benchmark_measures_memory_and_collectives(tmp_path: Pat
     assert results["tp4"]["collective_calls"]["all_reduce"] > zero3_reductions
     assert "all_gather" not in results["tp4"]["collective_calls"]  # one dp rank: nothing to gather
     assert all(r["step_s"] > 0 for r in results.values())
+
+
+def test_long_context_benchmark_measures_the_split(tmp_path: Path) -> None:
+    """benchmarks/long_context.py at 1 and 2 processes, 512 and 1024 tokens: every layout ran;
+    tiling saves bytes in one process; cp 2 saves at most 0.6 of one tiled process's per rank at
+    1024 tokens (ring and Ulysses alike); the longest length within a cap is read from them."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "long_context.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--lengths", "512", "1024", "--processes", "1", "2", "--steps", "1",
+         "--cap-mib", "20", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.iterdir()
+    summary = {s["layout"]: s for s in json.loads(path.read_text())["summary"]}
+    assert set(summary) == {"1 process", "1 process tiled", "2 processes ring tiled",
+                            "2 processes ulysses tiled"}
+    saved = {name: s["saved_mib"]["1024"] for name, s in summary.items()}
+    assert saved["1 process tiled"] < saved["1 process"]
+    for method in ("ring", "ulysses"):
+        assert saved[f"2 processes {method} tiled"] <= 0.6 * saved["1 process tiled"], saved
+    for s in summary.values():
+        fits = [int(n) for n, mib in s["saved_mib"].items() if mib <= 20]
+        assert s["longest_within_cap"] == max(fits, default=0)
