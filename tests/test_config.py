@@ -396,6 +396,13 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
     # context parallelism's size goes into the section (the method: ring, as Accelerate's)
     assert from_parallelism({"dp_shard_size": 2, "cp_size": 2}, 4) == {"dp_replicate": 1, "dp_shard": 2,
                                                                        "tp": 1, "cp": 2}
+    # sp_size (Accelerate's Ulysses, through DeepSpeed there): the same dimension, shardwise's Ulysses
+    assert from_parallelism({"sp_size": 2, "sp_backend": "deepspeed"}, 2) == {"tp": 1, "cp": 2,
+                                                                              "context_parallel": "ulysses"}
+    from shardwise.config.translate import from_accelerate
+
+    yaml, _dropped = from_accelerate(_fsdp_yaml(None, processes=4, dp_shard_size=2, sp_size=2))
+    assert yaml["context_parallel"] == "ulysses" and yaml["parallelism"]["cp"] == 2
 
 
 @pytest.mark.parametrize(("acc", "message"), [
@@ -403,8 +410,8 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
      "dp_replicate_size=2 x dp_shard_size=2 x tp_size=1 must equal the 8 processes"),
     (_fsdp_yaml(None, dp_replicate_size=2, dp_shard_size=2, tp_size=2),
      "dp_replicate_size=2 x dp_shard_size=2 x tp_size=2 must equal the 4 processes"),
-    (_fsdp_yaml(None, dp_shard_size=2, sp_size=2), "sp_size=2: sequence (DeepSpeed's Ulysses, sp_size) "
-     "parallelism is not read from Accelerate's config; set it to 1 and use cp_size (ring)"),
+    (_fsdp_yaml(None, dp_shard_size=2, sp_size=2, cp_size=2), "cp_size=2 and sp_size=2: one context-parallel "
+     "dimension at a time"),
     (_fsdp_yaml(None, dp_shard_size=2, cp_size=4),
      "dp_replicate_size=1 x dp_shard_size=2 x tp_size=1 x cp_size=4 must equal the 4 processes"),
     (_fsdp_yaml(None, dp_replicate_size=0, dp_shard_size=4), "dp_replicate_size: expected an integer >= 1"),

@@ -66,6 +66,8 @@ def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
         sizes = dict(vars(config))
     section = from_parallelism(sizes, world_size, "Accelerator(parallelism_config=...)")
     if section is not None:
+        if "context_parallel" in section:  # (sp_size: Ulysses)
+            kwargs.setdefault("context_parallel", section.pop("context_parallel"))
         kwargs.setdefault("parallelism", section)
 
 

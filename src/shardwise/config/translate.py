@@ -368,6 +368,8 @@ def _acc_parallelism(acc: Mapping[str, Any], kind: str, total: int, source: str,
     section = from_parallelism(acc["parallelism_config"], total if "num_processes" in acc else None, where)
     if section is None:
         return
+    if "context_parallel" in section:
+        out["context_parallel"] = section.pop("context_parallel")
     if section.get("dp_shard", 1) > 1 and kind != "FSDP":
         raise ConfigError(f"{where}: dp_shard_size > 1 shards the model, which Accelerate does under "
                           f"distributed_type FSDP only (found {kind})")
@@ -375,11 +377,8 @@ def _acc_parallelism(acc: Mapping[str, Any], kind: str, total: int, source: str,
     out["parallelism"] = section
 
 
-_PARALLELISM_UNSUPPORTED = {"sp_size": "sequence (DeepSpeed's Ulysses, sp_size)"}
-
-
 def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
-                     source: str = "parallelism_config") -> dict[str, int] | None:
+                     source: str = "parallelism_config") -> dict[str, Any] | None:
     """Accelerate's `ParallelismConfig` sizes -> shardwise's `parallelism` section
     (`config.parallelism`): dp_replicate, dp_shard and tp by their own names, or None where they
     ask for nothing (every size 1, as Accelerate's defaults).
@@ -387,8 +386,9 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     `sizes` holds its fields by name (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) or
     as an Accelerate YAML's `parallelism_config` section spells them (`parallelism_config_`
     before each). The product of the sizes must be the process count (`num_processes`, when
-    known). cp_size is context parallelism's cp (a ring, as Accelerate's is); sp_size (DeepSpeed's
-    Ulysses there) is refused, pointing to context_parallel: ulysses.
+    known). cp_size is context parallelism's cp (a ring, as Accelerate's is); sp_size the same
+    dimension with Ulysses (Accelerate runs it through DeepSpeed's; shardwise its own: the
+    returned "context_parallel": "ulysses", which the caller moves out of the section).
     """
     plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
 
@@ -398,12 +398,13 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
             raise ConfigError(f"{source}: {name}: expected an integer >= 1, found {value!r}")
         return value
 
-    for name, what in _PARALLELISM_UNSUPPORTED.items():
-        if size(name) > 1:
-            raise ConfigError(f"{source}: {name}={size(name)}: {what} parallelism is not read from "
-                              "Accelerate's config; set it to 1 and use cp_size (ring), or shardwise's "
-                              "context_parallel_size with context_parallel: ulysses")
     replicas, shard, tp, cp = (size(n) for n in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"))
+    sp = size("sp_size")
+    if sp > 1 and cp > 1:
+        raise ConfigError(f"{source}: cp_size={cp} and sp_size={sp}: one context-parallel dimension at a "
+                          "time (cp_size: a ring; sp_size: Ulysses); set one of them to 1")
+    method: dict[str, Any] = {"context_parallel": "ulysses"} if sp > 1 else {}
+    cp = max(cp, sp)  # (sp_size: Ulysses over the same cp dimension; its sp_backend's name is not needed)
     if replicas * shard * tp * cp == 1:
         return None
     if num_processes is not None and replicas * shard * tp * cp != num_processes:
@@ -413,7 +414,9 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     if replicas > 1 and shard == 1:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
                           "parallelism, which Accelerate refuses here too; use strategy ddp instead")
-    context = {"cp": cp} if cp > 1 else {}  # (Accelerate's cp is a ring: shardwise's default method)
+    # Accelerate's cp is a ring (shardwise's default method); its sp is Ulysses ("context_parallel",
+    # a flat key the callers take out of the section)
+    context: dict[str, Any] = {"cp": cp, **method} if cp > 1 else {}
     if replicas == shard == 1:
         return {"tp": tp, **context}  # the data-parallel ranks: the rest, laid out as the strategy does
     return {"dp_replicate": replicas, "dp_shard": shard, "tp": tp, **context}
