@@ -6,7 +6,9 @@ The tiny transformers Llama (4 query heads, 2 key/value heads) trains on sequenc
   2 processes   cp 2 (one data-parallel rank): ring and Ulysses under zero3 on plain batches,
                 right-padded batches (an attention mask, labels -100 on the padding) and packed
                 batches (position ids restarting per document, use_cache off, so one process
-                masks across documents); the ring under ddp, zero1 and zero2 too. Every rank's
+                masks across documents); the ring under ddp, zero1 and zero2 too, and with
+                offload: the ring under zero3 + offload params (padded batches), Ulysses under
+                zero2 + offload optimizer. Every rank's
                 loss is the whole sequence's (the same on both ranks); losses and clipped
                 gradient norms within 1e-5 of one process, final weights within 5e-5 or twice
                 the fp32 noise floor, whichever is larger (`_floor`: one process with sdpa
@@ -42,7 +44,9 @@ SEQ, VOCAB, BATCH, STEPS, LR = 64, 64, 2, 3, 1e-2
 LOSS_TOL, WEIGHT_TOL, MEMORY_SHARE, TILE = 1e-5, 5e-5, 0.55, 8
 TWO = [("ring", "plain", "zero3"), ("ring", "padding", "zero3"), ("ring", "packed", "zero3"),
        ("ulysses", "plain", "zero3"), ("ulysses", "padding", "zero3"), ("ulysses", "packed", "zero3"),
-       ("ring", "plain", "ddp"), ("ring", "plain", "zero1"), ("ring", "plain", "zero2")]
+       ("ring", "plain", "ddp"), ("ring", "plain", "zero1"), ("ring", "plain", "zero2"),
+       ("ring", "padding", "zero3", "offload params"), ("ulysses", "plain", "zero2", "offload optimizer")]
+OFFLOAD = {"offload params": {"offload": "params"}, "offload optimizer": {"offload": "optimizer"}}
 # (method, batches, strategy, layout): dp2 (full sharding over dp 2 x cp 2), hybrid (replicas over
 # dp_replicate 2, each sharded over its cp pair), tp2 (cp 2 x tp 2)
 FOUR = [("ring", "plain", "zero3", "dp2"), ("ulysses", "plain", "zero3", "dp2"),
@@ -136,7 +140,8 @@ def _train(method: str, kind: str, strategy: str, tiles: bool = True, **layout: 
 
 
 def _two(folder: str) -> dict[Any, Any]:
-    out: dict[Any, Any] = {case: _train(*case) for case in TWO}
+    out: dict[Any, Any] = {case: _train(*case[:3], **OFFLOAD.get(case[3] if len(case) > 3 else "", {}))
+                           for case in TWO}
     for method in ("ring", "ulysses"):  # (one step's activations, untiled: what the split alone saves)
         out[method, "untiled"] = _train(method, "plain", "zero3", tiles=False)
     out["resume"] = _resume(folder)
