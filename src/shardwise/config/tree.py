@@ -569,6 +569,10 @@ def _check_context_parallel(cfg: EngineConfig) -> None:
     section.cp = cfg.context_parallel_size = max(size, section.cp)
     if cfg.context_parallel not in ("ring", "ulysses"):
         raise ConfigError(f"context_parallel={cfg.context_parallel!r} must be ring or ulysses")
+    if section.cp > 1 and cfg.strategy == "auto":
+        raise ConfigError(f"strategy: auto with context_parallel_size={section.cp}: the planner does not "
+                          "model context parallelism yet; name the strategy (zero3 shards over data x "
+                          "context ranks)")
 
 
 def _check_tensor_parallel(cfg: EngineConfig) -> None:

@@ -22,7 +22,6 @@ documents packed into one row attend only within themselves (`Split.block_mask`)
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,9 @@ class Split:
     """[batch, seq] int: the document of each token (packed sequences; all 0 otherwise)."""
     causal_only: bool = False
     """No padding and one document per row: the mask is the causal one alone."""
+    chunk: int = 0
+    """The ring's chunk of tokens (sequence / 2N: each rank holds two), the unit whose pairs it
+    computes or skips (0: a rank's tokens as one)."""
 
     def block_mask(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """[batch, 1, len(q), len(k)] bool: which of the keys at positions `k` the queries at
@@ -166,18 +168,18 @@ def contiguous_index(seq: int, n: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.arange(r * part, (r + 1) * part) for r in range(n))
 
 
-def _chunks(positions: torch.Tensor) -> list[slice]:
-    """The runs of consecutive positions in `positions` (two for a zigzag share)."""
-    breaks = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
-    cuts = [0, *breaks, len(positions)]
-    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
+def _chunks(n: int, chunk: int) -> list[slice]:
+    """A rank's `n` tokens in chunks of `chunk` (two for a zigzag share; 0: one)."""
+    step = chunk or n
+    return [slice(a, a + step) for a in range(0, n, step)]
 
 
 def _pairs(split: Split, qi: torch.Tensor, ki: torch.Tensor) -> list[tuple[slice, slice, torch.Tensor]]:
-    """The (query chunk, key chunk, mask) pairs of one block with any key to attend to."""
+    """The (query chunk, key chunk, mask) pairs of one block with any key to attend to: with the
+    zigzag split every rank gets as many, and as large, as every other under the causal mask."""
     out = []
-    for qs in _chunks(qi):
-        for ks in _chunks(ki):
+    for qs in _chunks(len(qi), split.chunk):
+        for ks in _chunks(len(ki), split.chunk):
             if int(qi[qs][-1]) < int(ki[ks][0]):  # the whole key chunk lies in the future
                 continue
             mask = split.block_mask(qi[qs], ki[ks])

@@ -101,7 +101,8 @@ class ContextParallel:
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq:
                 kwargs[key] = value.index_select(1, mine)
         self.split = Split(tuple(i.to(ref.device) for i in index), valid, doc,
-                           causal_only=mask is None and not packed)
+                           causal_only=mask is None and not packed,
+                           chunk=seq // (2 * self.size) if self.method == "ring" else 0)
         return kwargs
 
     def whole_loss(self, output: Any) -> Any:
