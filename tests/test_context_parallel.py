@@ -19,7 +19,8 @@ The tiny transformers Llama (4 query heads, 2 key/value heads) trains on sequenc
                 the ring's key/value heads repeated for grouped-query attention, its fp32 output
                 and log-sum-exp). One-line refusals: a size that does not divide the world, a
                 sequence the split cannot take, heads Ulysses cannot split, a model whose
-                attention it cannot replace, the DeepSpeed backend.
+                attention it cannot replace, generate (a forward with a key/value cache), the
+                DeepSpeed backend.
   4 processes   cp 2 x dp 2 under zero3 (ring and Ulysses), hybrid (dp_replicate 2 x cp 2, each
                 replica sharded over its cp pair) and cp 2 x tp 2 under zero3 (ring): against one
                 process on the global batch, the same tolerances, each sharding mesh as named.
@@ -328,6 +329,13 @@ def _refusals() -> dict[str, str]:
         model(input_ids=torch.zeros(1, 30, dtype=torch.long))
 
     refused("sequence", odd_sequence)
+
+    def generate() -> None:
+        engine = shardwise.Engine(cpu=True, strategy="zero3", context_parallel_size=2)
+        model = engine.prepare(build("plain"))
+        model.generate(torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2, do_sample=False)
+
+    refused("generate", generate)
     return out
 
 
@@ -336,7 +344,8 @@ def test_refusals_are_one_line() -> None:
     expected = {"world": r"does not divide the 2 processes", "deepspeed": r"backend deepspeed does not split",
                 "model": r"not a transformers model",
                 "heads": r"3 heads do not divide by context_parallel_size=2",
-                "sequence": r"a sequence of 30 tokens cannot be cut into 4 equal chunks"}
+                "sequence": r"a sequence of 30 tokens cannot be cut into 4 equal chunks",
+                "generate": r"a forward with a key/value cache \(generate\) is not split"}
     for res in results:
         for name, pattern in expected.items():
             assert re.search(pattern, res[name]), (name, res[name])

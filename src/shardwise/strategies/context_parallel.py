@@ -61,6 +61,10 @@ class ContextParallel:
     def split_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments this rank's model forward takes: the batch cut along its sequence."""
         kwargs = dict(kwargs)
+        if any(kwargs.get(k) is not None for k in ("past_key_values", "cache", "cache_position")):
+            raise ValueError("context parallelism splits whole sequences (training and evaluation "
+                             "forwards); a forward with a key/value cache (generate) is not split: generate "
+                             "with a model prepared without context_parallel_size")
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
                 raise ValueError("context parallelism: call the model with keyword arguments "
