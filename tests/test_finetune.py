@@ -236,14 +236,16 @@ def test_frozen_and_parameterless_models_prepare_on_one_process() -> None:
     relu = engine.prepare(nn.ReLU())
     assert torch.equal(relu(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
     frozen = W.build("tiny").requires_grad_(False)
-    with pytest.raises(ValueError, match=r"^AdamW holds 23 parameter\(s\) of TinyLM, "
-                       r"which has no trainable parameters "
-                       r"\(all frozen\) and is prepared for inference only: unfreeze what should train"):
+    refusal = (r"^AdamW holds 23 parameter\(s\) of TinyLM, which has no trainable parameters "
+               r"\(all frozen\) and is prepared for inference only: unfreeze what should train")
+    with pytest.raises(ValueError, match=refusal) as frozen_err:
         engine.prepare(frozen, W.make_optimizer(frozen))
+    assert "\n" not in str(frozen_err.value)
     assert type(frozen) is W.TinyLM  # refused before sharding
     acc = shardwise.Accelerator(cpu=True, strategy="ddp")
     teacher = acc.prepare_model(W.build("tiny"), evaluation_mode=True)
     assert type(teacher) is W.TinyLM  # no DDP wrapper
     with pytest.raises(ValueError, match=r"which is prepared with evaluation_mode=True .*: "
-                                         r"prepare it without evaluation_mode"):
+                                         r"prepare it without evaluation_mode") as eval_err:
         acc.prepare(torch.optim.SGD(teacher.parameters(), lr=0.1))
+    assert "\n" not in str(eval_err.value)
