@@ -34,6 +34,7 @@ def test_bad_engine_settings(kwargs: dict, needles: list[str]) -> None:
         shardwise.Engine(cpu=True, **kwargs)
     for needle in needles:
         assert needle in str(err.value)
+    assert "\n" not in str(err.value)  # one line
 
 
 def test_precision_the_device_cannot_run() -> None:
@@ -99,20 +100,25 @@ def test_contradicting_train_batch_size_is_refused_before_sharding() -> None:
 
 def test_careless_calls_get_one_line_before_any_work() -> None:
     engine = shardwise.Engine(strategy="zero3", cpu=True)
-    with pytest.raises(RuntimeError, match=r"backward\(\) before prepare\(\): prepare the model"):
+    refusals = []
+    with pytest.raises(RuntimeError, match=r"backward\(\) before prepare\(\): prepare the model") as err:
         engine.backward(torch.ones((), requires_grad=True))
+    refusals.append(err.value)
     frozen = W.build("tiny").requires_grad_(False)  # alone it is prepared for inference (test_finetune)
     with pytest.raises(
         ValueError, match=r"AdamW holds 23 parameter\(s\) of TinyLM, which has no trainable parameters"
-    ):
+    ) as err:
         engine.prepare(frozen, W.make_optimizer(frozen))
+    refusals.append(err.value)
     model = engine.prepare(W.build("tiny"))
     engine.backward(W.lm_loss(model, W.Tokens(2).data))
     for bad in (-1.0, 0.0):
         with pytest.raises(
             ValueError, match=r"clip_grad_norm_\(max_norm=.*\): the bound must be a number > 0"
-        ):
+        ) as err:
             engine.clip_grad_norm_(model.parameters(), bad)
+        refusals.append(err.value)
+    assert all("\n" not in str(e) for e in refusals), refusals
 
 
 def test_a_word_for_a_number_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
