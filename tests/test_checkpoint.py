@@ -250,6 +250,9 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = engine.prepare(W.build("tiny"))
     opt = engine.prepare(W.make_optimizer(model))
     del opt
+    with torch.no_grad():  # (weights a fresh build does not have: a load that happened would show)
+        for p in model.parameters():
+            p.add_(1.0)
     engine.save_state(folder)
     return folder
 
@@ -335,8 +338,13 @@ def test_bad_checkpoint_is_refused_with_one_line(case: str, good: Path, tmp_path
     engine = shardwise.Engine(strategy="zero3", cpu=True)
     model = engine.prepare(model)
     engine.prepare(W.make_optimizer(model))
+    before = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
     with pytest.raises(CheckpointError) as err:
         engine.load_state(folder)
     msg = str(err.value)
     assert "\n" not in msg and BAD[case] in msg, msg
     assert not Path("/tmp/shardwise-pwned").exists()
+    # nothing loaded: the model's weights and the step are the ones it had before
+    after = engine.get_state_dict(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert engine.step == 0

@@ -485,6 +485,9 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     templates = _dcp_state(parts)  # in this run's layout; DCP reshards into them
     metas = [_model_meta(m, templates[f"model{i}"]) for i, m in enumerate(parts.unwrapped)]
     check_models(meta, metas, folder)
+    # the small files first (every process, then agreed): one that cannot be read refuses the
+    # checkpoint before a single weight has moved
+    loop_state, rng = _read_small_files(folder, parts.rank)
     state = _describable(templates)
     try:
         dcp.load(state, storage_reader=SafeReader(str(folder)))
@@ -497,13 +500,27 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
         parts.strategy.load_model_state(model, state[f"model{i}"])
     for j, runner in enumerate(parts.runners):
         runner.load_checkpoint_state(parts.models[parts.optimizer_models[j]], state[f"optim{j}"])
-    rank_file = folder / "rng" / f"rank{parts.rank}.pt"
-    after_hooks = rank_file.with_name(f"rank{parts.rank}{AFTER_HOOKS}")
-    if after_hooks.is_file():  # the state once the save hooks ran (`save_rng_after_hooks`)
-        _set_rng_state(load_safe(after_hooks))
-    elif rank_file.is_file():  # at a larger world size, new ranks keep their own seeds
-        _set_rng_state(load_safe(rank_file))
-    return cast(dict[str, Any], load_safe(folder / "engine.pt"))
+    if rng is not None:
+        _set_rng_state(rng)
+    return loop_state
+
+
+def _read_small_files(folder: Path, rank: int) -> tuple[dict[str, Any], Any]:
+    """The loop state (engine.pt) and this rank's RNG state, read with weights-only loading; an
+    unreadable one raises the same CheckpointError on every process."""
+    rank_file = folder / "rng" / f"rank{rank}.pt"
+    after_hooks = rank_file.with_name(f"rank{rank}{AFTER_HOOKS}")
+    error, loop_state, rng = None, {}, None
+    try:
+        loop_state = cast(dict[str, Any], load_safe(folder / "engine.pt"))
+        if after_hooks.is_file():  # the state once the save hooks ran (`save_rng_after_hooks`)
+            rng = load_safe(after_hooks)
+        elif rank_file.is_file():  # at a larger world size, new ranks keep their own seeds
+            rng = load_safe(rank_file)
+    except CheckpointError as err:
+        error = str(err)
+    agree(error)
+    return loop_state, rng
 
 
 def _load_failure(folder: Path, meta: dict[str, Any], parts: Parts, err: BaseException) -> str:
