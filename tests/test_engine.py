@@ -41,6 +41,7 @@ def _two_models(engine: Any) -> dict[str, W.Trained]:
     a, opt_a, b, loader = engine.prepare(a, opt_a, b, loader)
     opt_b = engine.prepare(W.make_optimizer(b))  # built from the already sharded parameters
     losses: dict[str, list[float]] = {"tiny": [], "gpt2": []}
+    norms: dict[str, list[float]] = {"tiny": [], "gpt2": []}
     for ids in loader:
         with engine.accumulate(a, b):
             la, lb = W.lm_loss(a, ids), W.lm_loss(b, ids)
@@ -48,13 +49,13 @@ def _two_models(engine: Any) -> dict[str, W.Trained]:
             losses["tiny"].append(engine.reduce(la.detach(), "mean").item())
             losses["gpt2"].append(engine.reduce(lb.detach(), "mean").item())
             if engine.sync_gradients:
-                engine.clip_grad_norm_(a.parameters(), 1.0)
-                engine.clip_grad_norm_(b.parameters(), 1.0)
+                norms["tiny"].append(float(engine.clip_grad_norm_(a.parameters(), 1.0)))
+                norms["gpt2"].append(float(engine.clip_grad_norm_(b.parameters(), 1.0)))
             for opt in (opt_a, opt_b):
                 opt.step()
                 opt.zero_grad()
-    return {"tiny": W.Trained(losses["tiny"], state=engine.get_state_dict(a)),
-            "gpt2": W.Trained(losses["gpt2"], state=engine.get_state_dict(b))}
+    return {"tiny": W.Trained(losses["tiny"], norms["tiny"], state=engine.get_state_dict(a)),
+            "gpt2": W.Trained(losses["gpt2"], norms["gpt2"], state=engine.get_state_dict(b))}
 
 
 def _metrics(engine: Any) -> dict[str, Any]:
@@ -163,6 +164,8 @@ def test_two_models_two_optimizers(results: list) -> None:
     for name in ("tiny", "gpt2"):
         ref = W.reference(name, world=2, **RUN)
         assert W.close(run[name].losses, ref.losses) < 1e-5
+        assert len(run[name].norms) == len(ref.norms) == RUN["steps"]
+        assert W.close(run[name].norms, ref.norms) < 1e-5  # (each model's own clipped norm)
         assert W.max_diff(run[name].state, ref.state) < 2e-5
 
 

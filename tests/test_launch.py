@@ -61,6 +61,8 @@ def test_each_strategy_from_yaml_matches_the_reference(
     assert res.world == 2 and res.config["strategy"] == settings["strategy"]
     assert res.config["offload"] == settings.get("offload", "none")
     assert W.close(res.losses, reference.losses) < 1e-5
+    assert len(res.norms) == len(reference.norms) == RUN["steps"]
+    assert W.close(res.norms, reference.norms) < 1e-5  # (clipped gradient norms)
     assert W.max_diff(res.state, reference.state) < 2e-5
 
 
@@ -93,6 +95,8 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_p
     res = _result(written)
     assert res.world == 2
     assert W.close(res.losses, reference.losses) < 1e-5
+    assert len(res.norms) == len(reference.norms) == RUN["steps"]
+    assert W.close(res.norms, reference.norms) < 1e-5  # (clipped gradient norms)
     assert W.max_diff(res.state, reference.state) < 2e-5
 
 
