@@ -81,3 +81,44 @@ def test_step_counts_every_boundary_whichever_optimizer_steps() -> None:
             opt_a.zero_grad()
             opt_b.zero_grad()
     assert engine.step == 6
+
+
+class _Kernels:
+    """The aten ops a block dispatches, by name (what actually ran, not what was configured)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        names: set[str] = set()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                names.add(str(func.name()))
+                return func(*args, **(kwargs or {}))
+
+        self.names, self.mode = names, Mode()
+
+
+@pytest.mark.parametrize(("strategy", "offload", "optimizer", "kernel"), [
+    ("zero2", "optimizer", "AdamW", "aten::_fused_adamw_"),
+    ("zero3", "params", "AdamW", "aten::_fused_adamw_"),
+    ("zero1", "optimizer", "AdamW", "aten::_fused_adamw_"),
+    ("zero2", "optimizer", "SGD", "aten::_fused_sgd_"),
+])
+def test_the_host_step_runs_torchs_fused_kernel(strategy: str, offload: str, optimizer: str,
+                                                kernel: str) -> None:
+    """The fused host step row: an offloaded optimizer step dispatches torch's fused CPU kernel for
+    the user's class (seen as the aten op that ran), and no per-tensor loop of the unfused path."""
+    engine = shardwise.Engine(strategy=strategy, offload=offload, cpu=True)
+    model = W.build("tiny")
+    opt_class = getattr(torch.optim, optimizer)
+    kwargs = {"momentum": 0.9} if optimizer == "SGD" else {}
+    model, opt = engine.prepare(model, opt_class(model.parameters(), lr=1e-3, **kwargs))
+    engine.backward(W.lm_loss(model, W.Tokens(2).data))
+    kernels = _Kernels()
+    with kernels.mode:
+        opt.step()
+    assert kernel in kernels.names, sorted(kernels.names)
+    unfused = {"aten::_foreach_lerp_", "aten::lerp_", "aten::addcdiv_"}  # AdamW's loop and foreach paths
+    assert not unfused & kernels.names, sorted(unfused & kernels.names)
+    engine.free_memory()
