@@ -216,8 +216,8 @@ def refs() -> dict[str, W.Trained]:
 @pytest.mark.parametrize("cfg", KERNEL_CONFIGS, ids=_key)
 def test_deepspeed_host_kernel_matches_single_process(runs: dict, refs: dict, cfg: dict[str, str]) -> None:
     """host_kernel="deepspeed" trains the plain process's model on both backends, and it is
-    DeepSpeed's kernel that stepped: in each of the 4 steps at least this process's half of the
-    model's elements (all of them under ddp)."""
+    DeepSpeed's kernel that stepped: over the 4 steps at least 4 x this process's half of the
+    model's elements (all of them under ddp), counted as they pass through its kernel."""
     (run, kernel_elements), ref = runs["kernel"][_key(cfg)], refs["gpt2"]
     numel = sum(p.numel() for p in W.build("gpt2").parameters())
     share = numel if cfg["strategy"] == "ddp" else numel // 2
