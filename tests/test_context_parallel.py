@@ -8,7 +8,9 @@ The tiny transformers Llama (4 query heads, 2 key/value heads) trains on sequenc
                 batches (position ids restarting per document, use_cache off, so one process
                 masks across documents); the ring under ddp, zero1 and zero2 too, and with
                 offload: the ring under zero3 + offload params (padded batches), Ulysses under
-                zero2 + offload optimizer. Every rank's
+                zero2 + offload optimizer; with full activation checkpointing (each block's
+                attention recomputed in backward, its collectives included): the ring on packed
+                batches, Ulysses on padded ones, under zero3. Every rank's
                 loss is the whole sequence's (the same on both ranks); losses and clipped
                 gradient norms within 1e-5 of one process, final weights within 5e-5 or twice
                 the fp32 noise floor, whichever is larger (`_floor`: one process with sdpa
@@ -46,8 +48,10 @@ LOSS_TOL, WEIGHT_TOL, MEMORY_SHARE, TILE = 1e-5, 5e-5, 0.55, 8
 TWO = [("ring", "plain", "zero3"), ("ring", "padding", "zero3"), ("ring", "packed", "zero3"),
        ("ulysses", "plain", "zero3"), ("ulysses", "padding", "zero3"), ("ulysses", "packed", "zero3"),
        ("ring", "plain", "ddp"), ("ring", "plain", "zero1"), ("ring", "plain", "zero2"),
-       ("ring", "padding", "zero3", "offload params"), ("ulysses", "plain", "zero2", "offload optimizer")]
-OFFLOAD = {"offload params": {"offload": "params"}, "offload optimizer": {"offload": "optimizer"}}
+       ("ring", "padding", "zero3", "offload params"), ("ulysses", "plain", "zero2", "offload optimizer"),
+       ("ring", "packed", "zero3", "checkpointing"), ("ulysses", "padding", "zero3", "checkpointing")]
+OFFLOAD = {"offload params": {"offload": "params"}, "offload optimizer": {"offload": "optimizer"},
+           "checkpointing": {"activation_checkpointing": "full"}}
 # (method, batches, strategy, layout): dp2 (full sharding over dp 2 x cp 2), hybrid (replicas over
 # dp_replicate 2, each sharded over its cp pair), tp2 (cp 2 x tp 2)
 FOUR = [("ring", "plain", "zero3", "dp2"), ("ulysses", "plain", "zero3", "dp2"),
