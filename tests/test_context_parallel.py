@@ -25,7 +25,8 @@ The tiny transformers Llama (4 query heads, 2 key/value heads) trains on sequenc
                 attention it cannot replace, generate (a forward with a key/value cache), the
                 DeepSpeed backend.
   4 processes   cp 2 x dp 2 under zero3 (ring and Ulysses), hybrid (dp_replicate 2 x cp 2, each
-                replica sharded over its cp pair) and cp 2 x tp 2 under zero3 (ring): against one
+                replica sharded over its cp pair) and cp 2 x tp 2 under zero3 (ring on plain
+                batches, Ulysses on padded ones): against one
                 process on the global batch, the same tolerances, each sharding mesh as named.
 """
 
@@ -56,7 +57,8 @@ OFFLOAD = {"offload params": {"offload": "params"}, "offload optimizer": {"offlo
 # (method, batches, strategy, layout): dp2 (full sharding over dp 2 x cp 2), hybrid (replicas over
 # dp_replicate 2, each sharded over its cp pair), tp2 (cp 2 x tp 2)
 FOUR = [("ring", "plain", "zero3", "dp2"), ("ulysses", "plain", "zero3", "dp2"),
-        ("ring", "plain", "zero3", "hybrid"), ("ring", "plain", "zero3", "tp2")]
+        ("ring", "plain", "zero3", "hybrid"), ("ring", "plain", "zero3", "tp2"),
+        ("ulysses", "padding", "zero3", "tp2")]
 LAYOUT = {"dp2": {}, "hybrid": {"parallelism": {"dp_replicate": 2}}, "tp2": {"tensor_parallel_size": 2}}
 
 
@@ -292,6 +294,8 @@ def test_cp2_with_dp2_or_tp2_matches_one_process(four: list[dict[Any, Any]], cas
     data x context ranks (all 4), over each replica's cp pair (hybrid), or over the cp pair of
     each tp rank."""
     meshes = {"dp2": ((4,), ("fsdp",)), "hybrid": ((2, 2), ("dp_replicate", "cp")), "tp2": ((2,), ("cp",))}
+    # (Ulysses under tp 2: each tp rank's 2 query heads split again over cp 2, its 1 key/value head
+    # repeated to them)
     assert all(res[case]["mesh"] == meshes[case[3]] for res in four), [res[case]["mesh"] for res in four]
     dp = 1 if case[3] == "tp2" else 2
     _check(four, case, dp)
