@@ -42,6 +42,10 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="plan the tensor-parallel plans with sequence parallelism (the activations between "
                         "the split layers split over the sequence too)")
+    p.add_argument("--context-parallel-size", type=int, default=1, metavar="N",
+                   help="plan every strategy with each sequence split over N devices (context parallelism: "
+                        "each traced on its --seq-len / N tokens, tiled MLP and loss on), and report the "
+                        "longest sequence each plan fits")
     p.add_argument("--gpu-memory", default=None,
                    help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
     p.add_argument("--cpu-memory", default=None,
@@ -136,6 +140,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         activation_checkpointing_every=ns.activation_checkpointing_every, global_batch=ns.global_batch,
         overheads=_overheads(ns), checkpoint_async=ns.checkpoint_async,
         tensor_parallel_size=ns.tensor_parallel_size, sequence_parallel=ns.sequence_parallel,
+        context_parallel_size=ns.context_parallel_size,
     )
     result = plan_named(ns.model, request, seq_len=ns.seq_len)
     print(describe(result))

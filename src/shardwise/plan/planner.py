@@ -131,6 +131,17 @@ class Plan:
     """host memory per process to build and load the model, whole or empty (`plan.load`)"""
     nodes: int = 1
     """nodes the devices spread over (`world_size / nodes` each)"""
+    context_parallel_size: int = 1
+    """each sequence split over this many devices (`PlanRequest.context_parallel_size`)"""
+
+    @property
+    def longest_seq(self) -> dict[Candidate, int]:
+        """Under context parallelism: the longest sequence each plan fits at one sequence per
+        data-parallel rank, its devices' shares at their largest batch (activations grow with the
+        tokens a device holds: tiled, with a fused or blockwise attention, linearly)."""
+        if self.seq_len is None:
+            return {}
+        return {p.candidate: p.max_batch * self.seq_len for p in self.plans}
 
     def find(
         self, strategy: str, offload: str = "none", activation_checkpointing: str | bool = "none",
@@ -221,6 +232,7 @@ def _trace_candidates(
                 precision=request.precision, foreach=foreach, grad_accum_steps=grad_accum_steps,
                 wrap=request.wrap, optimizer=request.optimizer, count_flops=count, target=request.device,
                 staging=request.checkpoint_async, local_world_size=request.gpus_per_node,
+                tile_tokens=request.tile_tokens if request.context_parallel_size > 1 else None,
             )
             jobs.append((cand, depth, job))
     order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))  # deep traces first: balance
@@ -392,7 +404,8 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
         accum = _global_batch(spec, plans, fitted, flop_src, budget)
     return Plan(
         model=spec.name, parameters=n_params, world_size=request.world_size, device=request.device,
-        device_memory=budget.device, host_memory=budget.host, seq_len=spec.seq_len, batch=batch,
+        device_memory=budget.device, host_memory=budget.host,
+        seq_len=None if spec.seq_len is None else spec.seq_len * request.context_parallel_size, batch=batch,
         precision=request.precision, plans=tuple(plans), best=best, why=why, overheads=budget.overheads,
         hardware=budget.hardware, seconds=time.perf_counter() - t0, global_batch=accum,
         traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
@@ -400,6 +413,7 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
         load=load_memory(whole, [c for c in cands if c.tensor_parallel_size == 1],
                          world_size=request.world_size, device=request.device),
         nodes=request.nodes, notes=_depth_notes(traced, spec.depth),
+        context_parallel_size=request.context_parallel_size,
     )
 
 
@@ -532,7 +546,12 @@ def plan_named(model: str, request: PlanRequest, *, seq_len: int) -> Plan:
     parse_memory(request.device_memory, "--gpu-memory")
     if request.host_memory is not None:
         parse_memory(request.host_memory, "--cpu-memory")
-    return plan_model(resolve_model(model, seq_len), request)
+    cp = request.context_parallel_size
+    if seq_len % (2 * cp) and cp > 1:
+        raise PlanError(f"--seq-len {seq_len} with --context-parallel-size {cp}: the ring splits a sequence "
+                        f"into {2 * cp} equal chunks; give a multiple of {2 * cp}")
+    spec = resolve_model(model, seq_len)  # (the whole sequence must fit the model's positions)
+    return plan_model(spec if cp == 1 else resolve_model(model, seq_len // cp), request)
 
 
 def plan_module(

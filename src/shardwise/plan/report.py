@@ -66,9 +66,11 @@ def describe(plan: Plan) -> str:
     nodes = plan.nodes > 1
     w = max([30] + [len(p.name) for p in plan.plans])
     parts = _parts(plan)
+    longest = plan.longest_seq if plan.context_parallel_size > 1 else {}
     head = (f"{'plan':{w + 1}s} {'fits':>4s} {'peak':>6s} " + " ".join(f"{_HEAD[p]:>6s}" for p in parts)
             + f" {'host':>6s} {'max batch':>9s} {'step':>6s}"
-            + (f" {'intra':>6s} {'inter':>6s}" if nodes else ""))
+            + (f" {'intra':>6s} {'inter':>6s}" if nodes else "")
+            + (f" {'longest seq':>11s}" if longest else ""))
     lines += [head, "-" * len(head)]
     for p in plan.plans:
         mark = "*" if plan.best is not None and p.candidate == plan.best.candidate else " "
@@ -79,6 +81,7 @@ def describe(plan: Plan) -> str:
             + f" {_g(p.host, u) if p.traced else '-':>6s} {p.max_batch:>9d} "
             + (f"{p.relative_time:>5.2f}x" if p.fits else f"{'-':>6s}")  # a time only where it runs
             + sent
+            + (f" {longest[p.candidate]:>11d}" if longest else "")
         )
     lines.append("")
     lines.append(f"{u} per device at the planned batch (peak = the parts + overhead); host = host memory per "
@@ -86,6 +89,14 @@ def describe(plan: Plan) -> str:
     if not all(p.traced for p in plan.plans):
         lines.append(">X = not traced, at least X: its parameters, gradients and optimizer state alone, held "
                      "at the optimizer step, overflow the device at any batch")
+    if longest:
+        cp, tokens = plan.context_parallel_size, plan.seq_len or 0
+        lines.append(f"context parallelism {cp}: each sequence of {tokens} tokens split over {cp} devices, "
+                     f"each traced on its {tokens // cp} tokens with tiled MLP and loss (its ring or "
+                     "all-to-all traffic is not in the step time; the ring, context_parallel's default, "
+                     "holds up to 5 fp32 batch x heads x (seq/2N)^2 block scores more than traced, Ulysses "
+                     "none); longest seq = the longest sequence a plan's memory fits at one per "
+                     "data-parallel rank (max batch x seq; the model's positions may allow fewer)")
     if any(p.candidate.tensor_parallel_size > 1 for p in plan.plans):
         lines.append("tp N = the planned layers split over N devices of a node, which share one batch: its "
                      "step is compared per sample (N steps train what the others train in one)")
@@ -193,6 +204,8 @@ def write_config(plan: Plan, path: str | Path, chosen: StrategyPlan | None = Non
                                     grad_accum_steps=accum,
                                     launch={"num_processes": plan.world_size // plan.nodes,
                                             "num_nodes": plan.nodes})
+    if plan.context_parallel_size > 1:
+        settings["context_parallel_size"] = plan.context_parallel_size
     cfg = make_config(**settings)
     u = _unit(plan)
     header = (f"# written by shardwise plan for {plan.model}: {chosen.name}, predicted peak "

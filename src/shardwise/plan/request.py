@@ -126,6 +126,14 @@ class PlanRequest:
     layers split over that many ranks of a node; `Candidate.tensor_parallel_size`; `tp_candidates`)"""
     sequence_parallel: bool = False
     """the tensor-parallel plans with sequence parallelism (`Candidate.sequence_parallel`)"""
+    context_parallel_size: int = 1
+    """above 1: every plan with each sequence split over this many devices (context parallelism,
+    whose devices take the same samples): a device is traced on its share of the tokens (the
+    model spec's sequence is that share), with tiled MLP and loss over `tile_tokens` (their
+    default under it); parameters shard over every device as without it. Its ring or all-to-all
+    traffic is not in the step time."""
+    tile_tokens: int = 1024
+    """the tiles of the tiled MLP and loss under context parallelism"""
 
     @property
     def per_device_batch(self) -> int:
@@ -211,6 +219,13 @@ class PlanRequest:
                 raise PlanError(f"shard_group_size={group} does not divide the {dp} {what}")
             if c.sequence_parallel and c.tensor_parallel_size == 1:
                 raise PlanError(f"{c.name}: sequence_parallel needs tensor_parallel_size above 1")
+        cp = self.context_parallel_size
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp:
+            raise PlanError(f"--context-parallel-size {cp!r} must be an integer >= 1 that divides the "
+                            f"{world} devices")
+        if cp > 1 and self.tensor_parallel_size > 1:
+            raise PlanError("--context-parallel-size with --tensor-parallel-size: the planner plans one of "
+                            "them at a time")
         if self.device not in ("cuda", "cpu"):
             raise PlanError(f"device {self.device!r} is not valid; choose cuda or cpu")
         if gb is not None and (not isinstance(gb, int) or gb < 1):

@@ -190,6 +190,8 @@ class TraceJob:
     target: str = "cpu"
     """the device planned for: on "cuda", activations offloaded by `activation_checkpointing:
     offload` are copied to the host as a CUDA run copies them (on CPU they stay where they are)"""
+    tile_tokens: int | None = None
+    """tiled MLP and loss over this many tokens (context parallelism's default), None: off"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +263,9 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
                       shard_group_size=None if cand.shard_group_size is None  # the config counts processes
                       else cand.shard_group_size * cand.tensor_parallel_size,
                       tensor_parallel_size=cand.tensor_parallel_size,
-                      sequence_parallel=cand.sequence_parallel)
+                      sequence_parallel=cand.sequence_parallel,
+                      **({} if job.tile_tokens is None else
+                         {"tiled_mlp": True, "tiled_loss": True, "tile_tokens": job.tile_tokens}))
     stack.enter_context(kept_rng())
     stack.enter_context(fake_world(job.world_size))
     info = init_distributed(force_cpu=True)
