@@ -112,14 +112,7 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
 
     for i in range(2):
         step(i)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
-        saved[st._cdata] = st.nbytes()  # (by storage: a freed address is reused by the next block)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with shardwise.SavedActivations() as saved:  # (each storage once, a DTensor's local one)
         loss = loss_of(model, batches[0])
     del loss
     counted = CollectiveBytes()
@@ -136,7 +129,7 @@ def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
     report = held[0]
     engine.free_memory()
     roles = {"params": report.params, "grads": report.grads, "optimizer": report.optimizer}
-    roles["saved"] = float(sum(saved.values()))
+    roles["saved"] = float(saved.total)
     return {"step_s": statistics.median(times), "mib": {k: round(v / 2**20, 2) for k, v in roles.items()},
             "collective_mib": {k: round(v / 2**20, 3) for k, v in sorted(counted.bytes.items())},
             "collective_calls": dict(sorted(counted.calls.items())), "dp": dp, "tp": tp}

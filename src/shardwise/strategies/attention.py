@@ -231,9 +231,8 @@ class _RingAttention(torch.autograd.Function):
         qi = split.index[ring.rank]
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        kv = (k, v)
+        kb, vb = k, v  # the key/value block held at each step: this rank's first, then the ring's
         for step in range(ring.n):
-            kb, vb = kv
             for qs, ks, mask in _pairs(split, qi, split.index[ring.source(step)]):
                 s = (q[:, :, qs].float() @ kb[:, :, ks].float().transpose(-1, -2)) * scale
                 s = s.masked_fill(~mask, -math.inf)
@@ -248,7 +247,6 @@ class _RingAttention(torch.autograd.Function):
                 lse[:, :, qs] = new
             if step < ring.n - 1:
                 kb, vb = _unpack(ring.pass_on(_pack(kb, vb)), (kb, vb))
-                kv = (kb, vb)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.split, ctx.group, ctx.scale = split, group, scale
         return out.to(q.dtype)
