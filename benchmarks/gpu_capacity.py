@@ -127,19 +127,33 @@ def measure_one(name: str, family: str, sizes: dict[str, int], strategy: str, of
             return False
 
     best = largest_batch(fits, args.max_batch)
-    rate = None
-    if best:
-        step(best)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.timed_steps):
-            step(best)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        rate = best * args.seq_len * args.timed_steps / (time.perf_counter() - t0)
+    rate, searched = None, best
+    while best and rate is None:
+        # The timed steps run at the largest batch the search found; one that fitted once can
+        # fail on a later step (the allocator's free blocks fragmented by the failed trials):
+        # then the largest batch is the one below, and the row says both.
+        try:
+            rate = timed(step, best, args)
+        except torch.cuda.OutOfMemoryError:
+            opt.zero_grad()
+            gc.collect()
+            torch.cuda.empty_cache()
+            best -= 1
     return {"model": name, "strategy": strategy, "offload": offload, "max_batch": best,
-            "tokens_per_s": round(rate, 1) if rate else None}
+            "search_max_batch": searched, "tokens_per_s": round(rate, 1) if rate else None}
+
+
+def timed(step: Callable[[int], None], batch: int, args: argparse.Namespace) -> float:
+    """Tokens per second over args.timed_steps steps at `batch`, after one untimed step."""
+    step(batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.timed_steps):
+        step(batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return batch * args.seq_len * args.timed_steps / (time.perf_counter() - t0)
 
 
 def run(models: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:

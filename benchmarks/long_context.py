@@ -60,6 +60,16 @@ def one_layout(method: str, tiled: bool, seq: int, steps: int, device: str) -> d
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)
     ids = torch.randint(0, 2048, (1, seq), generator=torch.Generator().manual_seed(1)).to(engine.device)
+    try:
+        return _steps(engine, model, opt, ids, steps)
+    except torch.cuda.OutOfMemoryError:  # the whole device is not enough at this length
+        engine.free_memory()
+        return {"saved": None, "step_s": None, "loss": None, "out_of_memory": True}
+
+
+def _steps(engine: Any, model: Any, opt: Any, ids: torch.Tensor, steps: int) -> dict[str, Any]:
+    import shardwise
+
     times, saved = [], 0
     for i in range(steps + 1):
         start = time.perf_counter()
@@ -88,6 +98,11 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.worker_out).write_text(json.dumps(rows))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _mib(saved: int | None) -> str:
+    """A table cell: MiB saved, or OOM where the device ran out of memory at that length."""
+    return f"{'OOM':>9}" if saved is None else f"{saved / 2**20:>9.1f}"
 
 
 def main() -> None:
@@ -122,14 +137,15 @@ def main() -> None:
             mine = [r for r in rows if r["processes"] == n and r["method"] == method and r["tiled"] == tiled]
             name = f"{n} process" + ("es" if n > 1 else "") + (f" {method}" if n > 1 else "") + \
                 (" tiled" if tiled else "")
-            fits = [r["seq"] for r in mine if r["saved"] <= cap]
+            fits = [r["seq"] for r in mine if r["saved"] is not None and r["saved"] <= cap]
             longest = max(fits) if fits else 0
             first = min(mine, key=lambda r: r["seq"])
-            print(f"{name:<26}" + "".join(f"{r['saved'] / 2**20:>9.1f}" for r in mine) +
-                  f"{longest:>9}{first['step_s']:>9.2f}")
+            print(f"{name:<26}" + "".join(_mib(r["saved"]) for r in mine) +
+                  f"{longest:>9}{first['step_s'] or 0:>9.2f}")
             summary.append({"layout": name, "longest_within_cap": longest,
-                            "saved_mib": {r["seq"]: round(r["saved"] / 2**20, 2) for r in mine},
-                            "step_s_at_shortest": round(first["step_s"], 3),
+                            "saved_mib": {r["seq"]: r["saved"] and round(r["saved"] / 2**20, 2)
+                                          for r in mine},
+                            "step_s_at_shortest": first["step_s"] and round(first["step_s"], 3),
                             "loss_at_shortest": first["loss"]})
     payload = {"cap_mib": args.cap_mib, "lengths": args.lengths, "rows": rows, "summary": summary}
     path = write_report("long_context", payload, **({"out": args.out} if args.out else {}))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,14 @@ import shardwise
 from shardwise.config import plan_choices
 from shardwise.plan import Overheads, PlanRequest, parse_memory, plan_named, resolve_model
 
+_CONTEXT_PROBE = """
+import torch
+x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+(x @ x).float().sum().backward()  # load cuBLAS and its workspace, as training does
+torch.cuda.synchronize()
+free, total = torch.cuda.mem_get_info()
+print(total - free - torch.cuda.memory_reserved())
+"""
 SETUPS = plan_choices("torch")  # every (strategy, offload) pair the strategy table allows
 
 
@@ -103,14 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("plan_gpu: needs a GPU")
     budget = parse_memory(args.gpu_memory, "--gpu-memory")
+    # The CUDA context is measured in a child process, and every model is planned before this
+    # process touches CUDA: the planner forks its tracing workers, which a process that has run
+    # autograd on CUDA cannot do.
+    context = int(subprocess.run([sys.executable, "-c", _CONTEXT_PROBE], check=True, capture_output=True,
+                                 text=True).stdout.split()[-1])
+    plans = {}
+    for name in args.models:
+        t0 = time.perf_counter()
+        # the planner's CUDA-context term set to what was measured (a stated, overridable term)
+        request = PlanRequest(world_size=1, device_memory=args.gpu_memory, precision=args.precision,
+                              device="cuda", activation_checkpointing=False,
+                              overheads=Overheads(cuda_context=context), workers=4)
+        plans[name] = plan_named(name, request, seq_len=args.seq_len)
+        best = plans[name].best
+        print(f"{name}: planned in {time.perf_counter() - t0:.1f} s; best {best.name if best else None}",
+              flush=True)
     shardwise.Engine(seed=0)  # the process group every trial shares; also creates the CUDA context
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    (x @ x).float().sum().backward()  # load cuBLAS and its workspace, as training does
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    context = total - free - torch.cuda.memory_reserved()
-    del x
-    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info()
     torch.cuda.set_per_process_memory_fraction((budget - context) / total)
     print(f"card {budget / 2**30:.1f} GiB = CUDA context {context / 2**30:.2f} GiB (measured) + "
           f"allocator cap {(budget - context) / 2**30:.2f} GiB; {torch.cuda.get_device_name()}, "
@@ -118,20 +137,13 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     rows: list[dict[str, Any]] = []
     report = {"command": "python benchmarks/plan_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                        "budget": args.gpu_memory,
-                        "measured_cuda_context_gib": round(context / 2**30, 3), "precision": args.precision,
-                        "seq_len": args.seq_len, "rows": rows}
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "budget": args.gpu_memory,
+              "measured_cuda_context_gib": round(context / 2**30, 3), "precision": args.precision,
+              "seq_len": args.seq_len, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
-        t0 = time.perf_counter()
-        # the planner's CUDA-context term set to what this process measured (a stated, overridable term)
-        request = PlanRequest(world_size=1, device_memory=args.gpu_memory, precision=args.precision,
-                              device="cuda", activation_checkpointing=False,
-                              overheads=Overheads(cuda_context=context), workers=4)
-        plan = plan_named(name, request, seq_len=args.seq_len)
-        best = plan.best.name if plan.best else None
-        print(f"{name}: planned in {time.perf_counter() - t0:.1f} s; best {best}", flush=True)
+        plan = plans[name]
         spec = resolve_model(name, args.seq_len)
         for setup in args.setups:
             strategy, _, offload = setup.partition("+")

@@ -179,8 +179,14 @@ def _run_pending(i: int) -> dict[int, TraceResult]:
 
 
 def _run_all(jobs: list[TraceJob], workers: int) -> list[dict[int, TraceResult]]:
-    """Run traces, in `workers` forked processes when more than one (the command line)."""
-    if workers <= 1 or len(jobs) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    """Run traces, in `workers` forked processes when more than one (the command line). Not
+    forked where a CUDA device is visible: a fork inherits the parent's CUDA driver state, and
+    seen on an H200, a forked trace failed with "CUDA error: initialization error" (the
+    optimizer's stream-capture check) after the parent had only asked whether CUDA is
+    available, and with "autograd's threading in combination with fork" after a CUDA backward.
+    The jobs hold closures, which a spawned process cannot take: there, the traces run in turn."""
+    if (workers <= 1 or len(jobs) <= 1 or "fork" not in multiprocessing.get_all_start_methods()
+            or torch.cuda.is_available()):
         return [run_trace(j) for j in jobs]
     global _PENDING
     _PENDING = jobs
