@@ -344,6 +344,16 @@ def _context_loss_not_summed() -> None:
     _patch(ContextParallel, "whole_loss", lambda self, output: output)
 
 
+@fault("experts_gradient_summed", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_experts_gradients_left_summed_are_caught")
+def _experts_gradient_summed() -> None:
+    """The experts' gradients left as the all-to-all's backward sums them over every rank's
+    tokens, not divided by the data-parallel size: the losses of the first step look right."""
+    from shardwise.strategies import expert_parallel
+
+    _patch(expert_parallel, "_divided", lambda x, n: x)
+
+
 @fault("ring_own_block_only", row="context parallelism (`tests/test_context_parallel.py`",
        test="tests/test_context_parallel.py::test_a_ring_standing_still_is_caught")
 def _ring_own_block_only() -> None:

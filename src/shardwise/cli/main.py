@@ -40,7 +40,7 @@ _ENGINE_FLAGS = [
     "collective_timeout_s", "preempt_signals", "preempt_grace_s", "resume",
     "activation_checkpointing_every", "compile", "compile_backend", "compile_mode", "compile_fullgraph",
     "compile_dynamic", "checkpoint_async", "tensor_parallel_size", "sequence_parallel",
-    "context_parallel_size", "context_parallel",
+    "context_parallel_size", "context_parallel", "expert_parallel_size",
 ]
 # torchrun's own flags that fill the launch section instead of passing through.
 _TORCHRUN_FOLDED = {

@@ -54,7 +54,8 @@ class ParallelismConfig:
     """Tensor parallelism: ranks that split each planned layer (None: tensor_parallel_size)."""
     ep: int = 1
     """Expert parallelism: ranks that split each mixture-of-experts layer's experts, borrowed from
-    dp_shard x cp (no backend of this version splits experts: 1)."""
+    dp_shard x cp (expert_parallel_size; this version: the torch backend's zero2 and zero3, with
+    ep = dp_shard)."""
 
     def __post_init__(self) -> None:
         rests = []

@@ -342,6 +342,12 @@ class EngineConfig:
     """How attention spans a split sequence: ring (key/value blocks passed round the group, a
     zigzag split that balances the causal mask; any head count) or ulysses (two all-to-alls per
     attention: sequence shards to head shards and back; the heads must divide by the size)."""
+    expert_parallel_size: int = 1
+    """Processes that split each mixture-of-experts layer's experts (expert parallelism, the
+    mesh's ep dimension: parallelism.ep): each holds 1/N of every layer's experts, and each token
+    goes to the ranks that own its chosen experts and back (two all-to-alls, no token dropped).
+    transformers' fused experts modules (Mixtral, Qwen2-MoE, ...) or a user's layer of the same
+    layout. This version: zero2 or zero3 with N = the sharding group's size. Torch backend."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The sizes of the run's named mesh dimensions: dp_replicate, dp_shard, cp, tp, ep (their
     product, ep aside, is the number of processes; -1: the rest). The keys above translate into
@@ -575,6 +581,20 @@ def _check_context_parallel(cfg: EngineConfig) -> None:
                           "context ranks)")
 
 
+def _check_expert_parallel(cfg: EngineConfig) -> None:
+    """expert_parallel_size (parallelism.ep, which it must agree with)."""
+    size, section = cfg.expert_parallel_size, cfg.parallelism
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"expert_parallel_size={size!r} must be an integer >= 1")
+    if size > 1 and section.ep not in (1, size):
+        raise ConfigError(f"parallelism.ep={section.ep} and expert_parallel_size={size} disagree; "
+                          "set one of them")
+    section.ep = cfg.expert_parallel_size = max(size, section.ep)
+    if section.ep > 1 and cfg.strategy == "auto":
+        raise ConfigError(f"strategy: auto with expert_parallel_size={section.ep}: the planner does not "
+                          "model expert parallelism yet; name the strategy (zero2 or zero3)")
+
+
 def _check_tensor_parallel(cfg: EngineConfig) -> None:
     """tensor_parallel_size: an integer >= 1; above 1, the torch backend (every strategy and offload)."""
     tp = cfg.tensor_parallel_size
@@ -584,6 +604,7 @@ def _check_tensor_parallel(cfg: EngineConfig) -> None:
     # the section's tp and the flat key agree (or one was refused): both read the same from here on
     tp = cfg.tensor_parallel_size = tensor_parallel(cfg.parallelism, tp)
     _check_context_parallel(cfg)
+    _check_expert_parallel(cfg)
     plan = cfg.tensor_parallel_plan
     valid = isinstance(plan, dict) and all(isinstance(k, str) and v in TP_STYLES for k, v in plan.items())
     if plan is not None and not valid:

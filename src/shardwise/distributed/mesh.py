@@ -12,7 +12,7 @@ shard together, within a node), and
   tp            tensor parallelism (`tensor_parallel_size`), innermost: the tp consecutive ranks of
                 a node split each planned layer (`strategies.tensor_parallel`) and see the same
                 batch;
-  ep            expert parallelism (reserved: 1), borrowed from dp_shard x cp as torchtitan does.
+  ep            expert parallelism, borrowed from dp_shard x cp as torchtitan does.
 Ranks are laid out on (dp_replicate, dp_shard, cp, tp) as `init_device_mesh` lays them
 (`layout`), and every rank and size is read from that layout by named view (`VIEWS`): `batch`
 (the data-parallel ranks: loaders split by it), `loss` (batch x cp), `fsdp` (dp_shard x cp: what
@@ -61,7 +61,7 @@ class ParallelDims:
     cp: int = 1
     """context parallel: ranks splitting each sequence, between dp_shard and tp"""
     ep: int = 1
-    """expert parallel (reserved: 1), borrowed from dp_shard x cp"""
+    """expert parallel, borrowed from dp_shard x cp"""
 
     def __post_init__(self) -> None:
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,

@@ -30,6 +30,7 @@ from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
 from ..weights.materialize import Places, allocate, materialize
+from .expert_parallel import check_layout as check_expert_layout
 from .host_step import DeepSpeedAdam, threads
 from .precision import Precision
 from .tensor_parallel import clip_over_meshes
@@ -72,8 +73,10 @@ def layout(cfg: ShardingSection, info: DistInfo, *, shards: bool, supported: fro
                           f"along {'it' if len(unsupported) == 1 else 'them'} (it splits "
                           f"{', '.join(d for d in DIMS if d in supported)}); set "
                           f"{', '.join(u.split('=')[0] for u in unsupported)} to 1")
-    return ParallelDims(sizes.dp_replicate, sizes.dp_shard, world, info.device.type, tp=sizes.tp, cp=sizes.cp,
+    dims = ParallelDims(sizes.dp_replicate, sizes.dp_shard, world, info.device.type, tp=sizes.tp, cp=sizes.cp,
                         ep=sizes.ep)
+    check_expert_layout(dims, cfg.strategy, cfg.backend)
+    return dims
 
 
 def zero_step(optimizer: torch.optim.Optimizer, params: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -196,7 +199,7 @@ class Strategy(ABC):
     mesh: DeviceMesh | None = None
     """`dims.mesh`: 1-D over every process, or 2-D ("dp_replicate", "dp_shard") under hybrid
     sharding; None where the strategy shards nothing itself (ddp, the DeepSpeed engine)."""
-    supported_dims: frozenset[str] = frozenset({"dp_replicate", "dp_shard", "cp", "tp"})
+    supported_dims: frozenset[str] = frozenset({"dp_replicate", "dp_shard", "cp", "tp", "ep"})
     """The mesh dimensions this backend splits along; a size above 1 on any other is refused."""
     own_steps: frozenset[str] = frozenset()
     """Model-parallel steps the backend applies itself when it builds a model (DeepSpeed: its

@@ -55,6 +55,7 @@ from ..weights.adapters import is_peft_model, unwrapped
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks, keep_ties_whole
 from .direct_calls import generate_as_forward, route_fsdp_calls
+from .expert_parallel import expert_params
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner
 
@@ -71,6 +72,7 @@ def apply_fsdp(
     """Shard `blocks` (innermost first) and then the root, in place."""
     wanted = {id(b) for b in blocks}
     units = [m for m in reversed(list(model.modules())) if id(m) in wanted] + [model]
+    experts = expert_params(model) or None  # split by expert parallelism: never all-gathered
     # Children before parents (reversed pre-order): a parent unit skips what a child unit owns.
     for unit in units:
         fully_shard(
@@ -79,6 +81,7 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
+            ignored_params=experts,
         )
     reduce_scatter = gloo_reduce_scatter(mesh)
     if reduce_scatter is not None:

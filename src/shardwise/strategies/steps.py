@@ -7,6 +7,9 @@ order:
      user's own `parallelize(model, dims)`; or nothing, where the model arrives split already
      (transformers' `from_pretrained(tp_plan="auto", device_mesh=...)`) on a tp group equal to
      this run's: it is never split twice;
+  1b. expert parallelism on the `ep` view (`expert_parallel_step`): each mixture-of-experts
+     layer's experts split over the group, tokens dispatched with all-to-alls; the data-parallel
+     step leaves the expert parameters alone (`expert_params`);
   2. context parallelism on the `cp` view (`context_parallel_step`): the batch split along the
      sequence at the model's door, attention over the whole sequence (ring or Ulysses), the whole
      sequence's loss;
@@ -39,6 +42,7 @@ from ..weights.record import recipes_kept
 from .blocks import apply_activation_checkpointing, find_blocks
 from .compile import apply_compile, compile_options
 from .context_parallel import context_parallel_step
+from .expert_parallel import expert_parallel_step
 from .tensor_parallel import apply_tensor_parallel, model_plan
 from .tiling import tiling_step
 
@@ -50,6 +54,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, sharding: ShardingSection,
     """Steps 1-4 on `model`, in place (step 5 is the strategy's `setup_model`)."""
     if "tp" not in own_steps:
         model_parallel_step(model, dims, sharding)
+    expert_parallel_step(model, dims)
     context_parallel_step(model, dims, sharding.context_parallel)
     tiling_step(model, blocks, context_parallel=dims.cp > 1)
     blocks_step(model, blocks)

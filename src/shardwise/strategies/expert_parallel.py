@@ -1,0 +1,247 @@
+"""Expert parallelism, the mesh's `ep` step: each mixture-of-experts layer's experts split over
+the ranks of the expert-parallel group, every token sent to the ranks that own its chosen experts
+and back with two all-to-alls (dropless: no token is dropped, so the layer computes what one
+process computes).
+
+transformers 5 fuses a layer's experts into one module (`gate_up_proj` [E, 2I, H], `down_proj`
+[E, H, I]) whose forward `(hidden, top_k_index, top_k_weights)` is picked from a registry
+(`ALL_EXPERTS_FUNCTIONS`, by `config._experts_implementation`). This step registers a dispatching
+implementation there ("shardwise_ep") and points the model's config at it, without copying model
+code: the router, its top-k, its load-balancing loss and any shared expert (Qwen2-MoE) run as they
+are, on every rank's own tokens.
+
+The experts' two parameters become DTensors sharded on dimension 0 (the expert index) over the
+expert-parallel group's mesh, so a checkpoint stores whole experts (DCP reshards them to any ep
+size or to a plain strategy), the gradient norm counts each expert once, and the optimizer steps
+each rank's experts only. The data-parallel step leaves them alone (`expert_params`): no all-gather
+of experts, ever. Their gradients arrive through the all-to-all's backward as the sum over every
+rank's tokens, so they are divided by the data-parallel size (`_Divided`), as FSDP divides the
+others (the gradient of the mean of the ranks' losses).
+
+This version splits the experts over the whole sharding group (ep = dp_shard, no context or
+tensor parallelism, no replicas): the other layouts are refused in one line (`check_layout`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ..config.tree import ConfigError
+from ..distributed.mesh import ParallelDims
+
+log = logging.getLogger("shardwise")
+
+IMPLEMENTATION = "shardwise_ep"
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_SPLIT = "shardwise_expert_params"  # the root module's set of the split parameters' ids
+_STATE = "shardwise_dispatch"  # each split experts module's `Dispatch`
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What a split experts module's forward needs: its expert-parallel group, its number of
+    experts (all ranks together), and the data-parallel size its gradients are divided by."""
+
+    group: dist.ProcessGroup
+    experts: int
+    divisor: int
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's fused experts modules: transformers' (`use_experts_implementation` classes) and
+    a user's own that declares the same layout (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I],
+    `num_experts`, `act_fn`)."""
+    found = []
+    for name, m in model.named_modules():
+        params = [getattr(m, p, None) for p in _EXPERT_PARAMS]
+        if all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params) and hasattr(m, "num_experts"):
+            found.append((name, m))
+    return found
+
+
+def check_layout(dims: ParallelDims, strategy: str, backend: str) -> None:
+    """One-line refusals for what this version does not split experts under."""
+    if dims.ep == 1:
+        return
+    where = f"expert_parallel_size={dims.ep}"
+    if backend != "torch":
+        raise ConfigError(f"{where}: the deepspeed backend's AutoEP is not driven by shardwise; "
+                          "use backend: torch")
+    if strategy not in ("zero2", "zero3"):
+        raise ConfigError(f"{where} needs strategy zero2 or zero3 (got {strategy}): the experts are split "
+                          "over the sharding group")
+    if dims.cp > 1 or dims.tp > 1 or dims.dp_replicate > 1 or dims.ep != dims.dp_shard:
+        raise ConfigError(f"{where}: this version splits experts over the whole sharding group only "
+                          f"(ep = dp_shard = {dims.dp_shard}, no context or tensor parallelism, no hybrid "
+                          "sharding)")
+
+
+def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parameter]:
+    """Split every experts module of `model` over the expert-parallel group, in place; returns the
+    expert parameters (the data-parallel step leaves them out). Nothing at ep 1."""
+    if dims.ep == 1:
+        return []
+    layers = experts_modules(model)
+    if not layers:
+        raise ConfigError(f"expert_parallel_size={dims.ep}: {type(model).__name__} has no mixture-of-experts "
+                          "layer shardwise can split (transformers' fused experts modules: gate_up_proj, "
+                          "down_proj, num_experts); use expert_parallel_size 1")
+    for name, m in layers:
+        if getattr(m, "is_transposed", False) or getattr(m, "has_bias", False) or \
+                not getattr(m, "has_gate", True) or getattr(m, "has_post_expert_norm", False):
+            raise ConfigError(f"expert_parallel_size={dims.ep}: {name} ({type(m).__name__}) stores its "
+                              "experts transposed or with biases (GPT-OSS's layout), which this version "
+                              "does not split")
+        count = int(getattr(m, "num_experts"))  # noqa: B009 (a plain int attribute, for mypy)
+        if count % dims.ep:
+            raise ConfigError(f"expert_parallel_size={dims.ep} does not divide {name}'s {count} "
+                              "experts")
+    mesh = dims.world_mesh["dp_shard"]
+    _register()
+    params: list[nn.Parameter] = []
+    for _, m in layers:
+        for p in _EXPERT_PARAMS:
+            full = getattr(m, p)
+            split = nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)]),
+                                 requires_grad=full.requires_grad)
+            setattr(m, p, split)
+            params.append(split)
+        m.__dict__[_STATE] = Dispatch(mesh.get_group(), int(getattr(m, "num_experts")),  # noqa: B009
+                                      dims.dp_size)
+        if getattr(m, "config", None) is None:
+            m.forward = _bound(m)  # a user's own layer: its forward is the dispatch
+        elif not hasattr(model, "set_experts_implementation"):
+            raise ConfigError(f"expert_parallel_size={dims.ep}: {name} is a transformers experts module "
+                              f"inside {type(model).__name__}, not a transformers model: prepare the "
+                              "transformers model itself")
+    if any(getattr(m, "config", None) is not None for _, m in layers):
+        model.set_experts_implementation(IMPLEMENTATION)  # type: ignore[operator]
+    model.__dict__[_SPLIT] = {id(p) for p in params}  # read by `expert_params`
+    log.info("prepare: %d experts modules split over %d ranks (expert parallelism)", len(layers), dims.ep)
+    return params
+
+
+def expert_params(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters this step split: the data-parallel step leaves them as they are."""
+    ids = model.__dict__.get(_SPLIT, set())
+    return {p for p in model.parameters() if id(p) in ids}
+
+
+def _bound(m: nn.Module) -> Any:
+    return lambda hidden, top_k_index, top_k_weights: dispatch_forward(m, hidden, top_k_index, top_k_weights)
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, dispatch_forward)
+
+
+class _Exchange(torch.autograd.Function):
+    """all_to_all_single with uneven splits; the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Any:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
+
+
+class _Divided(torch.autograd.Function):
+    """The identity, whose backward divides the gradient by the data-parallel size: an expert's
+    gradient arrives summed over every rank's tokens, and the step wants the mean of the ranks'
+    losses (FSDP divides the other parameters' gradients the same way)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad / ctx.n, None
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    return _Exchange.apply(x, send, recv, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def _divided(x: torch.Tensor, n: int) -> torch.Tensor:
+    return _Divided.apply(x, n)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward under expert parallelism: (T, H) tokens, (T, k) chosen experts and
+    their weights -> (T, H), equal to the unsplit layer's output."""
+    state: Dispatch = self.__dict__[_STATE]
+    group, experts = state.group, state.experts
+    n = dist.get_world_size(group)
+    local = experts // n
+    tokens, k = top_k_index.shape
+    chosen = top_k_index.reshape(-1)
+    order = torch.argsort(chosen, stable=True)  # by expert, hence by owning rank
+    source_token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
+    per_expert = torch.bincount(chosen, minlength=experts)
+    # exchange the per-expert counts first: rank j receives the counts of its own experts
+    counts_in = torch.empty_like(per_expert)
+    dist.all_to_all_single(counts_in, per_expert, group=group)
+    counts_in = counts_in.view(n, local)  # [source rank, local expert]
+    send = per_expert.view(n, local).sum(1).tolist()
+    recv = counts_in.sum(1).tolist()
+    received = _exchange(hidden[source_token], send, recv, group)
+    # the received tokens come by source rank, each source's by expert: regroup by local expert
+    local_ids = torch.arange(local, device=hidden.device).repeat(n)
+    expert_of = torch.repeat_interleave(local_ids, counts_in.reshape(-1))
+    by_expert = torch.argsort(expert_of, stable=True)
+    x = received[by_expert]
+    sizes = torch.bincount(expert_of, minlength=local).tolist()
+    gate_up = _divided(_local(self.__dict__["_parameters"]["gate_up_proj"]), state.divisor)
+    down = _divided(_local(self.__dict__["_parameters"]["down_proj"]), state.divisor)
+    gate = getattr(self, "_apply_gate", None) or functools.partial(_gate, self)
+    outs = []
+    for e, chunk in enumerate(torch.split(x, sizes)):
+        outs.append(nn.functional.linear(gate(nn.functional.linear(chunk, gate_up[e])), down[e]))
+    y = torch.cat(outs) if outs else x
+    y = y[torch.argsort(by_expert)]  # back to the order received
+    returned = _exchange(y, recv, send, group)
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros_like(hidden)
+    return out.index_add_(0, source_token, (returned * weights).to(hidden.dtype))
+
+
+def _gate(self: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' default gate (a user's layer without `_apply_gate`): act(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = self.__dict__["_modules"].get("act_fn") or getattr(self, "act_fn")  # noqa: B009
+    return act(gate) * up  # type: ignore[no-any-return]
+
+
+def tokens_per_expert(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many of this rank's token slots chose each expert (k per token)."""
+    return torch.bincount(top_k_index.reshape(-1), minlength=experts)
+
+
+__all__ = ["IMPLEMENTATION", "DeviceMesh", "check_layout", "dispatch_forward", "expert_parallel_step",
+           "expert_params", "experts_modules", "tokens_per_expert"]

@@ -1,0 +1,223 @@
+"""Expert parallelism (`expert_parallel_size`) against one plain process (fp32).
+
+Tiny transformers Mixtral (4 experts, top 2) and Qwen2-MoE (4 experts, top 2, a shared expert
+outside `experts`), 2 layers, sequences of 16 tokens, 3 AdamW steps at lr 1e-2 from an unchanged
+loop (`model(**batch).loss`, `engine.backward`, `clip_grad_norm_`, `opt.step`), the router's
+load-balancing loss off unless said:
+  2 processes   ep 2 under zero3 and zero2, both families: the mean of the ranks' losses and the
+                clipped gradient norms within 1e-5 of one process on the global batch, the final
+                weights (gathered, the model's own names and shapes) within 5e-5; each rank holds
+                exactly half of every experts tensor (its local bytes measured); with the
+                load-balancing loss on (a statistic of each rank's batch, so no data-parallel run
+                equals one process), Mixtral ep 2 against zero3 without expert parallelism at the
+                same 2 processes, within 1e-5. A checkpoint ep 2 -> plain zero3 -> ep 2, each load
+                bit-identical to what was saved, the step after the round trip the straight run's.
+                `save_model` reloaded by `from_pretrained` in one process: equal logits.
+  4 processes   ep 4 under zero2 (one expert per rank) and zero3, Mixtral: the same tolerances.
+  planted       the experts' gradients left undivided (summed over the ranks' tokens, not
+                averaged): the 2-process check fails.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from planted import caught, planted
+from spawn import spawn
+from torch import nn
+from torch.utils.data import DataLoader
+
+SEQ, VOCAB, BATCH, STEPS, LR = 16, 64, 2, 3, 1e-2
+LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5
+TWO = [("mixtral", "zero3"), ("mixtral", "zero2"), ("qwen", "zero3"), ("qwen", "zero2")]
+FOUR = [("mixtral", "zero2"), ("mixtral", "zero3")]
+
+
+def build(family: str, aux: bool = False) -> nn.Module:
+    torch.manual_seed(1234)
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=SEQ,
+            output_router_logits=aux, tie_word_embeddings=False))
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ, output_router_logits=aux,
+        tie_word_embeddings=False))
+
+
+def samples(n: int) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
+    return [{"input_ids": i, "labels": i} for i in ids]
+
+
+@functools.cache
+def reference(family: str, dp: int) -> dict[str, Any]:
+    """One plain process on the global batches (dp x BATCH samples each, in order)."""
+    model = build(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for batch in DataLoader(samples(dp * BATCH * STEPS), batch_size=dp * BATCH):
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "state": state}
+
+
+def _prepared(family: str, strategy: str, ep: int, aux: bool = False) -> tuple[Any, Any, Any]:
+    import shardwise
+
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=ep)
+    model = build(family, aux)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = engine.prepare(model, opt)
+    return engine, model, opt
+
+
+def _step(engine: Any, model: Any, opt: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    loss = model(**batch).loss
+    engine.backward(loss)
+    norm = float(engine.clip_grad_norm_(model.parameters(), 1.0))
+    opt.step()
+    opt.zero_grad()
+    return float(engine.reduce(loss.detach(), "mean")), norm
+
+
+def _my_batches(engine: Any) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of each global batch (dp x BATCH samples, in order), as a loader gives it."""
+    dp, rank = engine.parallel_dims.dp_size, engine.parallel_dims.dp_rank(engine.process_index)
+    data = samples(dp * BATCH * STEPS)
+    mine = [[data[s * dp * BATCH + rank * BATCH + j] for j in range(BATCH)] for s in range(STEPS)]
+    return [{k: torch.stack([d[k] for d in step]) for k in data[0]} for step in mine]
+
+
+def _train(family: str, strategy: str, ep: int, aux: bool = False) -> dict[str, Any]:
+    engine, model, opt = _prepared(family, strategy, ep, aux)
+    experts = [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if ".experts." in n]
+    steps = [_step(engine, model, opt, b) for b in _my_batches(engine)]
+    state = engine.get_state_dict(model)
+    engine.free_memory()
+    return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "state": state,
+            "experts": experts}
+
+
+def _resume(folder: str) -> dict[str, Any]:
+    """ep 2 -> plain zero3 -> ep 2, Mixtral: each load bit-identical, the step after the round
+    trip the straight run's."""
+    engine, model, opt = _prepared("mixtral", "zero3", 2)
+    batches = _my_batches(engine)
+    for b in batches[:-1]:
+        _step(engine, model, opt, b)
+    saved = engine.get_state_dict(model)
+    engine.save_state(f"{folder}/ep2")
+    straight = _step(engine, model, opt, batches[-1]), engine.get_state_dict(model)
+    engine.save_model(model, f"{folder}/export")
+    engine.free_memory()
+    plain, model, opt = _prepared("mixtral", "zero3", 1)
+    plain.load_state(f"{folder}/ep2")
+    into_plain = plain.get_state_dict(model)
+    plain.save_state(f"{folder}/plain")
+    plain.free_memory()
+    back, model, opt = _prepared("mixtral", "zero3", 2)
+    back.load_state(f"{folder}/plain")
+    into_ep = back.get_state_dict(model)
+    after = _step(back, model, opt, batches[-1]), back.get_state_dict(model)
+    back.free_memory()
+    return {"saved": saved, "into_plain": into_plain, "into_ep": into_ep, "straight": straight,
+            "after": after}
+
+
+def _two(folder: str) -> dict[Any, Any]:
+    out: dict[Any, Any] = {case: _train(*case, ep=2) for case in TWO}
+    out["aux"] = _train("mixtral", "zero3", 2, aux=True)
+    out["aux", "plain"] = _train("mixtral", "zero3", 1, aux=True)
+    out["resume"] = _resume(folder)
+    return out
+
+
+def _four() -> dict[Any, Any]:
+    return {case: _train(*case, ep=4) for case in FOUR}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[Any, Any]], str]:
+    folder = str(tmp_path_factory.mktemp("ep"))
+    return spawn(_two, 2, folder), folder
+
+
+def _check(runs: list[dict[Any, Any]], case: Any, ref: dict[str, Any]) -> None:
+    for rank, res in enumerate(runs):
+        run = res[case]
+        assert run["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL), (case, rank, run["losses"])
+        assert run["norms"] == pytest.approx(ref["norms"], abs=LOSS_TOL), (case, rank, run["norms"])
+    state = runs[0][case]["state"]
+    assert state.keys() == ref["state"].keys()
+    worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
+    assert worst <= WEIGHT_TOL, (case, worst)
+
+
+@pytest.mark.parametrize("case", TWO, ids=["-".join(c) for c in TWO])
+def test_ep2_matches_one_process(two: tuple[list[dict[Any, Any]], str], case: tuple[str, str]) -> None:
+    runs = two[0]
+    _check(runs, case, reference(case[0], 2))
+    for res in runs:  # each rank holds half of every experts tensor, and only that
+        assert res[case]["experts"] and all(local * 2 == full for local, full in res[case]["experts"])
+
+
+def test_the_load_balancing_loss_is_the_data_parallel_runs(two: tuple[list[dict[Any, Any]], str]) -> None:
+    """With the router's auxiliary loss on, ep 2 equals zero3 without expert parallelism at the
+    same 2 processes (each computes the statistic on its own batch), not one process."""
+    plain = two[0][0]["aux", "plain"]
+    _check(two[0], "aux", {"losses": plain["losses"], "norms": plain["norms"], "state": plain["state"]})
+
+
+def test_a_checkpoint_resumes_across_expert_parallel_sizes(two: tuple[list[dict[Any, Any]], str]) -> None:
+    run = two[0][0]["resume"]
+    saved = run["saved"]
+    assert saved and all(torch.equal(run["into_plain"][k], v) for k, v in saved.items())
+    assert all(torch.equal(run["into_ep"][k], v) for k, v in saved.items())
+    assert run["after"][0] == pytest.approx(run["straight"][0], abs=1e-7)
+    worst = max((run["after"][1][k] - v).abs().max().item() for k, v in run["straight"][1].items())
+    assert worst <= 1e-7, worst
+
+
+def test_the_export_loads_in_a_plain_process(two: tuple[list[dict[Any, Any]], str]) -> None:
+    from transformers import MixtralForCausalLM
+
+    run = two[0][0]["resume"]
+    model = MixtralForCausalLM.from_pretrained(f"{two[1]}/export")
+    state = run["straight"][1]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    same = build("mixtral")
+    same.load_state_dict(state)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(model(input_ids=ids).logits, same(input_ids=ids).logits)
+
+
+def test_ep4_matches_one_process() -> None:
+    runs = spawn(_four, 4)
+    for case in FOUR:
+        _check(runs, case, reference(case[0], 4))
+        assert all(local * 4 == full for res in runs for local, full in res[case]["experts"])
+
+
+def _planted_case() -> dict[Any, Any]:
+    return {TWO[0]: _train(*TWO[0], ep=2)}
+
+
+def test_experts_gradients_left_summed_are_caught() -> None:
+    runs = spawn(planted(_planted_case, "experts_gradient_summed"), 2)
+    caught(_check, runs, TWO[0], reference("mixtral", 2))
