@@ -13,7 +13,9 @@ load-balancing loss off unless said:
                 same 2 processes, within 1e-5. A checkpoint ep 2 -> plain zero3 -> ep 2, each load
                 bit-identical to what was saved, the step after the round trip the straight run's.
                 `save_model` reloaded by `from_pretrained` in one process: equal logits.
-  4 processes   ep 4 under zero2 (one expert per rank) and zero3, Mixtral: the same tolerances.
+  4 processes   ep 4 under zero2 (one expert per rank) and zero3, Mixtral; ep 2 x data 2 under
+                zero3, Mixtral and Qwen2-MoE (each expert on 2 ranks, their gradients summed):
+                the same tolerances, each rank holding 1/ep of every experts tensor.
   planted       the experts' gradients left undivided (summed over the ranks' tokens, not
                 averaged): the 2-process check fails.
 """
@@ -33,7 +35,7 @@ from torch.utils.data import DataLoader
 SEQ, VOCAB, BATCH, STEPS, LR = 16, 64, 2, 3, 1e-2
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5
 TWO = [("mixtral", "zero3"), ("mixtral", "zero2"), ("qwen", "zero3"), ("qwen", "zero2")]
-FOUR = [("mixtral", "zero2"), ("mixtral", "zero3")]
+FOUR = [("mixtral", "zero2", 4), ("mixtral", "zero3", 4), ("mixtral", "zero3", 2), ("qwen", "zero3", 2)]
 
 
 def build(family: str, aux: bool = False) -> nn.Module:
@@ -149,7 +151,7 @@ def _two(folder: str) -> dict[Any, Any]:
 
 
 def _four() -> dict[Any, Any]:
-    return {case: _train(*case, ep=4) for case in FOUR}
+    return {case: _train(*case) for case in FOUR}
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +209,11 @@ def test_the_export_loads_in_a_plain_process(two: tuple[list[dict[Any, Any]], st
     assert torch.equal(model(input_ids=ids).logits, same(input_ids=ids).logits)
 
 
-def test_ep4_matches_one_process() -> None:
+def test_ep4_and_ep2_by_data2_match_one_process() -> None:
     runs = spawn(_four, 4)
     for case in FOUR:
         _check(runs, case, reference(case[0], 4))
-        assert all(local * 4 == full for res in runs for local, full in res[case]["experts"])
+        assert all(local * case[2] == full for res in runs for local, full in res[case]["experts"])
 
 
 def _planted_case() -> dict[Any, Any]:

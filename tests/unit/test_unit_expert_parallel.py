@@ -27,7 +27,6 @@ def _one_line(err: pytest.ExceptionInfo[BaseException], *words: str) -> None:
     ("ddp", "torch", {}, ("zero2 or zero3", "ddp")),
     ("zero1", "torch", {}, ("zero2 or zero3", "zero1")),
     ("zero3", "deepspeed", {}, ("deepspeed", "backend: torch")),
-    ("zero3", "torch", {"dp_shard": 4}, ("ep = dp_shard = 4",)),
     ("zero3", "torch", {"tp": 2}, ("tensor parallelism",)),
     ("zero3", "torch", {"dp_replicate": 2}, ("hybrid sharding",)),
 ])

@@ -148,8 +148,8 @@ def test_bad_sizes_are_refused_at_construction(config: dict, message: str) -> No
     (8, {"strategy": "zero3", "shard_group_size": 4, "parallelism": {"dp_shard": 2}},
      "shard_group_size (4 processes: 4 data-parallel ranks) and parallelism.dp_shard=2 disagree"),
     (8, {"strategy": "zero3", "parallelism": {"cp": 3}}, "cp=3 x tp=1 does not divide the 8 processes"),
-    (8, {"strategy": "zero3", "parallelism": {"ep": 2}},
-     "expert_parallel_size=2: this version splits experts over the whole sharding group only"),
+    (8, {"strategy": "zero3", "parallelism": {"ep": 2, "tp": 2}},
+     "expert_parallel_size=2: this version splits experts within the sharding group only"),
     (8, {"strategy": "zero3", "parallelism": {"ep": 3}}, "ep=3 does not divide dp_shard x cp = 8"),
     (6, {"strategy": "zero3", "parallelism": {"tp": 4}}, "tensor_parallel_size=4 does not divide the 6"),
 ])

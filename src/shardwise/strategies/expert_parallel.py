@@ -18,8 +18,9 @@ of experts, ever. Their gradients arrive through the all-to-all's backward as th
 rank's tokens, so they are divided by the data-parallel size (`_Divided`), as FSDP divides the
 others (the gradient of the mean of the ranks' losses).
 
-This version splits the experts over the whole sharding group (ep = dp_shard, no context or
-tensor parallelism, no replicas): the other layouts are refused in one line (`check_layout`).
+At ep below the sharding group the experts' copies over the remaining ranks are replicas (their
+gradients summed in backward), not sharded further. Context and tensor parallelism and hybrid
+sharding are refused in one line (`check_layout`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from ..config.tree import ConfigError
 from ..distributed.mesh import ParallelDims
@@ -54,6 +55,8 @@ class Dispatch:
     group: dist.ProcessGroup
     experts: int
     divisor: int
+    replicas: dist.ProcessGroup | None = None
+    """the ranks holding the same experts (ep below the sharding group), whose gradients are summed"""
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -79,10 +82,9 @@ def check_layout(dims: ParallelDims, strategy: str, backend: str) -> None:
     if strategy not in ("zero2", "zero3"):
         raise ConfigError(f"{where} needs strategy zero2 or zero3 (got {strategy}): the experts are split "
                           "over the sharding group")
-    if dims.cp > 1 or dims.tp > 1 or dims.dp_replicate > 1 or dims.ep != dims.dp_shard:
-        raise ConfigError(f"{where}: this version splits experts over the whole sharding group only "
-                          f"(ep = dp_shard = {dims.dp_shard}, no context or tensor parallelism, no hybrid "
-                          "sharding)")
+    if dims.cp > 1 or dims.tp > 1 or dims.dp_replicate > 1:
+        raise ConfigError(f"{where}: this version splits experts within the sharding group only (no "
+                          "context or tensor parallelism, no hybrid sharding); set those to 1")
 
 
 def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parameter]:
@@ -105,18 +107,20 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
         if count % dims.ep:
             raise ConfigError(f"expert_parallel_size={dims.ep} does not divide {name}'s {count} "
                               "experts")
-    mesh = dims.world_mesh["dp_shard"]
+    mesh, placements = expert_mesh(dims)
+    replicas = mesh["edp"].get_group() if mesh.ndim == 2 else None
+    group = mesh["ep"].get_group() if mesh.ndim == 2 else mesh.get_group()
     _register()
     params: list[nn.Parameter] = []
     for _, m in layers:
         for p in _EXPERT_PARAMS:
             full = getattr(m, p)
-            split = nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)]),
+            split = nn.Parameter(distribute_tensor(full.detach(), mesh, placements),
                                  requires_grad=full.requires_grad)
             setattr(m, p, split)
             params.append(split)
-        m.__dict__[_STATE] = Dispatch(mesh.get_group(), int(getattr(m, "num_experts")),  # noqa: B009
-                                      dims.dp_size)
+        m.__dict__[_STATE] = Dispatch(group, int(getattr(m, "num_experts")),  # noqa: B009
+                                      dims.dp_size, replicas)
         if getattr(m, "config", None) is None:
             m.forward = _bound(m)  # a user's own layer: its forward is the dispatch
         elif not hasattr(model, "set_experts_implementation"):
@@ -138,6 +142,24 @@ def expert_params(model: nn.Module) -> set[nn.Parameter]:
 
 def _bound(m: nn.Module) -> Any:
     return lambda hidden, top_k_index, top_k_weights: dispatch_forward(m, hidden, top_k_index, top_k_weights)
+
+
+# the (edp, ep) meshes, one per process and layout (building one makes process groups collectively)
+_MESHES: dict[tuple[str, int, int, int], DeviceMesh] = {}
+
+
+def expert_mesh(dims: ParallelDims) -> tuple[DeviceMesh, list[Placement]]:
+    """Where the experts live, and how: at ep = dp_shard the sharding mesh itself, each rank 1/ep
+    of the experts (Shard(0)); below it a 2-D mesh (edp, ep) of the same ranks, ep consecutive
+    ranks splitting the experts and the dp_shard / ep groups of them holding copies
+    ([Replicate(), Shard(0)]): their gradients are summed across the copies in backward."""
+    if dims.ep == dims.dp_shard:
+        return dims.world_mesh["dp_shard"], [Shard(0)]
+    key = (dims.device_type, dims.dp_shard, dims.ep, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(dims.device_type, (dims.dp_shard // dims.ep, dims.ep),
+                                        mesh_dim_names=("edp", "ep"))
+    return _MESHES[key], [Replicate(), Shard(0)]
 
 
 def _register() -> None:
@@ -165,26 +187,30 @@ class _Exchange(torch.autograd.Function):
 
 
 class _Divided(torch.autograd.Function):
-    """The identity, whose backward divides the gradient by the data-parallel size: an expert's
-    gradient arrives summed over every rank's tokens, and the step wants the mean of the ranks'
-    losses (FSDP divides the other parameters' gradients the same way)."""
+    """The identity, whose backward sums the gradient over the ranks holding the same experts
+    (if any) and divides it by the data-parallel size: an expert's gradient arrives summed over
+    its group's tokens, and the step wants the mean of every rank's loss (FSDP divides the other
+    parameters' gradients the same way)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:
-        ctx.n = n
+    def forward(ctx: Any, x: torch.Tensor, n: int, replicas: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.n, ctx.replicas = n, replicas
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad / ctx.n, None
+        if ctx.replicas is not None:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.replicas)
+        return grad / ctx.n, None, None
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     return _Exchange.apply(x, send, recv, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
-def _divided(x: torch.Tensor, n: int) -> torch.Tensor:
-    return _Divided.apply(x, n)  # type: ignore[no-any-return,no-untyped-call]
+def _divided(x: torch.Tensor, n: int, replicas: dist.ProcessGroup | None) -> torch.Tensor:
+    return _Divided.apply(x, n, replicas)  # type: ignore[no-any-return,no-untyped-call]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -217,8 +243,8 @@ def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.T
     by_expert = torch.argsort(expert_of, stable=True)
     x = received[by_expert]
     sizes = torch.bincount(expert_of, minlength=local).tolist()
-    gate_up = _divided(_local(self.__dict__["_parameters"]["gate_up_proj"]), state.divisor)
-    down = _divided(_local(self.__dict__["_parameters"]["down_proj"]), state.divisor)
+    gate_up = _divided(_local(self.__dict__["_parameters"]["gate_up_proj"]), state.divisor, state.replicas)
+    down = _divided(_local(self.__dict__["_parameters"]["down_proj"]), state.divisor, state.replicas)
     gate = getattr(self, "_apply_gate", None) or functools.partial(_gate, self)
     outs = []
     for e, chunk in enumerate(torch.split(x, sizes)):
