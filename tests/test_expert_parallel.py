@@ -12,7 +12,9 @@ load-balancing loss off unless said:
                 equals one process), Mixtral ep 2 against zero3 without expert parallelism at the
                 same 2 processes, within 1e-5. A checkpoint ep 2 -> plain zero3 -> ep 2, each load
                 bit-identical to what was saved, the step after the round trip the straight run's.
-                `save_model` reloaded by `from_pretrained` in one process: equal logits.
+                `save_model` reloaded by `from_pretrained` in one process: equal logits. Tokens per
+                expert per step in the metrics records (the first step's equal to one process's
+                routing of the same batch) and the report's plot.
   4 processes   ep 4 under zero2 (one expert per rank) and zero3, Mixtral; ep 2 x data 2 under
                 zero3, Mixtral and Qwen2-MoE (each expert on 2 ranks, their gradients summed):
                 the same tolerances, each rank holding 1/ep of every experts tensor.
@@ -79,10 +81,10 @@ def reference(family: str, dp: int) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": state}
 
 
-def _prepared(family: str, strategy: str, ep: int, aux: bool = False) -> tuple[Any, Any, Any]:
+def _prepared(family: str, strategy: str, ep: int, aux: bool = False, **extra: Any) -> tuple[Any, Any, Any]:
     import shardwise
 
-    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=ep)
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=ep, **extra)
     model = build(family, aux)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = engine.prepare(model, opt)
@@ -142,11 +144,34 @@ def _resume(folder: str) -> dict[str, Any]:
             "after": after}
 
 
+def first_routing(family: str) -> list[list[int]]:
+    """Token slots each expert gets in one process's first forward on the first global batch."""
+    model, seen = build(family), []
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts"):
+            m.register_forward_hook(lambda mod, args, out: seen.append(
+                torch.bincount(args[1].reshape(-1), minlength=4).tolist()))
+    model(**next(iter(DataLoader(samples(2 * BATCH * STEPS), batch_size=2 * BATCH))))
+    return seen
+
+
+def _metrics(folder: str) -> dict[str, Any]:
+    """ep 2, zero3, a metrics record every step (jsonl), then the report of the run."""
+    engine, model, opt = _prepared("mixtral", "zero3", 2, log_with="jsonl", project_dir=f"{folder}/logs",
+                                   log_every_steps=1, progress=False)
+    engine.init_trackers("moe")
+    for b in _my_batches(engine):
+        _step(engine, model, opt, b)
+    engine.end_training()  # (the last run of the spawn: it ends the process group)
+    return {"run": f"{folder}/logs/logs/moe"}
+
+
 def _two(folder: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case, ep=2) for case in TWO}
     out["aux"] = _train("mixtral", "zero3", 2, aux=True)
     out["aux", "plain"] = _train("mixtral", "zero3", 1, aux=True)
     out["resume"] = _resume(folder)
+    out["metrics"] = _metrics(folder)
     return out
 
 
@@ -207,6 +232,25 @@ def test_the_export_loads_in_a_plain_process(two: tuple[list[dict[Any, Any]], st
     same.load_state_dict(state)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     assert torch.equal(model(input_ids=ids).logits, same(input_ids=ids).logits)
+
+
+def test_tokens_per_expert_are_recorded_and_plotted(two: tuple[list[dict[Any, Any]], str]) -> None:
+    """Every record holds, per MoE layer, the token slots routed to each expert per step over the
+    whole batch (k = 2 per token: 2 x 4 samples x 16 tokens = 128 per layer); the first step's
+    equal one process's routing of the same batch; the report draws them."""
+    import json
+    from pathlib import Path
+
+    from shardwise.runtime.report import report
+
+    run = Path(two[0][0]["metrics"]["run"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["tokens_per_expert"] for r in records if "tokens_per_expert" in r]
+    assert len(loads) == STEPS, records
+    assert all(len(load) == 2 and all(sum(layer) == 2 * 2 * BATCH * SEQ for layer in load) for load in loads)
+    assert loads[0] == first_routing("mixtral")
+    png, _ = report(run)
+    assert png.exists() and png.stat().st_size > 0
 
 
 def test_ep4_and_ep2_by_data2_match_one_process() -> None:

@@ -41,6 +41,7 @@ from ..runtime.observe import Observer, TrackerVerbs
 from ..runtime.supervision import Supervisor, say
 from ..strategies import make_strategy
 from ..strategies.compile import compile_boundary
+from ..strategies.expert_parallel import take_load
 from ..strategies.frozen import check_inference_models, for_inference
 from ..strategies.precision import check_device_supports
 from ..weights.adapters import attach_full_weights
@@ -336,6 +337,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         extra: dict[str, Any] = {"skipped_steps": self._session.step_state.skipped_steps}
         if self._session.strategy.precision.dtype is torch.float16:  # loss-scaled (by us or DeepSpeed)
             extra["loss_scale"] = self.loss_scale
+        load = take_load(list(self._session.models), self._observer.meter.steps_since_record)
+        if load is not None:  # expert parallelism: token slots per expert per step, per MoE layer
+            extra["tokens_per_expert"] = load
         return self.memory_report(), extra
 
     def _forward_started(self, module: nn.Module, args: Any) -> None:

@@ -80,7 +80,8 @@ def plot(records: list[dict[str, Any]], out: Path) -> Path:
     except ImportError as e:
         raise ConfigError("shardwise report draws with matplotlib: pip install 'shardwise[plot]'") from e
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    moe = any(r.get("tokens_per_expert") for r in records)
+    fig, axes = plt.subplots(3 if moe else 2, 2, figsize=(11, 10.5 if moe else 7))
     panels = [("loss", "loss", 1.0), ("tokens_per_s", "tokens/s", 1.0), ("mfu", "MFU (%)", 100.0)]
     for ax, (key, title, scale) in zip(axes.flat, panels):
         pts = [(s, r[key] * scale) for s, r in zip(steps, records) if r.get(key) is not None]
@@ -107,10 +108,31 @@ def plot(records: list[dict[str, Any]], out: Path) -> Path:
     ax.grid(alpha=0.3)
     if ranks:
         ax.legend(fontsize=7)
+    if moe:
+        _expert_load(axes.flat[4], axes.flat[5], steps, records)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _expert_load(lines: Any, last: Any, steps: list[int], records: list[dict[str, Any]]) -> None:
+    """Expert parallelism's records: token slots per expert per step (summed over the MoE
+    layers) over the run, and the last record's per layer (an idle or flooded expert shows)."""
+    rows = [(s, r["tokens_per_expert"]) for s, r in zip(steps, records) if r.get("tokens_per_expert")]
+    experts = len(rows[0][1][0])
+    for e in range(experts):
+        per_step = [sum(layer[e] for layer in load) for _, load in rows]
+        lines.plot([s for s, _ in rows], per_step, label=f"expert {e}")
+    lines.set_title("tokens per expert per step (all MoE layers)")
+    lines.set_xlabel("optimizer step")
+    lines.grid(alpha=0.3)
+    lines.legend(fontsize=7)
+    image = last.imshow(rows[-1][1], aspect="auto", cmap="viridis")
+    last.set_title(f"tokens per expert per step at step {rows[-1][0]}")
+    last.set_xlabel("expert")
+    last.set_ylabel("MoE layer")
+    last.figure.colorbar(image, ax=last)
 
 
 def report(run_dir: Path) -> tuple[Path, str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +57,9 @@ class Dispatch:
     divisor: int
     replicas: dist.ProcessGroup | None = None
     """the ranks holding the same experts (ep below the sharding group), whose gradients are summed"""
+    load: list[torch.Tensor] = field(default_factory=list)
+    """token slots this rank's training forwards routed to each expert since `take_load` (one
+    tensor of `experts` counts, summed in place)"""
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -230,6 +233,11 @@ def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.T
     order = torch.argsort(chosen, stable=True)  # by expert, hence by owning rank
     source_token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
     per_expert = torch.bincount(chosen, minlength=experts)
+    if torch.is_grad_enabled():  # training forwards only (an evaluation's routing is not the step's)
+        if state.load:
+            state.load[0] += per_expert
+        else:
+            state.load.append(per_expert.clone())
     # exchange the per-expert counts first: rank j receives the counts of its own experts
     counts_in = torch.empty_like(per_expert)
     dist.all_to_all_single(counts_in, per_expert, group=group)
@@ -264,10 +272,21 @@ def _gate(self: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return act(gate) * up  # type: ignore[no-any-return]
 
 
-def tokens_per_expert(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
-    """How many of this rank's token slots chose each expert (k per token)."""
-    return torch.bincount(top_k_index.reshape(-1), minlength=experts)
+def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
+    """Token slots (k per token) routed to each expert per optimizer step since the last call,
+    over every process's batch, one list per split experts module (in model order); None where
+    no model's experts are split. Every process calls it (one all-reduce)."""
+    states = [m.__dict__[_STATE] for model in models for m in model.modules() if _STATE in m.__dict__]
+    if not states:
+        return None
+    table = torch.stack([s.load[0] if s.load else torch.zeros(s.experts, dtype=torch.long) for s in states])
+    for s in states:
+        s.load.clear()
+    table = table.to(torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(table)
+    return (table / max(1, steps)).tolist()
 
 
 __all__ = ["IMPLEMENTATION", "DeviceMesh", "check_layout", "dispatch_forward", "expert_parallel_step",
-           "expert_params", "experts_modules", "tokens_per_expert"]
+           "expert_params", "experts_modules", "take_load"]
