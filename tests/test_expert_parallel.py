@@ -14,7 +14,9 @@ load-balancing loss off unless said:
                 bit-identical to what was saved, the step after the round trip the straight run's.
                 `save_model` reloaded by `from_pretrained` in one process: equal logits. Tokens per
                 expert per step in the metrics records (the first step's equal to one process's
-                routing of the same batch) and the report's plot.
+                routing of the same batch) and the report's plot. The bytes the all-to-alls send
+                between ranks in the first step: 4 hidden-size rows per token slot routed to the
+                other rank (one process's routing of the same batch), and nothing else.
   4 processes   ep 4 under zero2 (one expert per rank) and zero3, Mixtral; ep 2 x data 2 under
                 zero3, Mixtral and Qwen2-MoE (each expert on 2 ranks, their gradients summed):
                 the same tolerances, each rank holding 1/ep of every experts tensor.
@@ -109,13 +111,19 @@ def _my_batches(engine: Any) -> list[dict[str, torch.Tensor]]:
 
 
 def _train(family: str, strategy: str, ep: int, aux: bool = False) -> dict[str, Any]:
+    from shardwise.strategies.expert_parallel import sent_bytes
+
     engine, model, opt = _prepared(family, strategy, ep, aux)
     experts = [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if ".experts." in n]
-    steps = [_step(engine, model, opt, b) for b in _my_batches(engine)]
+    sent_bytes()
+    steps, sent = [], []
+    for b in _my_batches(engine):
+        steps.append(_step(engine, model, opt, b))
+        sent.append(sent_bytes())
     state = engine.get_state_dict(model)
     engine.free_memory()
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "state": state,
-            "experts": experts}
+            "experts": experts, "sent": sent}
 
 
 def _resume(folder: str) -> dict[str, Any]:
@@ -144,13 +152,13 @@ def _resume(folder: str) -> dict[str, Any]:
             "after": after}
 
 
-def first_routing(family: str) -> list[list[int]]:
-    """Token slots each expert gets in one process's first forward on the first global batch."""
+def first_routes(family: str) -> list[torch.Tensor]:
+    """Each MoE layer's chosen experts (tokens in sample order, k per token) in one process's
+    first forward on the first global batch."""
     model, seen = build(family), []
     for m in model.modules():
         if type(m).__name__.endswith("Experts"):
-            m.register_forward_hook(lambda mod, args, out: seen.append(
-                torch.bincount(args[1].reshape(-1), minlength=4).tolist()))
+            m.register_forward_hook(lambda mod, args, out: seen.append(args[1].clone()))
     model(**next(iter(DataLoader(samples(2 * BATCH * STEPS), batch_size=2 * BATCH))))
     return seen
 
@@ -248,9 +256,25 @@ def test_tokens_per_expert_are_recorded_and_plotted(two: tuple[list[dict[Any, An
     loads = [r["tokens_per_expert"] for r in records if "tokens_per_expert" in r]
     assert len(loads) == STEPS, records
     assert all(len(load) == 2 and all(sum(layer) == 2 * 2 * BATCH * SEQ for layer in load) for load in loads)
-    assert loads[0] == first_routing("mixtral")
+    assert loads[0] == [torch.bincount(c.reshape(-1), minlength=4).tolist() for c in first_routes("mixtral")]
     png, _ = report(run)
     assert png.exists() and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen"])
+def test_the_all_to_all_moves_what_the_routing_says(two: tuple[list[dict[Any, Any]], str],
+                                                     family: str) -> None:
+    """The first step's bytes sent between the 2 ranks, counted at the exchange, against one
+    process's routing of the same batch: every token slot whose expert lives on the other rank
+    crosses 4 times (the token out and its result back, in forward and again in backward), as
+    hidden-size fp32 rows; nothing else crosses."""
+    crossing = 0
+    for chosen in first_routes(family):
+        rank_of_token = torch.arange(len(chosen)) // (BATCH * SEQ)  # rank r holds samples r*BATCH...
+        owner = chosen // 2  # 4 experts over 2 ranks: experts 0-1 on rank 0, 2-3 on rank 1
+        crossing += int((owner != rank_of_token.unsqueeze(-1)).sum())
+    sent = sum(res[family, "zero3"]["sent"][0] for res in two[0])
+    assert crossing > 0 and sent == 4 * crossing * 32 * 4, (sent, crossing)
 
 
 def test_ep4_and_ep2_by_data2_match_one_process() -> None:

@@ -172,6 +172,23 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, dispatch_forward)
 
 
+_SENT = [0]  # bytes this process's dispatches sent to other ranks (`sent_bytes`)
+
+
+def sent_bytes(reset: bool = True) -> int:
+    """Bytes this process's expert all-to-alls sent to other ranks (tokens out and results back,
+    forward and backward; what stays on the rank is not counted) since the last reset."""
+    out = _SENT[0]
+    if reset:
+        _SENT[0] = 0
+    return out
+
+
+def _count(x: torch.Tensor, send: list[int], group: dist.ProcessGroup) -> None:
+    row = x[0].numel() * x.element_size() if len(x) else 0
+    _SENT[0] += (sum(send) - send[dist.get_rank(group)]) * row
+
+
 class _Exchange(torch.autograd.Function):
     """all_to_all_single with uneven splits; the backward sends the gradients back the same way."""
 
@@ -180,12 +197,14 @@ class _Exchange(torch.autograd.Function):
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        _count(x, send, group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        _count(grad, ctx.recv, ctx.group)
         return back, None, None, None
 
 
@@ -289,4 +308,4 @@ def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
 
 
 __all__ = ["IMPLEMENTATION", "DeviceMesh", "check_layout", "dispatch_forward", "expert_parallel_step",
-           "expert_params", "experts_modules", "take_load"]
+           "expert_params", "experts_modules", "sent_bytes", "take_load"]
