@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -212,3 +213,23 @@ def test_long_context_benchmark_measures_the_split(tmp_path: Path) -> None:
     for s in summary.values():
         fits = [int(n) for n, mib in s["saved_mib"].items() if mib <= 20]
         assert s["longest_within_cap"] == max(fits, default=0)
+
+
+def test_moe_benchmark_compares_expert_parallelism_with_zero3(tmp_path: Path) -> None:
+    """benchmarks/moe.py at 2 processes, ep 1 and 2: ZeRO-3 alone gathers the experts (derived
+    bytes) and sends nothing by all-to-all; ep 2 holds the same half of the experts, gathers none
+    and sends tokens (measured bytes); both train (finite losses)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "moe.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--processes", "2", "--eps", "1", "2", "--steps", "1", "--hidden", "32",
+         "--intermediate", "64", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.iterdir()
+    zero3, ep2 = json.loads(path.read_text())["rows"]
+    assert zero3["ep"] == 1 and ep2["ep"] == 2
+    assert ep2["expert_mib"] == pytest.approx(zero3["expert_mib"]) and ep2["expert_mib"] > 0
+    assert zero3["gather_mib"] > 0 and zero3["a2a_mib"] == 0
+    assert ep2["gather_mib"] == 0 and ep2["a2a_mib"] > 0
+    assert all(math.isfinite(r["loss"]) for r in (zero3, ep2))

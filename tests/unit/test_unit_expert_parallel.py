@@ -54,6 +54,7 @@ class Experts(nn.Module):
     (nn.Sequential(nn.Linear(4, 4)), ("no mixture-of-experts layer",)),
     (nn.Sequential(Experts(3)), ("does not divide", "3 experts")),
     (nn.Sequential(Experts(4, transposed=True)), ("transposed", "GPT-OSS")),
+    (nn.Sequential(Experts(4)).to("meta"), ("init_empty()",)),
 ])
 def test_models_refused(model: nn.Module, words: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError) as err:

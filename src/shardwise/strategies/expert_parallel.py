@@ -110,6 +110,10 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
         if count % dims.ep:
             raise ConfigError(f"expert_parallel_size={dims.ep} does not divide {name}'s {count} "
                               "experts")
+    if any(getattr(m, p).is_meta for _, m in layers for p in _EXPERT_PARAMS):
+        raise ConfigError(f"expert_parallel_size={dims.ep} with a model built under init_empty(): this "
+                          "version does not replay the experts' initialization into their split; build "
+                          "the model normally (or load it with transformers' from_pretrained) and prepare it")
     mesh, placements = expert_mesh(dims)
     replicas = mesh["edp"].get_group() if mesh.ndim == 2 else None
     group = mesh["ep"].get_group() if mesh.ndim == 2 else mesh.get_group()
