@@ -11,9 +11,10 @@ expert of every layer), 2 (ep 2 x data 2) and 4. For each, on rank 0:
   a2a_mib         bytes the expert all-to-alls sent to other ranks in one step (measured at the
                   exchange: tokens out, results back, forward and backward);
   gather_mib      bytes of expert weights this rank receives from all-gathers in one step
-                  (derived: zero3 gathers each expert tensor in forward and again in backward,
-                  receiving (N-1)/N of it each time; 0 under expert parallelism, whose experts are
-                  never gathered);
+                  (derived: zero3 gathers each expert tensor it shards in forward and again in
+                  backward, receiving (G-1)/G of it each time over its G ranks: all of them under
+                  ZeRO-3 alone, the processes / ep that hold the same experts under ep, none at
+                  ep = processes);
   step_s          the median step time over --steps steps after a warm-up.
 The script launches itself under torchrun (the driver), then prints the table and writes
 benchmarks/results/moe-<hardware>-<date>.json. On this 2-core machine 4 processes share 2
@@ -76,7 +77,8 @@ def one_layout(ep: int, args: argparse.Namespace) -> dict[str, Any]:
         sent = sent_bytes()
     held = sum(p.to_local().numel() * p.element_size()
                for n, p in model.named_parameters() if ".experts." in n)
-    gather = 0 if ep > 1 else 2 * full_experts * (world - 1) / world
+    edp = world // ep  # the ranks that hold the same experts and shard them (ZeRO-3 alone: all)
+    gather = 2 * (full_experts / ep) * (edp - 1) / edp
     row = {"ep": ep, "expert_mib": held / 2**20, "params_mib": engine.memory_report().params / 2**20,
            "a2a_mib": sent / 2**20, "gather_mib": gather / 2**20, "step_s": statistics.median(times),
            "loss": float(loss.detach())}

@@ -351,7 +351,7 @@ def _experts_gradient_summed() -> None:
     tokens, not divided by the data-parallel size: the losses of the first step look right."""
     from shardwise.strategies import expert_parallel
 
-    _patch(expert_parallel, "_divided", lambda x, n, replicas: x)
+    _patch(expert_parallel, "_divided", lambda x, n: x)
 
 
 @fault("ring_own_block_only", row="context parallelism (`tests/test_context_parallel.py`",

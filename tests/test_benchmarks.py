@@ -217,8 +217,8 @@ def test_long_context_benchmark_measures_the_split(tmp_path: Path) -> None:
 
 def test_moe_benchmark_compares_expert_parallelism_with_zero3(tmp_path: Path) -> None:
     """benchmarks/moe.py at 2 processes, ep 1 and 2: ZeRO-3 alone gathers the experts (derived
-    bytes) and sends nothing by all-to-all; ep 2 holds the same half of the experts, gathers none
-    and sends tokens (measured bytes); both train (finite losses)."""
+    bytes) and sends nothing by all-to-all; ep 2 (= the processes) holds the same half of the
+    experts, gathers none and sends tokens (measured bytes); both train (finite losses)."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "moe.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--processes", "2", "--eps", "1", "2", "--steps", "1", "--hidden", "32",

@@ -18,9 +18,9 @@ of experts, ever. Their gradients arrive through the all-to-all's backward as th
 rank's tokens, so they are divided by the data-parallel size (`_Divided`), as FSDP divides the
 others (the gradient of the mean of the ranks' losses).
 
-At ep below the sharding group the experts' copies over the remaining ranks are replicas (their
-gradients summed in backward), not sharded further. Context and tensor parallelism and hybrid
-sharding are refused in one line (`check_layout`).
+At ep below the sharding group the ranks holding the same experts shard them further (the
+data-parallel step's FSDP units over the edp mesh, as torchtitan's efsdp). Context and tensor
+parallelism and hybrid sharding are refused in one line (`check_layout`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..config.tree import ConfigError
 from ..distributed.mesh import ParallelDims
@@ -55,8 +55,9 @@ class Dispatch:
     group: dist.ProcessGroup
     experts: int
     divisor: int
-    replicas: dist.ProcessGroup | None = None
-    """the ranks holding the same experts (ep below the sharding group), whose gradients are summed"""
+    edp: DeviceMesh | None = None
+    """ep below the sharding group: the mesh of the ranks holding the same experts, over which
+    the data-parallel step shards them (`expert_units`)"""
     load: list[torch.Tensor] = field(default_factory=list)
     """token slots this rank's training forwards routed to each expert since `take_load` (one
     tensor of `experts` counts, summed in place)"""
@@ -114,20 +115,21 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
         raise ConfigError(f"expert_parallel_size={dims.ep} with a model built under init_empty(): this "
                           "version does not replay the experts' initialization into their split; build "
                           "the model normally (or load it with transformers' from_pretrained) and prepare it")
-    mesh, placements = expert_mesh(dims)
-    replicas = mesh["edp"].get_group() if mesh.ndim == 2 else None
-    group = mesh["ep"].get_group() if mesh.ndim == 2 else mesh.get_group()
+    mesh, edp = expert_mesh(dims)
+    group = mesh.get_group()
     _register()
     params: list[nn.Parameter] = []
     for _, m in layers:
         for p in _EXPERT_PARAMS:
             full = getattr(m, p)
-            split = nn.Parameter(distribute_tensor(full.detach(), mesh, placements),
+            split = nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)]),
                                  requires_grad=full.requires_grad)
             setattr(m, p, split)
             params.append(split)
+        # with an edp mesh the data-parallel step shards the experts over it (FSDP averages
+        # their gradients over its dp_shard / ep ranks): the rest of the mean is divided here
         m.__dict__[_STATE] = Dispatch(group, int(getattr(m, "num_experts")),  # noqa: B009
-                                      dims.dp_size, replicas)
+                                      dims.ep if edp is not None else dims.dp_size, edp)
         if getattr(m, "config", None) is None:
             m.forward = _bound(m)  # a user's own layer: its forward is the dispatch
         elif not hasattr(model, "set_experts_implementation"):
@@ -144,7 +146,8 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
 def expert_params(model: nn.Module) -> set[nn.Parameter]:
     """The parameters this step split: the data-parallel step leaves them as they are."""
     ids = model.__dict__.get(_SPLIT, set())
-    return {p for p in model.parameters() if id(p) in ids}
+    sharded = {id(p) for m, _ in expert_units(model) for p in m.parameters()}
+    return {p for p in model.parameters() if id(p) in ids and id(p) not in sharded}
 
 
 def _bound(m: nn.Module) -> Any:
@@ -155,18 +158,26 @@ def _bound(m: nn.Module) -> Any:
 _MESHES: dict[tuple[str, int, int, int], DeviceMesh] = {}
 
 
-def expert_mesh(dims: ParallelDims) -> tuple[DeviceMesh, list[Placement]]:
-    """Where the experts live, and how: at ep = dp_shard the sharding mesh itself, each rank 1/ep
-    of the experts (Shard(0)); below it a 2-D mesh (edp, ep) of the same ranks, ep consecutive
-    ranks splitting the experts and the dp_shard / ep groups of them holding copies
-    ([Replicate(), Shard(0)]): their gradients are summed across the copies in backward."""
+def expert_mesh(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the ep mesh the experts are split over, the edp mesh they are sharded over). At ep =
+    dp_shard: the sharding mesh itself, and no edp (each rank holds 1/ep of the experts, whole).
+    Below it: a 2-D mesh (edp, ep) of the same ranks, ep consecutive ranks splitting the
+    experts, and the dp_shard / ep ranks holding the same experts sharding them further, as
+    torchtitan's efsdp does (so each rank holds 1/dp_shard of the experts either way)."""
     if dims.ep == dims.dp_shard:
-        return dims.world_mesh["dp_shard"], [Shard(0)]
+        return dims.world_mesh["dp_shard"], None
     key = (dims.device_type, dims.dp_shard, dims.ep, id(dist.group.WORLD))
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(dims.device_type, (dims.dp_shard // dims.ep, dims.ep),
                                         mesh_dim_names=("edp", "ep"))
-    return _MESHES[key], [Replicate(), Shard(0)]
+    return _MESHES[key]["ep"], _MESHES[key]["edp"]
+
+
+def expert_units(model: nn.Module) -> list[tuple[nn.Module, DeviceMesh]]:
+    """The split experts modules the data-parallel step shards over their own edp mesh (ep below
+    the sharding group), innermost first; empty at ep = dp_shard (their experts are ignored)."""
+    return [(m, m.__dict__[_STATE].edp) for m in reversed(list(model.modules()))
+            if _STATE in m.__dict__ and m.__dict__[_STATE].edp is not None]
 
 
 def _register() -> None:
@@ -213,30 +224,27 @@ class _Exchange(torch.autograd.Function):
 
 
 class _Divided(torch.autograd.Function):
-    """The identity, whose backward sums the gradient over the ranks holding the same experts
-    (if any) and divides it by the data-parallel size: an expert's gradient arrives summed over
-    its group's tokens, and the step wants the mean of every rank's loss (FSDP divides the other
-    parameters' gradients the same way)."""
+    """The identity, whose backward divides the gradient: an expert's gradient arrives summed
+    over its expert-parallel group's tokens, and the step wants the mean of every rank's loss
+    (FSDP divides the other parameters' gradients, and the experts' over an edp mesh, by its
+    own group's size; the rest is divided here)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, n: int, replicas: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.n, ctx.replicas = n, replicas
+    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.n = n
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        if ctx.replicas is not None:
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.replicas)
-        return grad / ctx.n, None, None
+        return grad / ctx.n, None
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     return _Exchange.apply(x, send, recv, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
-def _divided(x: torch.Tensor, n: int, replicas: dist.ProcessGroup | None) -> torch.Tensor:
-    return _Divided.apply(x, n, replicas)  # type: ignore[no-any-return,no-untyped-call]
+def _divided(x: torch.Tensor, n: int) -> torch.Tensor:
+    return _Divided.apply(x, n)  # type: ignore[no-any-return,no-untyped-call]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -274,8 +282,9 @@ def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.T
     by_expert = torch.argsort(expert_of, stable=True)
     x = received[by_expert]
     sizes = torch.bincount(expert_of, minlength=local).tolist()
-    gate_up = _divided(_local(self.__dict__["_parameters"]["gate_up_proj"]), state.divisor, state.replicas)
-    down = _divided(_local(self.__dict__["_parameters"]["down_proj"]), state.divisor, state.replicas)
+    # (under an edp mesh: FSDP's unsharded parameter, this rank's experts whole)
+    gate_up = _divided(_local(cast(torch.Tensor, self.gate_up_proj)), state.divisor)
+    down = _divided(_local(cast(torch.Tensor, self.down_proj)), state.divisor)
     gate = getattr(self, "_apply_gate", None) or functools.partial(_gate, self)
     outs = []
     for e, chunk in enumerate(torch.split(x, sizes)):
@@ -312,4 +321,4 @@ def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
 
 
 __all__ = ["IMPLEMENTATION", "DeviceMesh", "check_layout", "dispatch_forward", "expert_parallel_step",
-           "expert_params", "experts_modules", "sent_bytes", "take_load"]
+           "expert_params", "expert_units", "experts_modules", "sent_bytes", "take_load"]

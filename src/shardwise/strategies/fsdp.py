@@ -55,7 +55,7 @@ from ..weights.adapters import is_peft_model, unwrapped
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks, keep_ties_whole
 from .direct_calls import generate_as_forward, route_fsdp_calls
-from .expert_parallel import expert_params
+from .expert_parallel import expert_params, expert_units
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner
 
@@ -72,7 +72,15 @@ def apply_fsdp(
     """Shard `blocks` (innermost first) and then the root, in place."""
     wanted = {id(b) for b in blocks}
     units = [m for m in reversed(list(model.modules())) if id(m) in wanted] + [model]
-    experts = expert_params(model) or None  # split by expert parallelism: never all-gathered
+    experts = expert_params(model) or None  # split by expert parallelism over the whole group
+    # experts split below the sharding group: each module its own unit over its edp mesh (its
+    # experts DTensors on the ep mesh: FSDP shards them on the second dimension of the two)
+    for unit, edp in expert_units(model):
+        fully_shard(unit, mesh=edp, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload_policy)
+        scatter = gloo_reduce_scatter(edp)
+        if scatter is not None:
+            cast(FSDPModule, unit).set_custom_reduce_scatter(scatter)
     # Children before parents (reversed pre-order): a parent unit skips what a child unit owns.
     for unit in units:
         fully_shard(
