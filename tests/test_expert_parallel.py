@@ -4,7 +4,8 @@ Tiny transformers Mixtral (4 experts, top 2) and Qwen2-MoE (4 experts, top 2, a 
 outside `experts`), 2 layers, sequences of 16 tokens, 3 AdamW steps at lr 1e-2 from an unchanged
 loop (`model(**batch).loss`, `engine.backward`, `clip_grad_norm_`, `opt.step`), the router's
 load-balancing loss off unless said:
-  2 processes   ep 2 under zero3 and zero2, both families: the mean of the ranks' losses and the
+  2 processes   ep 2 under zero3 and zero2, both families, and with offload (Mixtral zero3 +
+                params, Qwen2-MoE zero2 + optimizer): the mean of the ranks' losses and the
                 clipped gradient norms within 1e-5 of one process on the global batch, the final
                 weights (gathered, the model's own names and shapes) within 5e-5; each rank holds
                 exactly half of every experts tensor (its local bytes measured); with the
@@ -39,7 +40,8 @@ from torch.utils.data import DataLoader
 
 SEQ, VOCAB, BATCH, STEPS, LR = 16, 64, 2, 3, 1e-2
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5
-TWO = [("mixtral", "zero3"), ("mixtral", "zero2"), ("qwen", "zero3"), ("qwen", "zero2")]
+TWO = [("mixtral", "zero3"), ("mixtral", "zero2"), ("qwen", "zero3"), ("qwen", "zero2"),
+       ("mixtral", "zero3", "params"), ("qwen", "zero2", "optimizer")]
 FOUR = [("mixtral", "zero2", 4), ("mixtral", "zero3", 4), ("mixtral", "zero3", 2), ("qwen", "zero3", 2)]
 
 
@@ -111,10 +113,11 @@ def _my_batches(engine: Any) -> list[dict[str, torch.Tensor]]:
     return [{k: torch.stack([d[k] for d in step]) for k in data[0]} for step in mine]
 
 
-def _train(family: str, strategy: str, ep: int, aux: bool = False) -> dict[str, Any]:
+def _train(family: str, strategy: str, offload: str = "none", *, ep: int,
+           aux: bool = False) -> dict[str, Any]:
     from shardwise.strategies.expert_parallel import sent_bytes
 
-    engine, model, opt = _prepared(family, strategy, ep, aux)
+    engine, model, opt = _prepared(family, strategy, ep, aux, offload=offload)
     experts = [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if ".experts." in n]
     sent_bytes()
     steps, sent = [], []
@@ -177,15 +180,15 @@ def _metrics(folder: str) -> dict[str, Any]:
 
 def _two(folder: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case, ep=2) for case in TWO}
-    out["aux"] = _train("mixtral", "zero3", 2, aux=True)
-    out["aux", "plain"] = _train("mixtral", "zero3", 1, aux=True)
+    out["aux"] = _train("mixtral", "zero3", ep=2, aux=True)
+    out["aux", "plain"] = _train("mixtral", "zero3", ep=1, aux=True)
     out["resume"] = _resume(folder)
     out["metrics"] = _metrics(folder)
     return out
 
 
 def _four() -> dict[Any, Any]:
-    return {case: _train(*case) for case in FOUR}
+    return {case: _train(*case[:2], ep=case[2]) for case in FOUR}
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +209,7 @@ def _check(runs: list[dict[Any, Any]], case: Any, ref: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("case", TWO, ids=["-".join(c) for c in TWO])
-def test_ep2_matches_one_process(two: tuple[list[dict[Any, Any]], str], case: tuple[str, str]) -> None:
+def test_ep2_matches_one_process(two: tuple[list[dict[Any, Any]], str], case: tuple[str, ...]) -> None:
     runs = two[0]
     _check(runs, case, reference(case[0], 2))
     for res in runs:  # each rank holds half of every experts tensor, and only that
@@ -287,7 +290,7 @@ def test_ep4_and_ep2_by_data2_match_one_process() -> None:
 
 
 def _planted_case() -> dict[Any, Any]:
-    return {TWO[0]: _train(*TWO[0], ep=2)}
+    return {TWO[0]: _train(*TWO[0], ep=2)}  # (the same run as the real test's first case)
 
 
 def test_experts_gradients_left_summed_are_caught() -> None:

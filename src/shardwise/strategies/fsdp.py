@@ -47,7 +47,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..config.tree import ShardingSection, offload_spec
+from ..config.tree import ConfigError, ShardingSection, offload_spec
 from ..distributed.internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
 from ..distributed.mesh import mesh_groups
 from ..distributed.world import DistInfo
@@ -186,6 +186,11 @@ class FSDPStrategy(Strategy):
         if self.stage < 3 and for_inference(model):
             return self.replicate(model, empty)
         offload_params = offload_spec(self.cfg.offload).params_on_host
+        if offload_params and self.info.device.type != "cpu" and expert_params(model):
+            raise ConfigError(f"expert_parallel_size={self.dims.ep} with offload: params on "
+                              f"{self.info.device.type}: this version does not offload experts split over the "
+                              "whole sharding group; use offload: optimizer, or an expert_parallel_size below "
+                              "the sharding group")
         # every process holds process 0's weights already (Session._agree_weights)
         if empty is None and not offload_params:
             model.to(self.info.device)
