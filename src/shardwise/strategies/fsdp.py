@@ -188,9 +188,9 @@ class FSDPStrategy(Strategy):
         offload_params = offload_spec(self.cfg.offload).params_on_host
         if offload_params and self.info.device.type != "cpu" and expert_params(model):
             raise ConfigError(f"expert_parallel_size={self.dims.ep} with offload: params on "
-                              f"{self.info.device.type}: this version does not offload experts split over the "
-                              "whole sharding group; use offload: optimizer, or an expert_parallel_size below "
-                              "the sharding group")
+                              f"{self.info.device.type}: this version does not offload experts split over "
+                              "the whole sharding group; use offload: optimizer, or an expert_parallel_size "
+                              "below the sharding group")
         # every process holds process 0's weights already (Session._agree_weights)
         if empty is None and not offload_params:
             model.to(self.info.device)
