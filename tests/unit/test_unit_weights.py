@@ -98,3 +98,19 @@ def test_a_mis_shaped_key_is_refused_by_name(tmp_path: Path) -> None:
     folder = _saved(tmp_path, {"weight": torch.zeros(2, 4), "bias": torch.zeros(2)})
     with pytest.raises(CheckpointError, match=r"mis-shaped weight \[2, 4\] vs \[2, 3\]"):
         check_source(folder, nn.Linear(3, 2), strict=True)
+
+
+def test_experts_stored_one_by_one_are_refused_naming_transformers_loader(tmp_path: Path) -> None:
+    """A transformers 5 MoE checkpoint in the per-expert layout (Mixtral's w1/w2/w3, as
+    transformers' own save_pretrained writes it), checked against the fused experts module:
+    one line saying what the layout is and how to load it, not a key_map hint."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    model = MixtralForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="experts one by one") as err:
+        check_source(tmp_path, model, strict=True)
+    text = str(err.value)
+    assert "\n" not in text and "from_pretrained" in text and "key_map" not in text

@@ -207,6 +207,11 @@ def strip_wrappers(shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry
     return best
 
 
+# a mixture-of-experts layer's experts stored one by one (Mixtral's w1/w2/w3, Qwen-MoE's and
+# others' gate/up/down projections per expert), which transformers 5 fuses as it loads
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)\.weight$")
+
+
 def match_keys(
     module: nn.Module,
     shapes: dict[str, tuple[int, ...]],
@@ -252,6 +257,10 @@ def match_keys(
             f" (another model's weights, or keys under another prefix? {KEY_MAP_HINT}, or load with "
             "strict=False to skip them)"
         )
+        if any(_PER_EXPERT.search(k) for k in unexpected):
+            hint = (" (the file stores a mixture-of-experts layer's experts one by one, the layout that "
+                    "transformers fuses into one experts module as it loads; shardwise does not fuse them "
+                    "yet: load the model with transformers' own from_pretrained, then prepare it)")
         raise CheckpointError(f"{source}: does not match {class_name(module)}: {'; '.join(problems)}{hint}")
     if missing or unexpected:
         fate = "initialized by the model" if fills_missing else "left as they were"
