@@ -37,6 +37,7 @@ def _launch(config: str, script: str, *args: str, cwd: Path) -> str:
         ("seq2seq.py", "zero3_offload.yaml", "exact-match replies"),
         ("long_context.py", "long_context.yaml",
          "context parallelism ring over 2 process(es) (512 tokens each)"),
+        ("moe.py", "moe.yaml", "4 experts per layer split over 2 process(es) (2 each)"),
     ],
 )
 def test_example_runs(script: str, config: str, expect: str, tmp_path: Path) -> None:
