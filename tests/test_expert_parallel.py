@@ -168,14 +168,16 @@ def first_routes(family: str) -> list[torch.Tensor]:
 
 
 def _metrics(folder: str) -> dict[str, Any]:
-    """ep 2, zero3, a metrics record every step (jsonl), then the report of the run."""
+    """ep 2, zero3, full activation checkpointing (each block's dispatch runs again in backward),
+    a metrics record every step (jsonl), then the report of the run."""
     engine, model, opt = _prepared("mixtral", "zero3", 2, log_with="jsonl", project_dir=f"{folder}/logs",
-                                   log_every_steps=1, progress=False)
+                                   log_every_steps=1, progress=False, activation_checkpointing="full")
     engine.init_trackers("moe")
-    for b in _my_batches(engine):
-        _step(engine, model, opt, b)
+    steps = [_step(engine, model, opt, b) for b in _my_batches(engine)]
+    state = engine.get_state_dict(model)
     engine.end_training()  # (the last run of the spawn: it ends the process group)
-    return {"run": f"{folder}/logs/logs/moe"}
+    return {"run": f"{folder}/logs/logs/moe", "losses": [s[0] for s in steps], "norms": [s[1] for s in steps],
+            "state": state}
 
 
 def _two(folder: str) -> dict[Any, Any]:
@@ -247,9 +249,12 @@ def test_the_export_loads_in_a_plain_process(two: tuple[list[dict[Any, Any]], st
 
 
 def test_tokens_per_expert_are_recorded_and_plotted(two: tuple[list[dict[Any, Any]], str]) -> None:
-    """Every record holds, per MoE layer, the token slots routed to each expert per step over the
-    whole batch (k = 2 per token: 2 x 4 samples x 16 tokens = 128 per layer); the first step's
-    equal one process's routing of the same batch; the report draws them."""
+    """Under full activation checkpointing (the run matching one process too): every record
+    holds, per MoE layer, the token slots routed to each expert per step over the whole batch,
+    counted once although each block routes again in backward (k = 2 per token: 2 x 4 samples x
+    16 tokens = 128 per layer); the first step's equal one process's routing of the same batch;
+    the report draws them."""
+    _check(two[0], "metrics", reference("mixtral", 2))
     import json
     from pathlib import Path
 

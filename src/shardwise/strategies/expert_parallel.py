@@ -60,7 +60,10 @@ class Dispatch:
     the data-parallel step shards them (`expert_units`)"""
     load: list[torch.Tensor] = field(default_factory=list)
     """token slots this rank's training forwards routed to each expert since `take_load` (one
-    tensor of `experts` counts, summed in place)"""
+    tensor of `experts` counts, summed in place at each forward of the model, `_commit`)"""
+    current: list[torch.Tensor] = field(default_factory=list)
+    """the routing of the model's latest training forward (set, not added: a block recomputed
+    in backward by activation checkpointing routes the same tokens again, counted once)"""
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -139,6 +142,7 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
     if any(getattr(m, "config", None) is not None for _, m in layers):
         model.set_experts_implementation(IMPLEMENTATION)  # type: ignore[operator]
     model.__dict__[_SPLIT] = {id(p) for p in params}  # read by `expert_params`
+    model.register_forward_pre_hook(_commit_all)  # each forward's routing counted once (`Dispatch.current`)
     log.info("prepare: %d experts modules split over %d ranks (expert parallelism)", len(layers), dims.ep)
     return params
 
@@ -265,10 +269,7 @@ def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.T
     source_token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
     per_expert = torch.bincount(chosen, minlength=experts)
     if torch.is_grad_enabled():  # training forwards only (an evaluation's routing is not the step's)
-        if state.load:
-            state.load[0] += per_expert
-        else:
-            state.load.append(per_expert.clone())
+        state.current[:] = [per_expert]
     # exchange the per-expert counts first: rank j receives the counts of its own experts
     counts_in = torch.empty_like(per_expert)
     dist.all_to_all_single(counts_in, per_expert, group=group)
@@ -304,6 +305,23 @@ def _gate(self: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return act(gate) * up  # type: ignore[no-any-return]
 
 
+def _commit(state: Dispatch) -> None:
+    """Add the latest forward's routing to the load (at the next forward of the model, and when
+    the load is read)."""
+    if state.current:
+        if state.load:
+            state.load[0] += state.current[0]
+        else:
+            state.load.append(state.current[0].clone())
+        state.current.clear()
+
+
+def _commit_all(model: nn.Module, args: Any) -> None:
+    for m in model.modules():
+        if _STATE in m.__dict__:
+            _commit(m.__dict__[_STATE])
+
+
 def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
     """Token slots (k per token) routed to each expert per optimizer step since the last call,
     over every process's batch, one list per split experts module (in model order); None where
@@ -311,6 +329,8 @@ def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
     states = [m.__dict__[_STATE] for model in models for m in model.modules() if _STATE in m.__dict__]
     if not states:
         return None
+    for s in states:
+        _commit(s)
     table = torch.stack([s.load[0] if s.load else torch.zeros(s.experts, dtype=torch.long) for s in states])
     for s in states:
         s.load.clear()
