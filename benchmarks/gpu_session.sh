@@ -8,11 +8,11 @@
 # shardwise needs beyond that image travel in .whl/ (pydantic and its parts, hjson, the transformers
 # this repository tests with, the deepspeed sdist): `pip download` them for cp312 manylinux x86_64.
 # Writes its logs and JSON to $OUT. STEPS picks the parts (default all): plan cuda capacity offload
-# speed tp long; each part's limit is its *_S variable.
+# speed tp moe long; each part's limit is its *_S variable.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=" ${STEPS:-plan cuda capacity offload speed tp long} "
+STEPS=" ${STEPS:-plan cuda capacity offload speed tp moe long} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=$PWD/src:$PWD/tests:/tmp/site
@@ -38,6 +38,15 @@ elif [ "$GPUS" -ge 4 ]; then
         benchmarks/tensor_parallel.py --device cuda --hidden 1024 --layers 8 --out "$OUT" 2>&1 | tee "$OUT/tensor_parallel.log" | tail -8
 else
     echo "tensor_parallel.py skipped: $GPUS GPU(s), it needs 4 (one per process)"
+fi
+# mixture-of-experts (benchmarks/moe.py): expert parallelism against ZeRO-3 alone, one GPU per
+# process, 4 of them (a larger Mixtral shape than the CPU run's)
+if ! want moe; then :
+elif [ "$GPUS" -ge 4 ]; then
+    timeout "${MOE_S:-120}" python3 benchmarks/moe.py --device cuda --processes 4 --eps 1 2 4 --hidden 1024 \
+        --intermediate 4096 --steps 5 --out "$OUT" 2>&1 | grep -v "Warning" | tee "$OUT/moe.log" | tail -6
+else
+    echo "moe.py skipped: $GPUS GPU(s), it needs 4 (one per process)"
 fi
 # long context (benchmarks/long_context.py): the longest sequence under a 24 GiB activation budget,
 # one process on one GPU, context parallelism over the GPUs there are (one per process)

@@ -17,8 +17,9 @@ expert of every layer), 2 (ep 2 x data 2) and 4. For each, on rank 0:
                   ep = processes);
   step_s          the median step time over --steps steps after a warm-up.
 The script launches itself under torchrun (the driver), then prints the table and writes
-benchmarks/results/moe-<hardware>-<date>.json. On this 2-core machine 4 processes share 2
-cores: compare bytes, not time.
+benchmarks/results/moe-<hardware>-<date>.json. `--device cuda`: one GPU per process
+(benchmarks/gpu_session.sh runs it at 4 processes where there are 4 GPUs). On this 2-core
+machine 4 processes share 2 cores: compare bytes, not time.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def one_layout(ep: int, args: argparse.Namespace) -> dict[str, Any]:
     import shardwise
     from shardwise.strategies.expert_parallel import sent_bytes
 
-    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=0, expert_parallel_size=ep, progress=False)
+    engine = shardwise.Engine(strategy="zero3", cpu=args.device == "cpu", seed=0, expert_parallel_size=ep,
+                              progress=False)
     model = mixtral(args.hidden, args.intermediate)
     full_experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -65,13 +67,15 @@ def one_layout(ep: int, args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1 + engine.process_index)
     times, sent = [], 0
     for i in range(args.steps + 1):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(engine.device)
         sent_bytes()
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         opt.step()
         opt.zero_grad()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - start)
         sent = sent_bytes()
@@ -103,6 +107,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: one GPU per process (gpu_session.sh runs it where there are 4)")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -114,7 +120,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={args.processes}", __file__, "--worker-out", str(out), "--steps",
                str(args.steps), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-               "--eps", *map(str, args.eps)]
+               "--device", args.device, "--eps", *map(str, args.eps)]
         subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         rows = json.loads(out.read_text())
     print(f"{args.processes} processes, zero3, rank 0 (MiB; step seconds)")
@@ -123,8 +129,9 @@ def main() -> None:
         name = "zero3 alone" if r["ep"] == 1 else f"zero3 + ep {r['ep']}"
         print(f"{name:<16}{r['expert_mib']:>9.2f}{r['params_mib']:>9.2f}{r['a2a_mib']:>9.2f}"
               f"{r['gather_mib']:>9.2f}{r['step_s']:>9.3f}")
-    payload = {"processes": args.processes, "hidden": args.hidden, "intermediate": args.intermediate,
-               "experts": EXPERTS, "seq": SEQ, "batch": BATCH, "rows": rows}
+    payload = {"processes": args.processes, "device": args.device, "hidden": args.hidden,
+               "intermediate": args.intermediate, "experts": EXPERTS, "seq": SEQ, "batch": BATCH,
+               "rows": rows}
     path = write_report("moe", payload, **({"out": args.out} if args.out else {}))
     print(f"wrote {path}")
 

@@ -1,7 +1,8 @@
 """Expert parallelism (`expert_parallel_size`) against one plain process (fp32).
 
 Tiny transformers Mixtral (4 experts, top 2) and Qwen2-MoE (4 experts, top 2, a shared expert
-outside `experts`), 2 layers, sequences of 16 tokens, 3 AdamW steps at lr 1e-2 from an unchanged
+outside `experts`), 2 layers, and a user's own model whose experts module declares the same
+layout (`OwnMoE`), sequences of 16 tokens, 3 AdamW steps at lr 1e-2 from an unchanged
 loop (`model(**batch).loss`, `engine.backward`, `clip_grad_norm_`, `opt.step`), the router's
 load-balancing loss off unless said:
   2 processes   ep 2 under zero3 and zero2, both families, and with offload (Mixtral zero3 +
@@ -18,7 +19,7 @@ load-balancing loss off unless said:
                 routing of the same batch) and the report's plot. The bytes the all-to-alls send
                 between ranks in the first step: 4 hidden-size rows per token slot routed to the
                 other rank (one process's routing of the same batch), and nothing else.
-  4 processes   ep 4 under zero2 (one expert per rank) and zero3, Mixtral; ep 2 x data 2 under
+  4 processes   ep 4 under zero2 (one expert per rank; both families) and zero3 (Mixtral); ep 2 x data 2 under
                 zero3, Mixtral and Qwen2-MoE (each rank's 2 experts sharded again over the 2
                 ranks that hold them, FSDP over the edp mesh): the same tolerances, each rank
                 holding a quarter of every experts tensor.
@@ -41,12 +42,15 @@ from torch.utils.data import DataLoader
 SEQ, VOCAB, BATCH, STEPS, LR = 16, 64, 2, 3, 1e-2
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5
 TWO = [("mixtral", "zero3"), ("mixtral", "zero2"), ("qwen", "zero3"), ("qwen", "zero2"),
-       ("mixtral", "zero3", "params"), ("qwen", "zero2", "optimizer")]
-FOUR = [("mixtral", "zero2", 4), ("mixtral", "zero3", 4), ("mixtral", "zero3", 2), ("qwen", "zero3", 2)]
+       ("mixtral", "zero3", "params"), ("qwen", "zero2", "optimizer"), ("own", "zero3")]
+FOUR = [("mixtral", "zero2", 4), ("mixtral", "zero3", 4), ("mixtral", "zero3", 2), ("qwen", "zero3", 2),
+        ("qwen", "zero2", 4)]
 
 
 def build(family: str, aux: bool = False) -> nn.Module:
     torch.manual_seed(1234)
+    if family == "own":
+        return OwnMoE()
     if family == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -62,6 +66,46 @@ def build(family: str, aux: bool = False) -> nn.Module:
         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ, output_router_logits=aux,
         tie_word_embeddings=False))
+
+
+class OwnExperts(nn.Module):
+    """A user's own experts module in transformers' fused layout (`gate_up_proj` [E, 2I, H],
+    `down_proj` [E, H, I], `num_experts`, `act_fn`) with its own loop over the experts."""
+
+    def __init__(self, experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.num_experts, self.act_fn = experts, nn.SiLU()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, hidden) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner) * 0.1)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = nn.functional.linear(hidden[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class OwnMoE(nn.Module):
+    """A user's own model: embedding, a top-2 router and OwnExperts, a head; `(input_ids,
+    labels) -> loss` as transformers models are called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed, self.router = nn.Embedding(VOCAB, 32), nn.Linear(32, 4, bias=False)
+        self.experts, self.head = OwnExperts(4, 32, 24), nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.embed(input_ids).reshape(-1, 32)
+        weights, chosen = torch.topk(self.router(h).softmax(-1), 2, dim=-1)
+        h = h + self.experts(h, chosen, weights / weights.sum(-1, keepdim=True))
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(loss=nn.functional.cross_entropy(self.head(h), labels.reshape(-1)))
 
 
 def samples(n: int) -> list[dict[str, torch.Tensor]]:
@@ -118,7 +162,7 @@ def _train(family: str, strategy: str, offload: str = "none", *, ep: int,
     from shardwise.strategies.expert_parallel import sent_bytes
 
     engine, model, opt = _prepared(family, strategy, ep, aux, offload=offload)
-    experts = [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if ".experts." in n]
+    experts = [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if "experts." in n]
     sent_bytes()
     steps, sent = [], []
     for b in _my_batches(engine):
