@@ -67,3 +67,20 @@ def finish_distributed(name: str, payload: dict[str, Any], out: Path | None) -> 
         print(f"wrote {path}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_under_torchrun(script: str, processes: int, args: list[str]) -> list[dict[str, Any]]:
+    """Launch `script` under torchrun on `processes` processes with `args` and `--worker-out
+    FILE`, and return the rows its rank 0 wrote there (the benchmarks' driver/worker split)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+               script, "--worker-out", str(out), *args]
+        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+

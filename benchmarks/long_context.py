@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_report
+from common import run_under_torchrun, write_report
 
 LAYOUTS = {1: [("none", False), ("none", True)], 2: [("ring", True), ("ulysses", True)],
            4: [("ring", True), ("ulysses", True)]}
@@ -120,14 +118,8 @@ def main() -> None:
         return
     rows: list[dict[str, Any]] = []
     for n in args.processes:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rows.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   __file__, "--worker-out", str(out), "--steps", str(args.steps), "--device", args.device,
-                   "--lengths",
-                   *map(str, args.lengths)]
-            subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-            rows += json.loads(out.read_text())
+        rows += run_under_torchrun(__file__, n, ["--steps", str(args.steps), "--device", args.device,
+                                                 "--lengths", *map(str, args.lengths)])
     cap = args.cap_mib * 2**20
     print(f"activation bytes saved per rank in one forward (MiB), cap {args.cap_mib:g} MiB")
     print(f"{'layout':<26}" + "".join(f"{s:>9}" for s in args.lengths) + f"{'longest':>9}{'step s':>9}")

@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_report
+from common import run_under_torchrun, write_report
 
 SEQ, BATCH, VOCAB, EXPERTS = 128, 2, 1024, 8
 
@@ -115,14 +113,9 @@ def main() -> None:
     if args.worker_out:
         worker(args)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.processes}", __file__, "--worker-out", str(out), "--steps",
-               str(args.steps), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-               "--device", args.device, "--eps", *map(str, args.eps)]
-        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-        rows = json.loads(out.read_text())
+    rows = run_under_torchrun(__file__, args.processes, [
+        "--steps", str(args.steps), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
+        "--device", args.device, "--eps", *map(str, args.eps)])
     print(f"{args.processes} processes, zero3, rank 0 (MiB; step seconds)")
     print(f"{'layout':<16}{'experts':>9}{'params':>9}{'a2a':>9}{'gathers':>9}{'step s':>9}")
     for r in rows:

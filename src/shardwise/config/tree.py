@@ -563,35 +563,37 @@ def _check_parallelism(cfg: EngineConfig) -> None:
                           "use backend: torch for your own model-parallel step")
 
 
+def _agree_size(cfg: EngineConfig, key: str, dim: str) -> int:
+    """A flat size key (context_parallel_size, expert_parallel_size) and its `parallelism`
+    dimension: an integer >= 1 that agrees with the section's; both read the same from here on."""
+    size, section = getattr(cfg, key), cfg.parallelism
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"{key}={size!r} must be an integer >= 1")
+    given = getattr(section, dim)
+    if size > 1 and given not in (1, size):
+        raise ConfigError(f"parallelism.{dim}={given} and {key}={size} disagree; set one of them")
+    agreed = max(size, given)
+    setattr(section, dim, agreed)
+    setattr(cfg, key, agreed)
+    return int(agreed)
+
+
 def _check_context_parallel(cfg: EngineConfig) -> None:
     """context_parallel_size (parallelism.cp, which it must agree with) and its method."""
-    size, section = cfg.context_parallel_size, cfg.parallelism
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"context_parallel_size={size!r} must be an integer >= 1")
-    if size > 1 and section.cp not in (1, size):
-        raise ConfigError(f"parallelism.cp={section.cp} and context_parallel_size={size} disagree; "
-                          "set one of them")
-    # the section's cp and the flat key read the same from here on
-    section.cp = cfg.context_parallel_size = max(size, section.cp)
+    cp = _agree_size(cfg, "context_parallel_size", "cp")
     if cfg.context_parallel not in ("ring", "ulysses"):
         raise ConfigError(f"context_parallel={cfg.context_parallel!r} must be ring or ulysses")
-    if section.cp > 1 and cfg.strategy == "auto":
-        raise ConfigError(f"strategy: auto with context_parallel_size={section.cp}: the planner does not "
+    if cp > 1 and cfg.strategy == "auto":
+        raise ConfigError(f"strategy: auto with context_parallel_size={cp}: the planner does not "
                           "model context parallelism yet; name the strategy (zero3 shards over data x "
                           "context ranks)")
 
 
 def _check_expert_parallel(cfg: EngineConfig) -> None:
     """expert_parallel_size (parallelism.ep, which it must agree with)."""
-    size, section = cfg.expert_parallel_size, cfg.parallelism
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"expert_parallel_size={size!r} must be an integer >= 1")
-    if size > 1 and section.ep not in (1, size):
-        raise ConfigError(f"parallelism.ep={section.ep} and expert_parallel_size={size} disagree; "
-                          "set one of them")
-    section.ep = cfg.expert_parallel_size = max(size, section.ep)
-    if section.ep > 1 and cfg.strategy == "auto":
-        raise ConfigError(f"strategy: auto with expert_parallel_size={section.ep}: the planner does not "
+    ep = _agree_size(cfg, "expert_parallel_size", "ep")
+    if ep > 1 and cfg.strategy == "auto":
+        raise ConfigError(f"strategy: auto with expert_parallel_size={ep}: the planner does not "
                           "model expert parallelism yet; name the strategy (zero2 or zero3)")
 
 

@@ -301,8 +301,7 @@ def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.T
 def _gate(self: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """transformers' default gate (a user's layer without `_apply_gate`): act(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
-    act = self.__dict__["_modules"].get("act_fn") or getattr(self, "act_fn")  # noqa: B009
-    return act(gate) * up  # type: ignore[no-any-return]
+    return getattr(self, "act_fn")(gate) * up  # type: ignore[no-any-return]  # noqa: B009
 
 
 def _commit(state: Dispatch) -> None:
@@ -340,5 +339,5 @@ def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
     return (table / max(1, steps)).tolist()
 
 
-__all__ = ["IMPLEMENTATION", "DeviceMesh", "check_layout", "dispatch_forward", "expert_parallel_step",
+__all__ = ["IMPLEMENTATION", "check_layout", "dispatch_forward", "expert_parallel_step",
            "expert_params", "expert_units", "experts_modules", "sent_bytes", "take_load"]
