@@ -337,7 +337,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         extra: dict[str, Any] = {"skipped_steps": self._session.step_state.skipped_steps}
         if self._session.strategy.precision.dtype is torch.float16:  # loss-scaled (by us or DeepSpeed)
             extra["loss_scale"] = self.loss_scale
-        load = take_load(list(self._session.models), self._observer.meter.steps_since_record)
+        load = take_load(list(self._session.models), self._observer.meter.steps_since_record, self.device)
         if load is not None:  # expert parallelism: token slots per expert per step, per MoE layer
             extra["tokens_per_expert"] = load
         return self.memory_report(), extra

@@ -321,7 +321,7 @@ def _commit_all(model: nn.Module, args: Any) -> None:
             _commit(m.__dict__[_STATE])
 
 
-def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
+def take_load(models: list[nn.Module], steps: int, device: torch.device) -> list[list[float]] | None:
     """Token slots (k per token) routed to each expert per optimizer step since the last call,
     over every process's batch, one list per split experts module (in model order); None where
     no model's experts are split. Every process calls it (one all-reduce)."""
@@ -330,7 +330,9 @@ def take_load(models: list[nn.Module], steps: int) -> list[list[float]] | None:
         return None
     for s in states:
         _commit(s)
-    table = torch.stack([s.load[0] if s.load else torch.zeros(s.experts, dtype=torch.long) for s in states])
+    # (on the run's device: the all-reduce's backend takes its tensors there, NCCL included)
+    table = torch.stack([s.load[0].to(device) if s.load else torch.zeros(s.experts, dtype=torch.long,
+                                                                          device=device) for s in states])
     for s in states:
         s.load.clear()
     table = table.to(torch.float64)
