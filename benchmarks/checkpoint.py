@@ -36,7 +36,7 @@ def folder_bytes(path: Path) -> int:
 
 
 def build(strategy: str) -> tuple[shardwise.Engine, torch.nn.Module, torch.optim.Optimizer]:
-    engine = shardwise.Engine(strategy=strategy, seed=0)
+    engine = shardwise.Engine(preempt_signals=(), strategy=strategy, seed=0)
     model = GPT(vocab=32000, d=768, layers=12, heads=12, block=128)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)

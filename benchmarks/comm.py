@@ -177,7 +177,8 @@ class _Case:
     def __init__(self, strategy: str, mode: str, args: argparse.Namespace) -> None:
         import shardwise
 
-        self.engine = shardwise.Engine(strategy=strategy, shard_group_size=MODES[mode], seed=0,
+        self.engine = shardwise.Engine(preempt_signals=(),
+                                       strategy=strategy, shard_group_size=MODES[mode], seed=0,
                                        progress=False, cpu=True)
         model = _model(args.tiny)
         self.parameters = sum(p.numel() for p in model.parameters())

@@ -90,7 +90,8 @@ def _model() -> torch.nn.Module:
 
 
 def shardwise_peer(strategy: str, offload: str, backend: str = "torch", **engine_kw: Any) -> Peer:
-    engine = shardwise.Engine(strategy=strategy, offload=offload, backend=backend, seed=0, **engine_kw)
+    engine = shardwise.Engine(preempt_signals=(),
+                              strategy=strategy, offload=offload, backend=backend, seed=0, **engine_kw)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = engine.prepare(model, opt)
@@ -286,7 +287,7 @@ def main() -> None:
         ap.error(f"--steps {args.steps} leaves no timed step: it needs at least --warmup + 2 "
                  f"({args.warmup + 2}; one more step samples memory)")
 
-    shardwise.Engine(seed=0)  # joins the process group every peer shares
+    shardwise.Engine(preempt_signals=(), seed=0)  # joins the process group every peer shares
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

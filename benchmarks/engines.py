@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                          'zero3 reuse distance: {"zero_optimization": {"stage3_max_reuse_distance": 1e9}}')
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    shardwise.Engine(seed=0)  # joins the process group both backends share
+    shardwise.Engine(preempt_signals=(), seed=0)  # joins the process group both backends share
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

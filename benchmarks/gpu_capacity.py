@@ -104,7 +104,8 @@ def measure_one(name: str, family: str, sizes: dict[str, int], strategy: str, of
     """Largest batch and its throughput for one model under one strategy. Everything it builds
     is local, so it is freed before the next model is built."""
     tiny = args.dry_run
-    engine = shardwise.Engine(strategy=strategy, offload=offload, precision=args.precision,
+    engine = shardwise.Engine(preempt_signals=(),
+                              strategy=strategy, offload=offload, precision=args.precision,
                               cpu=tiny, activation_checkpointing=args.activation_checkpointing)
     model = build(family, sizes, args.seq_len, tiny)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)

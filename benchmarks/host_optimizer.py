@@ -98,7 +98,7 @@ def _deepspeed(model: nn.Module) -> Callable[[], None]:
 def _shardwise(model: nn.Module, backend: str, kernel: str = "torch") -> Callable[[], None]:
     import shardwise
 
-    engine = shardwise.Engine(
+    engine = shardwise.Engine(preempt_signals=(),
         strategy="zero2", offload="optimizer", backend=backend, cpu=True, host_kernel=kernel
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # as users write it

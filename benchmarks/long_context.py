@@ -52,7 +52,8 @@ def one_layout(method: str, tiled: bool, seq: int, steps: int, device: str) -> d
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra: dict[str, Any] = {"context_parallel_size": world, "context_parallel": method} if world > 1 else {}
-    engine = shardwise.Engine(strategy="zero3", cpu=device == "cpu", seed=0, tiled_mlp=tiled,
+    engine = shardwise.Engine(preempt_signals=(),
+                              strategy="zero3", cpu=device == "cpu", seed=0, tiled_mlp=tiled,
                               tiled_loss=tiled, tile_tokens=256, **extra)
     model = llama(seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -55,7 +55,8 @@ def one_layout(ep: int, args: argparse.Namespace) -> dict[str, Any]:
     import shardwise
     from shardwise.strategies.expert_parallel import sent_bytes
 
-    engine = shardwise.Engine(strategy="zero3", cpu=args.device == "cpu", seed=0, expert_parallel_size=ep,
+    engine = shardwise.Engine(preempt_signals=(),
+                              strategy="zero3", cpu=args.device == "cpu", seed=0, expert_parallel_size=ep,
                               progress=False)
     model = mixtral(args.hidden, args.intermediate)
     full_experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)

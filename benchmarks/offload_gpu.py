@@ -47,7 +47,7 @@ def _model(size: str, seq: int) -> torch.nn.Module:
 def shardwise_peer(size: str, seq: int, precision: str, cpu: bool) -> Callable[[torch.Tensor], float]:
     import shardwise
 
-    engine = shardwise.Engine(
+    engine = shardwise.Engine(preempt_signals=(),
         strategy="zero3", offload="params", precision=precision, cpu=cpu, seed=0, progress=False
     )
     model = _model(size, seq)

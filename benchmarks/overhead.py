@@ -51,7 +51,7 @@ def shardwise_model(
     extra = {
         "log_with": "jsonl", "project_dir": tempfile.mkdtemp(prefix="shardwise-bench-"), "log_every_steps": 10
     } if metrics else {}
-    engine = shardwise.Engine(strategy=strategy, seed=0, progress=False, **extra)
+    engine = shardwise.Engine(preempt_signals=(), strategy=strategy, seed=0, progress=False, **extra)
     torch.manual_seed(0)
     model = GPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -52,7 +52,8 @@ def trial(spec: Any, strategy: str, offload: str, batch: int, precision: str) ->
     torch.cuda.reset_peak_memory_stats()
     ok = True
     try:
-        engine = shardwise.Engine(strategy=strategy, offload=offload, precision=precision, seed=0)
+        engine = shardwise.Engine(preempt_signals=(),
+                                  strategy=strategy, offload=offload, precision=precision, seed=0)
         with torch.device(engine.device):
             model = spec.build(None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         best = plans[name].best
         print(f"{name}: planned in {time.perf_counter() - t0:.1f} s; best {best.name if best else None}",
               flush=True)
-    shardwise.Engine(seed=0)  # the process group every trial shares; also creates the CUDA context
+    shardwise.Engine(preempt_signals=(),
+                     seed=0)  # the process group every trial shares; also creates the CUDA context
     _, total = torch.cuda.mem_get_info()
     torch.cuda.set_per_process_memory_fraction((budget - context) / total)
     print(f"card {budget / 2**30:.1f} GiB = CUDA context {context / 2**30:.2f} GiB (measured) + "

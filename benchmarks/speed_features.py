@@ -84,7 +84,8 @@ class Run:
     """One engine, its model and AdamW, and a fixed stream of batches."""
 
     def __init__(self, size: dict[str, int], seq: int, batch: int, **settings: Any) -> None:
-        self.engine = shardwise.Engine(seed=0, cpu=not torch.cuda.is_available(), **settings)
+        self.engine = shardwise.Engine(preempt_signals=(),
+                                       seed=0, cpu=not torch.cuda.is_available(), **settings)
         model = GPT(block=seq, **size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.model, self.optimizer = self.engine.prepare(model, optimizer)

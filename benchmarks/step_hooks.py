@@ -40,7 +40,7 @@ def _timed(table: dict[str, list[float]], key: str, fn: Callable[..., Any]) -> C
 
 
 def measure(strategy: str, steps: int, accumulate: bool) -> dict[str, float]:
-    engine = shardwise.Engine(strategy=strategy, seed=0, progress=False, log_with="jsonl",
+    engine = shardwise.Engine(preempt_signals=(), strategy=strategy, seed=0, progress=False, log_with="jsonl",
                               project_dir=tempfile.mkdtemp(prefix="shardwise-hooks-"), log_every_steps=10)
     table: dict[str, list[float]] = defaultdict(list)
     # the probe wraps the engine's own objects' methods on this instance (a benchmark, not the product)

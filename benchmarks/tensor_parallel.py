@@ -91,7 +91,8 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def measure(case: str, args: argparse.Namespace) -> dict[str, Any]:
     strategy, tp, sp = CASES[case]
-    engine = shardwise.Engine(strategy=strategy, cpu=args.device == "cpu", seed=0, tensor_parallel_size=tp,
+    engine = shardwise.Engine(preempt_signals=(),
+                              strategy=strategy, cpu=args.device == "cpu", seed=0, tensor_parallel_size=tp,
                               sequence_parallel=sp, progress=False)
     model = llama(args.hidden, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

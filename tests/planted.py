@@ -354,6 +354,33 @@ def _experts_gradient_summed() -> None:
     _patch(expert_parallel, "_divided", lambda x, n: x)
 
 
+@fault("experts_init_dropped", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_an_empty_build_losing_the_experts_init_is_caught")
+def _experts_init_dropped() -> None:
+    """The split experts of a model built under init_empty() lose their constructor's recorded
+    init (the step replacing them without carrying it over): the modules' own initializers fill
+    them instead, from another point of the generator, every value plausible."""
+    import contextlib
+
+    from shardwise.strategies import steps
+
+    _patch(steps, "recipes_kept", lambda model: contextlib.nullcontext())
+
+
+@fault("plan_experts_gathered", row="the planner under expert parallelism",
+       test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
+def _plan_experts_gathered() -> None:
+    """The planner's communication under expert parallelism counted as without it: the experts
+    gathered and reduced with every other parameter, no all-to-all."""
+    from shardwise.plan import comm, planner
+
+    def gathered(fitted: Any, cand: Any, req: Any, batch: int) -> Any:
+        return comm.step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
+                              world_size=req.world_size, nodes=req.nodes)
+
+    _patch(planner, "_expert_volume", gathered)
+
+
 @fault("ring_own_block_only", row="context parallelism (`tests/test_context_parallel.py`",
        test="tests/test_context_parallel.py::test_a_ring_standing_still_is_caught")
 def _ring_own_block_only() -> None:

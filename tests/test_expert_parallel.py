@@ -23,8 +23,12 @@ load-balancing loss off unless said:
                 zero3, Mixtral and Qwen2-MoE (each rank's 2 experts sharded again over the 2
                 ranks that hold them, FSDP over the edp mesh): the same tolerances, each rank
                 holding a quarter of every experts tensor.
+  init_empty    Mixtral zero3 and Qwen2-MoE zero2 at ep 2, Mixtral ep 2 x data 2 at 4: a normal
+                build's weights bit for bit, each rank holding its share of every experts tensor;
+                `engine.from_pretrained` of the export read into the ep 2 split bit for bit.
   planted       the experts' gradients left undivided (summed over the ranks' tokens, not
-                averaged): the 2-process check fails.
+                averaged): the 2-process check fails; the split experts of an empty build
+                losing their recorded init: the init_empty check fails.
 """
 
 from __future__ import annotations
@@ -224,17 +228,48 @@ def _metrics(folder: str) -> dict[str, Any]:
             "state": state}
 
 
+def _empty(family: str, strategy: str, ep: int, export: str | None = None) -> dict[str, Any]:
+    """The model built under `init_empty()` and prepared with expert parallelism (each rank's
+    experts initialized from the constructor's own draws, its split only), and, given an
+    export, `from_pretrained` reading it straight into the split: the gathered weights, and
+    each rank's share of every experts tensor."""
+    import shardwise
+
+    out: dict[str, Any] = {}
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=ep)
+    with engine.init_empty():
+        model = build(family)
+    assert all(p.is_meta for p in model.parameters())
+    model = engine.prepare(model)
+    out["empty"] = engine.get_state_dict(model)
+    out["experts"] = [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters()
+                      if "experts." in n]
+    engine.free_memory()
+    if export is not None:
+        from transformers import MixtralForCausalLM
+
+        engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=ep)
+        model = engine.prepare(engine.from_pretrained(MixtralForCausalLM, export))
+        out["pretrained"] = engine.get_state_dict(model)
+        engine.free_memory()
+    return out
+
+
 def _two(folder: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case, ep=2) for case in TWO}
     out["aux"] = _train("mixtral", "zero3", ep=2, aux=True)
     out["aux", "plain"] = _train("mixtral", "zero3", ep=1, aux=True)
     out["resume"] = _resume(folder)
+    out["empty"] = _empty("mixtral", "zero3", 2, f"{folder}/export")
+    out["empty", "qwen"] = _empty("qwen", "zero2", 2)
     out["metrics"] = _metrics(folder)
     return out
 
 
 def _four() -> dict[Any, Any]:
-    return {case: _train(*case[:2], ep=case[2]) for case in FOUR}
+    out: dict[Any, Any] = {case: _train(*case[:2], ep=case[2]) for case in FOUR}
+    out["empty"] = _empty("mixtral", "zero3", 2)  # ep 2 x data 2: the experts' FSDP over the edp ranks
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +327,28 @@ def test_the_export_loads_in_a_plain_process(two: tuple[list[dict[Any, Any]], st
     assert torch.equal(model(input_ids=ids).logits, same(input_ids=ids).logits)
 
 
+def _check_empty(runs: list[dict[str, Any]], family: str, share: int) -> None:
+    """Process 0's gathered weights (every rank's shards) and each rank's share of the experts."""
+    whole = build(family).state_dict()  # a normal build with the same seed
+    assert runs[0]["empty"].keys() == whole.keys()
+    assert all(torch.equal(runs[0]["empty"][k], v) for k, v in whole.items())
+    for run in runs:
+        assert run["experts"] and all(local * share == full for local, full in run["experts"])
+
+
+def test_init_empty_and_from_pretrained_fill_each_ranks_experts(
+        two: tuple[list[dict[Any, Any]], str]) -> None:
+    """Built under `init_empty()` with ep 2 (Mixtral zero3, Qwen2-MoE zero2): a normal build's
+    weights bit for bit, each rank holding half of every experts tensor; `from_pretrained` of the
+    export reads it straight into the split, bit for bit."""
+    runs = two[0]
+    _check_empty([res["empty"] for res in runs], "mixtral", 2)
+    _check_empty([res["empty", "qwen"] for res in runs], "qwen", 2)
+    exported, loaded = runs[0]["resume"]["straight"][1], runs[0]["empty"]["pretrained"]
+    assert exported and loaded.keys() == exported.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in exported.items())
+
+
 def test_tokens_per_expert_are_recorded_and_plotted(two: tuple[list[dict[Any, Any]], str]) -> None:
     """Under full activation checkpointing (the run matching one process too): every record
     holds, per MoE layer, the token slots routed to each expert per step over the whole batch,
@@ -336,10 +393,20 @@ def test_ep4_and_ep2_by_data2_match_one_process() -> None:
         _check(runs, case, reference(case[0], 4))
         # 1/ep of the experts each, and below the group sharded over the edp ranks: 1/4 either way
         assert all(local * 4 == full for res in runs for local, full in res[case]["experts"])
+    _check_empty([res["empty"] for res in runs], "mixtral", 4)  # init_empty at ep 2 x data 2
 
 
 def _planted_case() -> dict[Any, Any]:
     return {TWO[0]: _train(*TWO[0], ep=2)}  # (the same run as the real test's first case)
+
+
+def _planted_empty() -> dict[str, Any]:
+    return _empty("mixtral", "zero3", 2)
+
+
+def test_an_empty_build_losing_the_experts_init_is_caught() -> None:
+    runs = spawn(planted(_planted_empty, "experts_init_dropped"), 2)
+    caught(_check_empty, runs, "mixtral", 2)
 
 
 def test_experts_gradients_left_summed_are_caught() -> None:

@@ -46,6 +46,10 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                    help="plan every strategy with each sequence split over N devices (context parallelism: "
                         "each traced on its --seq-len / N tokens, tiled MLP and loss on), and report the "
                         "longest sequence each plan fits")
+    p.add_argument("--expert-parallel-size", type=int, default=1, metavar="N",
+                   help="also plan zero2 and zero3 with every mixture-of-experts layer's experts split over "
+                        "N devices (expert parallelism; traced with even routing: the all-to-all bytes and "
+                        "the experts each device holds; default 1: none)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
     p.add_argument("--cpu-memory", default=None,
@@ -140,7 +144,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         activation_checkpointing_every=ns.activation_checkpointing_every, global_batch=ns.global_batch,
         overheads=_overheads(ns), checkpoint_async=ns.checkpoint_async,
         tensor_parallel_size=ns.tensor_parallel_size, sequence_parallel=ns.sequence_parallel,
-        context_parallel_size=ns.context_parallel_size,
+        context_parallel_size=ns.context_parallel_size, expert_parallel_size=ns.expert_parallel_size,
     )
     result = plan_named(ns.model, request, seq_len=ns.seq_len)
     print(describe(result))

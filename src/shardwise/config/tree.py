@@ -591,10 +591,7 @@ def _check_context_parallel(cfg: EngineConfig) -> None:
 
 def _check_expert_parallel(cfg: EngineConfig) -> None:
     """expert_parallel_size (parallelism.ep, which it must agree with)."""
-    ep = _agree_size(cfg, "expert_parallel_size", "ep")
-    if ep > 1 and cfg.strategy == "auto":
-        raise ConfigError(f"strategy: auto with expert_parallel_size={ep}: the planner does not "
-                          "model expert parallelism yet; name the strategy (zero2 or zero3)")
+    _agree_size(cfg, "expert_parallel_size", "ep")
 
 
 def _check_tensor_parallel(cfg: EngineConfig) -> None:

@@ -9,7 +9,9 @@ the same inputs deterministically and without collectives, so every rank makes t
 with it, and a `shard_group_size` the user set is planned as set (hybrid sharding: per-rank
 state cut by the group, not the world). A `tensor_parallel_size` the user set is planned as set
 (every strategy and offload with it, `sequence_parallel` too), or refused in one line when none
-fits. Otherwise only when no plan without tensor parallelism fits, and the model has a
+fits. An `expert_parallel_size` the user set is planned as set, on zero2 and zero3 (the
+strategies that split experts) with every offload. Otherwise only when no plan without tensor
+parallelism fits, and the model has a
 tensor-parallel plan, does `auto` plan every strategy and offload again with
 tensor_parallel_size 2, 4 and 8 (those dividing the processes of a node), the smallest first,
 and take the first size where one fits: its `tensor_parallel_size` goes into the config.
@@ -112,8 +114,15 @@ def choose(
         wrap=cfg.wrap, checkpoint_async=cfg.checkpoint_async,
     )
     batch = sample_batch(loader)
-    asked_tp = cfg.tensor_parallel_size
-    if asked_tp > 1:  # the user's tensor parallelism is planned as set, with every strategy and offload
+    asked_tp, asked_ep = cfg.tensor_parallel_size, cfg.expert_parallel_size
+    if asked_ep > 1:  # the user's expert parallelism is planned as set, on the strategies that split experts
+        plan = plan_module(models[0], batch, dataclasses.replace(request, candidates=[
+            dataclasses.replace(c, expert_parallel_size=asked_ep) for c in candidates
+            if c.strategy_spec.shards_grads and c.shard_group_size is None]))
+        if plan.best is None:
+            raise ConfigError(f"strategy='auto' with expert_parallel_size={asked_ep}: no strategy fits: "
+                              f"{plan.why}; see `shardwise plan --expert-parallel-size {asked_ep}`")
+    elif asked_tp > 1:  # the user's tensor parallelism is planned as set, with every strategy and offload
         plan = _with_tensor_parallel(models[0], batch, request, info, (asked_tp,), cfg.sequence_parallel)
         if plan is None or plan.best is None:
             raise ConfigError(

@@ -46,6 +46,9 @@ class Candidate:
     sequence_parallel: bool = False
     """with tensor parallelism: the activations between the split layers split over the sequence
     too (`EngineConfig.sequence_parallel`)"""
+    expert_parallel_size: int = 1
+    """expert parallelism: every mixture-of-experts layer's experts split over this many ranks of
+    the sharding group (zero2, zero3; `EngineConfig.expert_parallel_size`)"""
 
     def __post_init__(self) -> None:
         ac: Any = self.activation_checkpointing
@@ -75,6 +78,7 @@ class Candidate:
         hybrid = f" hybrid {self.shard_group_size}" if self.shard_group_size is not None else ""
         tp = f" + tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         tp += " + sp" if self.sequence_parallel else ""
+        tp += f" + ep {self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""
         return f"{self.strategy}{hybrid}{tp}{off}{self.checkpointing_label}"
 
     @property
@@ -92,8 +96,10 @@ class Candidate:
         `shard_group_size` here counts data-parallel ranks, the config counts processes)."""
         tp = self.tensor_parallel_size
         group = None if self.shard_group_size is None else self.shard_group_size * tp
-        return resolve_sizes(ParallelismConfig(), shards=self.strategy_spec.stage >= 1, shard_group=group,
-                             tensor_parallel_size=tp, world=world_size, local_world=world_size)
+        sharded = self.strategy_spec.stage >= 1
+        return resolve_sizes(ParallelismConfig(ep=self.expert_parallel_size), shards=sharded,
+                             shard_group=group, tensor_parallel_size=tp, world=world_size,
+                             local_world=world_size)
 
     def sharding_group(self, world_size: int) -> int:
         """Processes that share the sharded state among themselves: its group under hybrid

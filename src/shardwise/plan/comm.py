@@ -30,6 +30,15 @@ all-reduced in backward: 2 + 2 per block with fused projections (GPT-2's c_attn,
 count: `tensor_parallel_bytes`), 2 + 5 for Llama (q, k, v, gate and up split one by one); ring
 factor 2(T-1)/T, always within a node (`with_tensor_parallel`). The planner takes these bytes
 from the trace, which runs the real TP code, not from the formula.
+
+Expert parallelism (`expert_parallel_size` N, `with_expert_parallel`): the data-parallel
+collectives above run on the parameters outside the experts; the experts are never gathered at
+N = W, and below it (each experts module its own FSDP unit over the W / N ranks holding the same
+experts) gathered and reduced over those ranks on 1/N of the experts. Every mixture-of-experts
+layer adds four all-to-alls of its T x k routed token slots (hidden-size rows): tokens out and
+results back in forward, their gradients in backward (3 passes of forward under full activation
+checkpointing: recomputed); a rank sends (N-1)/N of each (balanced routing, what the trace
+plans: `fakes.even_routing`). The counts exchanged first (N integers per expert) are not counted.
 """
 
 from __future__ import annotations
@@ -38,9 +47,10 @@ from dataclasses import dataclass, field
 
 from ..config.tree import strategy_spec
 
-__all__ = ["KINDS", "CommVolume", "ring_bytes", "step_comm", "tensor_parallel_bytes", "with_tensor_parallel"]
+__all__ = ["KINDS", "CommVolume", "ring_bytes", "step_comm", "tensor_parallel_bytes", "with_expert_parallel",
+           "with_tensor_parallel"]
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # bytes of one gathered parameter element by precision under FSDP2's MixedPrecisionPolicy (a
 # lookup, not a rule: config has no precision table to ask); gradients are reduced in fp32
 _GATHER_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -53,7 +63,7 @@ def ring_bytes(kind: str, nbytes: float, group: int) -> float:
     (the gathered output, the reduce-scatter input, the all-reduced tensor) is `nbytes`."""
     if group <= 1:
         return 0.0
-    share = (group - 1) / group
+    share = (group - 1) / group  # (all-to-all: what leaves the rank of an even split)
     return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
 
 
@@ -82,10 +92,11 @@ class CommVolume:
 
 
 def step_comm(strategy: str, parameters: float, precision: str, *, world_size: int, nodes: int = 1,
-              group_size: int | None = None) -> CommVolume:
+              group_size: int | None = None, boundary: bool = True) -> CommVolume:
     """Bytes each rank sends per optimizer step (see the module doc) for `parameters` trained
     with `strategy` on `world_size` processes over `nodes` nodes, sharded within groups of
-    `group_size` consecutive ranks (None: one group of all processes)."""
+    `group_size` consecutive ranks (None: one group of all processes); with the step boundary's
+    flags unless `boundary` is False (a second part of the same step)."""
     group = world_size if group_size is None else group_size
     if group < 1 or world_size % group or world_size % nodes:
         raise ValueError(f"{world_size} processes do not split into groups of {group} on {nodes} nodes")
@@ -113,7 +124,8 @@ def step_comm(strategy: str, parameters: float, precision: str, *, world_size: i
         add("all_reduce", reduced, world_size, world_spans)
         if spec.shards_optimizer:  # zero1: the updated fp32 slices all-gathered in the group
             add("all_gather", parameters * 4, group, group_spans)
-    add("all_reduce", BOUNDARY_BYTES, world_size, world_spans)
+    if boundary:
+        add("all_reduce", BOUNDARY_BYTES, world_size, world_spans)
     return CommVolume(intra=volume[False], inter=volume[True])
 
 
@@ -137,3 +149,20 @@ def with_tensor_parallel(volume: CommVolume, allreduced: float, tp: int, *, gath
         if sent:
             intra[kind] = intra.get(kind, 0.0) + sent
     return CommVolume(intra=intra, inter=dict(volume.inter))
+
+
+def with_expert_parallel(dense: CommVolume, experts: CommVolume, exchanged: float, ep: int, *,
+                         crosses_nodes: bool = False) -> CommVolume:
+    """The step's bytes under expert parallelism of size `ep`: the data-parallel collectives of
+    the parameters outside the experts (`dense`) and of the experts over their ranks
+    (`experts`), plus all-to-alls whose full buffers total `exchanged` bytes (a rank sends
+    (ep-1)/ep of each), across nodes when the ep group spans them."""
+    intra, inter = dict(dense.intra), dict(dense.inter)
+    for part, scope in ((experts.intra, intra), (experts.inter, inter)):
+        for kind, nbytes in part.items():
+            scope[kind] = scope.get(kind, 0.0) + nbytes
+    sent = ring_bytes("all_to_all", exchanged, ep)
+    if sent:
+        scope = inter if crosses_nodes else intra
+        scope["all_to_all"] = scope.get("all_to_all", 0.0) + sent
+    return CommVolume(intra=intra, inter=inter)

@@ -59,6 +59,16 @@ def _flop_registry() -> dict[Any, Callable[..., int]]:
     return dict(flop_registry)
 
 
+def _custom_flops(func: Any, args: Any) -> float:
+    """FLOPs of transformers' grouped-matmul fallback (its experts at ep 1 in a trace, see
+    `fakes.even_routing`), which torch's formulas do not know: input (S, in) x experts (E, in,
+    out), 2 S in out forward, twice that for the input and weight gradients."""
+    if func.namespace != "transformers" or not func.__name__.startswith("grouped_mm_fallback"):
+        return 0.0
+    x, w = args[0], args[1]
+    return float((4 if "backward" in func.__name__ else 2) * x.shape[0] * x.shape[-1] * w.shape[-1])
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t)
 
@@ -178,6 +188,8 @@ class StorageCounter(DispatchMode):
             count = _flop_registry().get(overload_packet(func))
             if count is not None:
                 self.flops += count(*args, **(kwargs or {}), out_val=out)
+            else:
+                self.flops += _custom_flops(func, args)
         if func.namespace in _COMM_NAMESPACES:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             self.claim("comm", tensors)

@@ -46,7 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
-    "DispatchMode", "current_fake_mode", "fake_copy", "fake_ddp", "fake_mode", "fake_world", "is_fake",
+    "DispatchMode", "current_fake_mode", "even_routing", "fake_copy", "fake_ddp", "fake_mode", "fake_world",
+    "is_fake",
     "kept_rng", "no_ddp_shape_check", "overload_packet", "patched", "process_group_ranks", "real_mesh_slices",
     "storage_key",
     "tree_leaves", "tree_map",
@@ -310,3 +311,54 @@ def fake_copy(model: nn.Module, fake_mode: Any) -> nn.Module:
     for b in model.buffers():
         memo[id(b)] = fake(b)
     return copy.deepcopy(model, memo)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` sizes that differ by at most one, the larger first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+@contextlib.contextmanager
+def even_routing() -> Iterator[None]:
+    """Expert parallelism's routing (`strategies.expert_parallel.routes`) as an even split: fake
+    tensors hold no router output, so a trace plans the balanced routing that the load-balancing
+    loss aims at. Of a rank's T x k token slots, each rank of the group receives an equal share
+    and, from each rank, as many as it sends; its local experts take equal shares of what it
+    receives. A skewed routing moves and computes more on the busiest rank than planned. The
+    step's (edp, ep) meshes are built from real tensors and kept apart from a live job's. Without
+    expert parallelism, transformers' grouped_mm experts run through its fallback operator, whose
+    fake kernel gives the same shapes (torch's grouped_mm has none for fp32)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh as build
+
+    from ..strategies import expert_parallel
+
+    def init_mesh(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return build(*args, **kwargs)
+
+    def even(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Any:
+        n = dist.get_world_size(group)
+        tokens, k = top_k_index.shape
+        order = torch.argsort(top_k_index.reshape(-1), stable=True)
+        source_token = torch.arange(tokens, device=top_k_index.device).repeat_interleave(k)[order]
+        send = _even(tokens * k, n)
+        recv = [send[dist.get_rank(group)]] * n
+        sizes = _even(sum(recv), experts // n)
+        expert_of = torch.cat([torch.full((s,), e, dtype=torch.long, device=top_k_index.device)
+                               for e, s in enumerate(sizes)])
+        per_expert = torch.zeros(experts, dtype=torch.long, device=top_k_index.device)
+        return expert_parallel.Routes(order, source_token, per_expert, send, recv, expert_of, sizes)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(expert_parallel, "routes", even))
+        stack.enter_context(patched(expert_parallel, "_MESHES", {}))
+        stack.enter_context(patched(expert_parallel, "init_device_mesh", init_mesh))
+        moe: Any = None
+        with contextlib.suppress(ImportError):
+            from transformers.integrations import moe
+        if moe is not None and hasattr(moe, "_can_use_grouped_mm"):
+            # transformers' default experts (grouped_mm) at ep 1: torch's grouped_mm has no fake
+            # kernel for fp32; transformers' own fallback op of the same shapes has one
+            stack.enter_context(patched(moe, "_can_use_grouped_mm", lambda *a: False))
+        yield

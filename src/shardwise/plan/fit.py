@@ -164,6 +164,10 @@ class Fitted:
         w = self._weights(self.batches[0])
         return float(sum(x * self.traces[k].comm_bytes.get(kind, 0.0) for k, x in w.items()))
 
+    def comm_kinds(self) -> set[str]:
+        """Every key of a collective the traces counted (`counter`: "allreduce@2", "alltoall_base")."""
+        return {kind for r in self.traces.values() for kind in r.comm_bytes}
+
     def comm_seconds(self, hw: Hardware) -> float:
         w = self._weights(self.batches[0])
         kinds = {kind for r in self.traces.values() for kind in r.comm_bytes}

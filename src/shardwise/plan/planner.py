@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..config.tree import STRATEGY_TABLE, ConfigError
-from .comm import CommVolume, step_comm, with_tensor_parallel
+from .comm import CommVolume, step_comm, with_expert_parallel, with_tensor_parallel
 from .fakes import fake_mode
 from .fit import Fitted, GiB, Hardware, Overheads, largest_batch
 from .floor import ModelBytes, state_floor
@@ -88,6 +88,8 @@ class StrategyPlan:
             out["tensor_parallel_size"] = c.tensor_parallel_size
         if c.sequence_parallel:
             out["sequence_parallel"] = True
+        if c.expert_parallel_size > 1:
+            out["expert_parallel_size"] = c.expert_parallel_size
         return out
 
 
@@ -146,13 +148,14 @@ class Plan:
     def find(
         self, strategy: str, offload: str = "none", activation_checkpointing: str | bool = "none",
         shard_group_size: int | None = None, activation_checkpointing_every: int | None = None,
-        tensor_parallel_size: int = 1, sequence_parallel: bool = False,
+        tensor_parallel_size: int = 1, sequence_parallel: bool = False, expert_parallel_size: int = 1,
     ) -> StrategyPlan:
         """The plan of one candidate (`shard_group_size`: its hybrid twin; `tensor_parallel_size`:
-        its tensor-parallel twin, with `sequence_parallel` or not; a bool `activation_checkpointing`
-        is read as full or none)."""
+        its tensor-parallel twin, with `sequence_parallel` or not; `expert_parallel_size`: its
+        expert-parallel twin; a bool `activation_checkpointing` is read as full or none)."""
         wanted = Candidate(strategy, offload, activation_checkpointing, shard_group_size,  # type: ignore[arg-type]
-                           activation_checkpointing_every, tensor_parallel_size, sequence_parallel)
+                           activation_checkpointing_every, tensor_parallel_size, sequence_parallel,
+                           expert_parallel_size)
         for p in self.plans:
             if p.candidate == wanted:
                 return p
@@ -329,7 +332,9 @@ def _volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> Co
     rank holds (traced: `TraceResult.tp_parameters`), plus the all-reduces the trace counted
     over the T consecutive ranks of the tp group, or with sequence parallelism the all-gathers and
     reduce-scatters that replace them (`with_tensor_parallel`)."""
-    tp = cand.tensor_parallel_size
+    tp, ep = cand.tensor_parallel_size, cand.expert_parallel_size
+    if ep > 1:
+        return _expert_volume(fitted, cand, req, batch)
     if tp == 1:
         return step_comm(cand.strategy, fitted.linear("parameters", batch), req.precision,
                          world_size=req.world_size, nodes=req.nodes, group_size=cand.shard_group_size)
@@ -339,6 +344,21 @@ def _volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> Co
     return with_tensor_parallel(dp, fitted.comm_bytes(f"allreduce@{tp}"), tp,
                                 gathered=fitted.comm_bytes(f"allgather@{tp}"),
                                 scattered=fitted.comm_bytes(f"reduce_scatter@{tp}"))
+
+
+def _expert_volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> CommVolume:
+    """Under expert parallelism of size N (`comm.with_expert_parallel`): the parameters outside
+    the experts over every rank, the experts (1/N of them) over the W / N ranks holding the same
+    ones, and the all-to-alls the trace counted (its routing even: `fakes.even_routing`)."""
+    ep, world = cand.expert_parallel_size, req.world_size
+    experts = fitted.linear("expert_parameters", batch)
+    dense = step_comm(cand.strategy, fitted.linear("parameters", batch) - experts, req.precision,
+                      world_size=world, nodes=req.nodes)
+    edp = world // ep  # (no hybrid sharding with expert parallelism: the experts' group is within it)
+    held = step_comm(cand.strategy, experts / ep, req.precision, world_size=edp, boundary=False,
+                     nodes=req.nodes if edp % req.nodes == 0 else 1)
+    exchanged = sum(fitted.comm_bytes(kind) for kind in fitted.comm_kinds() if kind.startswith("alltoall"))
+    return with_expert_parallel(dense, held, exchanged, ep, crosses_nodes=ep > req.gpus_per_node)
 
 
 def _gib(x: float) -> str:
@@ -392,6 +412,9 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
     tp = max(c.tensor_parallel_size for c in cands)
     if tp > 1:
         check_tp_plan(spec, tp)
+    ep = max(c.expert_parallel_size for c in cands)
+    if ep > 1:
+        check_ep_plan(spec, ep)
     with fake_mode():
         whole = spec.build(None)
     sizes = ModelBytes.of(whole)
@@ -415,8 +438,8 @@ def plan_model(spec: ModelSpec, request: PlanRequest) -> Plan:
         precision=request.precision, plans=tuple(plans), best=best, why=why, overheads=budget.overheads,
         hardware=budget.hardware, seconds=time.perf_counter() - t0, global_batch=accum,
         traced_depths=TRACE_DEPTHS if spec.depth is not None else None,
-        # tensor parallelism builds the model whole on every process (no init_empty yet)
-        load=load_memory(whole, [c for c in cands if c.tensor_parallel_size == 1],
+        # tensor and expert parallelism build the model whole on every process (no init_empty yet)
+        load=load_memory(whole, [c for c in cands if c.tensor_parallel_size == c.expert_parallel_size == 1],
                          world_size=request.world_size, device=request.device),
         nodes=request.nodes, notes=_depth_notes(traced, spec.depth),
         context_parallel_size=request.context_parallel_size,
@@ -453,6 +476,25 @@ def check_tp_plan(spec: ModelSpec, tp: int) -> None:
         raise PlanError(f"--tensor-parallel-size {tp}: {spec.name} has no tensor-parallel plan (no "
                         "base_model_tp_plan nor a built-in one); plan it without --tensor-parallel-size, or "
                         "give the model a tensor_parallel_plan attribute")
+
+
+def check_ep_plan(spec: ModelSpec, ep: int) -> None:
+    """Refuse, in one line, expert-parallel candidates for a model with no experts module shardwise
+    splits, or whose experts `ep` does not divide (built on fake tensors, cut to the traced depth)."""
+    from ..strategies.expert_parallel import experts_modules
+
+    with fake_mode():
+        model = spec.build(TRACE_DEPTHS[0] if spec.depth is not None else None)
+    layers = experts_modules(model)
+    if not layers:
+        raise PlanError(f"--expert-parallel-size {ep}: {spec.name} has no mixture-of-experts layer shardwise "
+                        "splits (fused experts modules: gate_up_proj, down_proj, num_experts); plan it "
+                        "without --expert-parallel-size")
+    for name, m in layers:
+        count = int(m.num_experts)  # type: ignore[arg-type]
+        if count % ep:
+            raise PlanError(f"--expert-parallel-size {ep} does not divide {name}'s {count} experts; choose a "
+                            "divisor of it")
 
 
 def trace_depths(cand: Candidate, depth: int | None) -> tuple[int, int] | None:

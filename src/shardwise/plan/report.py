@@ -100,6 +100,14 @@ def describe(plan: Plan) -> str:
     if any(p.candidate.tensor_parallel_size > 1 for p in plan.plans):
         lines.append("tp N = the planned layers split over N devices of a node, which share one batch: its "
                      "step is compared per sample (N steps train what the others train in one)")
+    moe = [p for p in plan.plans if p.candidate.expert_parallel_size > 1 and p.comm is not None]
+    if moe:
+        sent = ", ".join(f"{p.name} {_g(_all_to_all(p.comm), u)}" for p in moe
+                         if p.comm is not None and not p.candidate.checkpointed)
+        lines.append("ep N = every mixture-of-experts layer's experts split over N devices, each token sent "
+                     "to the devices of its experts and back (traced with even routing: a skewed router "
+                     f"moves and computes more on its busiest device); all-to-all {u} each device sends per "
+                     "step: " + sent)
     if nodes:
         lines += _hybrid_lines(plan, u)
     if plan.device == "cuda":
@@ -122,6 +130,11 @@ def describe(plan: Plan) -> str:
                      f"accumulation step(s) x {plan.world_size} device(s), with {g.plan.name}")
     lines += list(plan.notes)
     return "\n".join(lines)
+
+
+def _all_to_all(volume: Any) -> float:
+    """Bytes a plan's all-to-alls send per step and device (expert parallelism)."""
+    return float(volume.intra.get("all_to_all", 0.0) + volume.inter.get("all_to_all", 0.0))
 
 
 def _hybrid_lines(plan: Plan, u: str) -> list[str]:

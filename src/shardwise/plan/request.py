@@ -134,6 +134,10 @@ class PlanRequest:
     traffic is not in the step time."""
     tile_tokens: int = 1024
     """the tiles of the tiled MLP and loss under context parallelism"""
+    expert_parallel_size: int = 1
+    """above 1: every zero2 and zero3 plan is also planned with the experts of every
+    mixture-of-experts layer split over this many devices (`Candidate.expert_parallel_size`),
+    traced with even routing (`fakes.even_routing`); listed after the plans without"""
 
     @property
     def per_device_batch(self) -> int:
@@ -166,6 +170,9 @@ class PlanRequest:
                 out.append(replace(c, shard_group_size=self.gpus_per_node))
         if self.tensor_parallel_size > 1:  # after every plan without: a tie goes to the simpler
             out += tp_candidates(list(out), self.tensor_parallel_size, self.sequence_parallel)
+        if self.expert_parallel_size > 1:  # (expert parallelism splits within the sharding group)
+            out += [replace(c, expert_parallel_size=self.expert_parallel_size) for c in list(out)
+                    if c.strategy_spec.shards_grads and c.shard_group_size is None]
         return out
 
     @property
@@ -187,6 +194,25 @@ class PlanRequest:
                      else f"the {per_node} devices per node")
             raise PlanError(f"{flag} {tp} does not divide {where}; choose a divisor of it "
                             "(tensor parallelism stays within a node)")
+
+    def _check_ep(self, world: int) -> None:
+        """An expert-parallel size: an integer >= 1 that divides the devices, planned alone (no
+        tensor or context parallelism with it: `strategies.expert_parallel.check_layout`)."""
+        ep = self.expert_parallel_size
+        sizes = [ep] + [c.expert_parallel_size for c in self.candidates or ()]
+        for n in sizes:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or world % n:
+                raise PlanError(f"--expert-parallel-size {n!r} must be an integer >= 1 that divides the "
+                                f"{world} devices")
+        if max(sizes) > 1 and (self.tensor_parallel_size > 1 or self.context_parallel_size > 1 or any(
+                c.tensor_parallel_size > 1 or c.shard_group_size is not None for c in self.candidates or ()
+                if c.expert_parallel_size > 1)):
+            raise PlanError("--expert-parallel-size with tensor or context parallelism or hybrid sharding: "
+                            "shardwise splits experts within one sharding group only; plan it alone")
+        for c in self.candidates or ():
+            if c.expert_parallel_size > 1 and not c.strategy_spec.shards_grads:
+                raise PlanError(f"{c.name}: expert parallelism needs zero2 or zero3 (the experts are split "
+                                "over the sharding group)")
 
     def check(self) -> None:
         """Refuse a bad value in one line, before anything is traced."""
@@ -226,6 +252,7 @@ class PlanRequest:
         if cp > 1 and self.tensor_parallel_size > 1:
             raise PlanError("--context-parallel-size with --tensor-parallel-size: the planner plans one of "
                             "them at a time")
+        self._check_ep(world)
         if self.device not in ("cuda", "cpu"):
             raise PlanError(f"device {self.device!r} is not valid; choose cuda or cpu")
         if gb is not None and (not isinstance(gb, int) or gb < 1):

@@ -66,9 +66,11 @@ from ..distributed.internals import is_sharded, local_tensor
 from ..distributed.world import init_distributed
 from ..engine.session import Session
 from ..strategies import make_strategy
+from ..strategies.expert_parallel import EXPERT_PARAMS, experts_modules
 from .candidate import Candidate
 from .counter import ROLES, SegmentPeak, StepMarks, StorageCounter, replay, resize_seen, step_views
 from .fakes import (
+    even_routing,
     fake_ddp,
     fake_mode,
     fake_world,
@@ -101,6 +103,7 @@ class TraceResult:
     parameters: float  # parameters of the traced (possibly cut) model
     staging: float = 0.0  # bytes a checkpoint copies to host memory (checkpoint_async), per rank
     tp_parameters: float = 0.0  # parameters each tensor-parallel rank holds (tp-split ones cut by tp)
+    expert_parameters: float = 0.0  # of `parameters`, the experts' (mixture-of-experts layers)
 
 
 
@@ -205,6 +208,7 @@ class _Prepared:
     sharded_ids: set[int]  # the counter's serials of their storages
     parameters: int  # parameters of the model as built (before sharding)
     tp_parameters: float  # of those, what one tensor-parallel rank holds (all of them without TP)
+    expert_parameters: float  # of those, the experts' (`expert_parallel.experts_modules`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +268,7 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
                       else cand.shard_group_size * cand.tensor_parallel_size,
                       tensor_parallel_size=cand.tensor_parallel_size,
                       sequence_parallel=cand.sequence_parallel,
+                      expert_parallel_size=cand.expert_parallel_size,
                       **({} if job.tile_tokens is None else
                          {"tiled_mlp": True, "tiled_loss": True, "tile_tokens": job.tile_tokens}))
     stack.enter_context(kept_rng())
@@ -278,6 +283,7 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
     stack.enter_context(no_ddp_shape_check())
     stack.enter_context(real_mesh_slices())
     stack.enter_context(unpacked_sequences())
+    stack.enter_context(even_routing())
     if job.target == "cuda" and cand.activation_checkpointing == "offload":
         _copy_offloaded(counter, stack)
     return session
@@ -311,6 +317,7 @@ def _prepare(job: TraceJob, session: Session, counter: StorageCounter,
     from ..strategies import find_blocks
 
     model = job.build()
+    n_experts = sum(getattr(m, p).numel() for _, m in experts_modules(model) for p in EXPERT_PARAMS)
     # The fake parameters are already where they belong; moving them would try to swap them.
     model.to = lambda *a, **k: model  # type: ignore[method-assign]
     blocks = find_blocks(model, job.wrap)
@@ -326,7 +333,7 @@ def _prepare(job: TraceJob, session: Session, counter: StorageCounter,
     counter.claim("params", sharded + list(model.buffers()))
     sharded_ids = {counter.see(p) for p in sharded}
     counter.claim("optimizer", optimizer.runner.tensors())
-    return _Prepared(model, optimizer, blocks, sharded, sharded_ids, n_full, _tp_share(sharded))
+    return _Prepared(model, optimizer, blocks, sharded, sharded_ids, n_full, _tp_share(sharded), n_experts)
 
 
 def _tp_share(params: list[torch.Tensor]) -> float:
@@ -482,6 +489,7 @@ def _results(job: TraceJob, counter: StorageCounter, prep: _Prepared, st: _Stepp
             total=total, device=device, host=host, comm_bytes=st.comm[i], flops=st.flops[i],
             offload_bytes=offload_bytes, host_optimizer_numel=host_numel, parameters=float(prep.parameters),
             staging=staging, tp_parameters=prep.tp_parameters,
+            expert_parameters=float(prep.expert_parameters),
         )
     return results
 

@@ -42,7 +42,7 @@ from ..distributed.mesh import ParallelDims
 log = logging.getLogger("shardwise")
 
 IMPLEMENTATION = "shardwise_ep"
-_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _SPLIT = "shardwise_expert_params"  # the root module's set of the split parameters' ids
 _STATE = "shardwise_dispatch"  # each split experts module's `Dispatch`
 
@@ -72,7 +72,7 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     `num_experts`, `act_fn`)."""
     found = []
     for name, m in model.named_modules():
-        params = [getattr(m, p, None) for p in _EXPERT_PARAMS]
+        params = [getattr(m, p, None) for p in EXPERT_PARAMS]
         if all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params) and hasattr(m, "num_experts"):
             found.append((name, m))
     return found
@@ -114,16 +114,12 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
         if count % dims.ep:
             raise ConfigError(f"expert_parallel_size={dims.ep} does not divide {name}'s {count} "
                               "experts")
-    if any(getattr(m, p).is_meta for _, m in layers for p in _EXPERT_PARAMS):
-        raise ConfigError(f"expert_parallel_size={dims.ep} with a model built under init_empty(): this "
-                          "version does not replay the experts' initialization into their split; build "
-                          "the model normally (or load it with transformers' from_pretrained) and prepare it")
     mesh, edp = expert_mesh(dims)
     group = mesh.get_group()
     _register()
     params: list[nn.Parameter] = []
     for _, m in layers:
-        for p in _EXPERT_PARAMS:
+        for p in EXPERT_PARAMS:
             full = getattr(m, p)
             split = nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)]),
                                  requires_grad=full.requires_grad)
@@ -255,34 +251,62 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+@dataclass(frozen=True)
+class Routes:
+    """Where one forward's token slots go (`routes`): this rank's slots by expert, what it sends
+    to and receives from each rank, and the received rows' local experts."""
+
+    order: torch.Tensor
+    """the (T * k) token slots sorted by expert, hence by owning rank"""
+    source_token: torch.Tensor
+    """the token of each slot, in that order"""
+    per_expert: torch.Tensor
+    """this rank's slots per expert (all experts)"""
+    send: list[int]
+    """rows sent to each rank"""
+    recv: list[int]
+    """rows received from each rank"""
+    expert_of: torch.Tensor
+    """the local expert of each received row, in the order received (by source rank, each
+    source's rows by expert)"""
+    sizes: list[int]
+    """received rows per local expert"""
+
+
+def routes(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Routes:
+    """The routing of (T, k) chosen experts over the group: the per-expert counts are exchanged
+    first (rank j receives the counts of its own experts), then the split sizes follow. The
+    planner's trace replaces this with an even split (fake tensors hold no routing)."""
+    n = dist.get_world_size(group)
+    local = experts // n
+    tokens, k = top_k_index.shape
+    chosen = top_k_index.reshape(-1)
+    order = torch.argsort(chosen, stable=True)
+    source_token = torch.arange(tokens, device=top_k_index.device).repeat_interleave(k)[order]
+    per_expert = torch.bincount(chosen, minlength=experts)
+    counts_in = torch.empty_like(per_expert)
+    dist.all_to_all_single(counts_in, per_expert, group=group)
+    counts_in = counts_in.view(n, local)  # [source rank, local expert]
+    local_ids = torch.arange(local, device=top_k_index.device).repeat(n)
+    expert_of = torch.repeat_interleave(local_ids, counts_in.reshape(-1))
+    return Routes(order, source_token, per_expert, per_expert.view(n, local).sum(1).tolist(),
+                  counts_in.sum(1).tolist(), expert_of, counts_in.sum(0).tolist())
+
+
 def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' forward under expert parallelism: (T, H) tokens, (T, k) chosen experts and
     their weights -> (T, H), equal to the unsplit layer's output."""
     state: Dispatch = self.__dict__[_STATE]
-    group, experts = state.group, state.experts
-    n = dist.get_world_size(group)
-    local = experts // n
-    tokens, k = top_k_index.shape
-    chosen = top_k_index.reshape(-1)
-    order = torch.argsort(chosen, stable=True)  # by expert, hence by owning rank
-    source_token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
-    per_expert = torch.bincount(chosen, minlength=experts)
+    group = state.group
+    r = routes(top_k_index, state.experts, group)
     if torch.is_grad_enabled():  # training forwards only (an evaluation's routing is not the step's)
-        state.current[:] = [per_expert]
-    # exchange the per-expert counts first: rank j receives the counts of its own experts
-    counts_in = torch.empty_like(per_expert)
-    dist.all_to_all_single(counts_in, per_expert, group=group)
-    counts_in = counts_in.view(n, local)  # [source rank, local expert]
-    send = per_expert.view(n, local).sum(1).tolist()
-    recv = counts_in.sum(1).tolist()
-    received = _exchange(hidden[source_token], send, recv, group)
+        state.current[:] = [r.per_expert]
+    received = _exchange(hidden[r.source_token], r.send, r.recv, group)
     # the received tokens come by source rank, each source's by expert: regroup by local expert
-    local_ids = torch.arange(local, device=hidden.device).repeat(n)
-    expert_of = torch.repeat_interleave(local_ids, counts_in.reshape(-1))
-    by_expert = torch.argsort(expert_of, stable=True)
+    by_expert = torch.argsort(r.expert_of, stable=True)
     x = received[by_expert]
-    sizes = torch.bincount(expert_of, minlength=local).tolist()
+    sizes = r.sizes
     # (under an edp mesh: FSDP's unsharded parameter, this rank's experts whole)
     gate_up = _divided(_local(cast(torch.Tensor, self.gate_up_proj)), state.divisor)
     down = _divided(_local(cast(torch.Tensor, self.down_proj)), state.divisor)
@@ -292,10 +316,10 @@ def dispatch_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.T
         outs.append(nn.functional.linear(gate(nn.functional.linear(chunk, gate_up[e])), down[e]))
     y = torch.cat(outs) if outs else x
     y = y[torch.argsort(by_expert)]  # back to the order received
-    returned = _exchange(y, recv, send, group)
-    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    returned = _exchange(y, r.recv, r.send, group)
+    weights = top_k_weights.reshape(-1)[r.order].unsqueeze(-1)
     out = torch.zeros_like(hidden)
-    return out.index_add_(0, source_token, (returned * weights).to(hidden.dtype))
+    return out.index_add_(0, r.source_token, (returned * weights).to(hidden.dtype))
 
 
 def _gate(self: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, sharding: ShardingSection,
     """Steps 1-4 on `model`, in place (step 5 is the strategy's `setup_model`)."""
     if "tp" not in own_steps:
         model_parallel_step(model, dims, sharding)
-    expert_parallel_step(model, dims)
+    with recipes_kept(model):  # (an init_empty() model: its split experts keep their init)
+        expert_parallel_step(model, dims)
     context_parallel_step(model, dims, sharding.context_parallel)
     tiling_step(model, blocks, context_parallel=dims.cp > 1)
     blocks_step(model, blocks)
