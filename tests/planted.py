@@ -367,6 +367,16 @@ def _experts_init_dropped() -> None:
     _patch(steps, "recipes_kept", lambda model: contextlib.nullcontext())
 
 
+@fault("experts_replicas_unsummed", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_hybrid_replicas_left_unsummed_are_caught")
+def _experts_replicas_unsummed() -> None:
+    """Hybrid sharding's replicas each stepping their experts on their own tokens' gradient (never
+    summed across replicas): the first loss is right, the replicas drift apart after."""
+    from shardwise.strategies import fsdp
+
+    _patch(fsdp, "sum_over_replicas", lambda model: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

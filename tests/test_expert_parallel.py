@@ -22,7 +22,11 @@ load-balancing loss off unless said:
   4 processes   ep 4 under zero2 (one expert per rank; both families) and zero3 (Mixtral); ep 2 x data 2 under
                 zero3, Mixtral and Qwen2-MoE (each rank's 2 experts sharded again over the 2
                 ranks that hold them, FSDP over the edp mesh): the same tolerances, each rank
-                holding a quarter of every experts tensor.
+                holding a quarter of every experts tensor. Hybrid sharding (2 replicas of 2) with
+                ep 2 under zero3 (Mixtral): each rank holds half of every experts tensor, the
+                replicas' expert gradients summed; the same with 2 micro-batches per step
+                against one process on the step's 16 samples (summed once, at the synced one).
+                Planted: the replicas' expert gradients never summed: the hybrid check fails.
   init_empty    Mixtral zero3 and Qwen2-MoE zero2 at ep 2, Mixtral ep 2 x data 2 at 4: a normal
                 build's weights bit for bit, each rank holding its share of every experts tensor;
                 `engine.from_pretrained` of the export read into the ep 2 split bit for bit.
@@ -162,10 +166,10 @@ def _my_batches(engine: Any) -> list[dict[str, torch.Tensor]]:
 
 
 def _train(family: str, strategy: str, offload: str = "none", *, ep: int,
-           aux: bool = False) -> dict[str, Any]:
+           aux: bool = False, **extra: Any) -> dict[str, Any]:
     from shardwise.strategies.expert_parallel import sent_bytes
 
-    engine, model, opt = _prepared(family, strategy, ep, aux, offload=offload)
+    engine, model, opt = _prepared(family, strategy, ep, aux, offload=offload, **extra)
     experts = [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if "experts." in n]
     sent_bytes()
     steps, sent = [], []
@@ -266,8 +270,36 @@ def _two(folder: str) -> dict[Any, Any]:
     return out
 
 
+def _hybrid_accumulated() -> dict[str, Any]:
+    """Hybrid sharding (2 replicas of 2), ep 2, Mixtral zero3, 2 micro-batches per step (the
+    experts' gradients summed over the replicas once, at the synced micro-step): 4 ranks x 2
+    micro-batches of BATCH samples per step, the global batch of a dp 8 reference."""
+    engine, model, opt = _prepared("mixtral", "zero3", 2, shard_group_size=2, grad_accum_steps=2)
+    dp, rank = engine.parallel_dims.dp_size, engine.parallel_dims.dp_rank(engine.process_index)
+    data = samples(2 * dp * BATCH * STEPS)
+    losses, norms, step_losses = [], [], []
+    for s in range(STEPS):
+        mine = data[(2 * s * dp + 2 * rank) * BATCH:(2 * s * dp + 2 * rank + 2) * BATCH]
+        for micro in (mine[:BATCH], mine[BATCH:]):
+            with engine.accumulate(model):
+                loss = model(**{k: torch.stack([d[k] for d in micro]) for k in data[0]}).loss
+                engine.backward(loss)
+                step_losses.append(float(engine.reduce(loss.detach(), "mean")))
+                if engine.sync_gradients:
+                    norms.append(float(engine.clip_grad_norm_(model.parameters(), 1.0)))
+                    losses.append(sum(step_losses) / len(step_losses))
+                    step_losses = []
+                opt.step()
+                opt.zero_grad()
+    state = engine.get_state_dict(model)
+    engine.free_memory()
+    return {"losses": losses, "norms": norms, "state": state}
+
+
 def _four() -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case[:2], ep=case[2]) for case in FOUR}
+    out["hybrid"] = _train("mixtral", "zero3", ep=2, shard_group_size=2)  # 2 replicas of 2, ep 2
+    out["hybrid", "accumulated"] = _hybrid_accumulated()
     out["empty"] = _empty("mixtral", "zero3", 2)  # ep 2 x data 2: the experts' FSDP over the edp ranks
     return out
 
@@ -394,10 +426,23 @@ def test_ep4_and_ep2_by_data2_match_one_process() -> None:
         # 1/ep of the experts each, and below the group sharded over the edp ranks: 1/4 either way
         assert all(local * 4 == full for res in runs for local, full in res[case]["experts"])
     _check_empty([res["empty"] for res in runs], "mixtral", 4)  # init_empty at ep 2 x data 2
+    # hybrid sharding: each replica splits the experts over its 2 ranks (half of each tensor)
+    _check(runs, "hybrid", reference("mixtral", 4))
+    assert all(local * 2 == full for res in runs for local, full in res["hybrid"]["experts"])
+    _check(runs, ("hybrid", "accumulated"), reference("mixtral", 8))
 
 
 def _planted_case() -> dict[Any, Any]:
     return {TWO[0]: _train(*TWO[0], ep=2)}  # (the same run as the real test's first case)
+
+
+def _planted_hybrid() -> dict[Any, Any]:
+    return {"hybrid": _train("mixtral", "zero3", ep=2, shard_group_size=2)}  # (as the real test's)
+
+
+def test_hybrid_replicas_left_unsummed_are_caught() -> None:
+    runs = spawn(planted(_planted_hybrid, "experts_replicas_unsummed"), 4)
+    caught(_check, runs, "hybrid", reference("mixtral", 4))
 
 
 def _planted_empty() -> dict[str, Any]:

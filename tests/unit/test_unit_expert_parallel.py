@@ -28,12 +28,17 @@ def _one_line(err: pytest.ExceptionInfo[BaseException], *words: str) -> None:
     ("zero1", "torch", {}, ("zero2 or zero3", "zero1")),
     ("zero3", "deepspeed", {}, ("deepspeed", "backend: torch")),
     ("zero3", "torch", {"tp": 2}, ("tensor parallelism",)),
-    ("zero3", "torch", {"dp_replicate": 2}, ("hybrid sharding",)),
+    ("zero3", "torch", {"dp_replicate": 2, "dp_shard": 4},
+     ("hybrid sharding", "set expert_parallel_size to 4")),
 ])
 def test_layouts_refused(strategy: str, backend: str, sizes: dict[str, int], words: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError) as err:
         check_layout(_dims(**sizes), strategy, backend)
     _one_line(err, "expert_parallel_size=2", *words)
+
+
+def test_hybrid_sharding_at_ep_the_sharding_group_is_a_layout() -> None:
+    check_layout(_dims(dp_replicate=2), "zero3", "torch")  # 2 replicas of 2, ep 2: each replica splits
 
 
 def test_ep_one_is_nothing() -> None:

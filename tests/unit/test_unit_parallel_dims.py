@@ -149,7 +149,7 @@ def test_bad_sizes_are_refused_at_construction(config: dict, message: str) -> No
      "shard_group_size (4 processes: 4 data-parallel ranks) and parallelism.dp_shard=2 disagree"),
     (8, {"strategy": "zero3", "parallelism": {"cp": 3}}, "cp=3 x tp=1 does not divide the 8 processes"),
     (8, {"strategy": "zero3", "parallelism": {"ep": 2, "tp": 2}},
-     "expert_parallel_size=2: this version splits experts within the sharding group only"),
+     "expert_parallel_size=2: this version splits experts without context or tensor parallelism"),
     (8, {"strategy": "zero3", "parallelism": {"ep": 3}}, "ep=3 does not divide dp_shard x cp = 8"),
     (6, {"strategy": "zero3", "parallelism": {"tp": 4}}, "tensor_parallel_size=4 does not divide the 6"),
 ])

@@ -208,7 +208,7 @@ class PlanRequest:
                 c.tensor_parallel_size > 1 or c.shard_group_size is not None for c in self.candidates or ()
                 if c.expert_parallel_size > 1)):
             raise PlanError("--expert-parallel-size with tensor or context parallelism or hybrid sharding: "
-                            "shardwise splits experts within one sharding group only; plan it alone")
+                            "the planner plans expert parallelism on full sharding only; plan it alone")
         for c in self.candidates or ():
             if c.expert_parallel_size > 1 and not c.strategy_spec.shards_grads:
                 raise PlanError(f"{c.name}: expert parallelism needs zero2 or zero3 (the experts are split "

@@ -19,8 +19,10 @@ rank's tokens, so they are divided by the data-parallel size (`_Divided`), as FS
 others (the gradient of the mean of the ranks' losses).
 
 At ep below the sharding group the ranks holding the same experts shard them further (the
-data-parallel step's FSDP units over the edp mesh, as torchtitan's efsdp). Context and tensor
-parallelism and hybrid sharding are refused in one line (`check_layout`).
+data-parallel step's FSDP units over the edp mesh, as torchtitan's efsdp). Under hybrid sharding
+(ep = dp_shard) each replica holds the same experts, their gradients summed over the replicas at
+each synced backward (`sum_over_replicas`). Context and tensor parallelism, and hybrid sharding
+with ep below the sharding group, are refused in one line (`check_layout`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ IMPLEMENTATION = "shardwise_ep"
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _SPLIT = "shardwise_expert_params"  # the root module's set of the split parameters' ids
 _STATE = "shardwise_dispatch"  # each split experts module's `Dispatch`
+_SYNC = "shardwise_experts_sync"  # the root module's [bool]: sum the experts' gradients over replicas
+_REPLICAS = "shardwise_experts_replicas"  # the root module's replica group (hybrid sharding)
 
 
 @dataclass(frozen=True)
@@ -89,9 +93,13 @@ def check_layout(dims: ParallelDims, strategy: str, backend: str) -> None:
     if strategy not in ("zero2", "zero3"):
         raise ConfigError(f"{where} needs strategy zero2 or zero3 (got {strategy}): the experts are split "
                           "over the sharding group")
-    if dims.cp > 1 or dims.tp > 1 or dims.dp_replicate > 1:
-        raise ConfigError(f"{where}: this version splits experts within the sharding group only (no "
-                          "context or tensor parallelism, no hybrid sharding); set those to 1")
+    if dims.cp > 1 or dims.tp > 1:
+        raise ConfigError(f"{where}: this version splits experts without context or tensor parallelism; "
+                          "set those to 1")
+    if dims.dp_replicate > 1 and dims.ep != dims.dp_shard:
+        raise ConfigError(f"{where} with hybrid sharding ({dims.dp_replicate} replicas of {dims.dp_shard}): "
+                          "this version splits experts over the whole sharding group only; set "
+                          f"expert_parallel_size to {dims.dp_shard}")
 
 
 def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parameter]:
@@ -138,9 +146,40 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
     if any(getattr(m, "config", None) is not None for _, m in layers):
         model.set_experts_implementation(IMPLEMENTATION)  # type: ignore[operator]
     model.__dict__[_SPLIT] = {id(p) for p in params}  # read by `expert_params`
+    if dims.dp_replicate > 1:  # the replicas' experts: their gradients summed across replicas
+        model.__dict__[_REPLICAS] = dims.world_mesh["dp_replicate"].get_group()
     model.register_forward_pre_hook(_commit_all)  # each forward's routing counted once (`Dispatch.current`)
     log.info("prepare: %d experts modules split over %d ranks (expert parallelism)", len(layers), dims.ep)
     return params
+
+
+def sum_over_replicas(model: nn.Module) -> None:
+    """Hybrid sharding: the data-parallel step leaves the experts alone, so their gradients (each
+    the sum over its replica's tokens, divided by every data-parallel rank: `_Divided`) are
+    all-reduced over the replicas here, once the gradient is whole: at each backward that syncs
+    (`gradient_sync`: off during the micro-steps of an accumulation, whose sum the synced
+    backward then all-reduces once). Called by the strategy once the model is laid out: moving
+    a model swaps its DTensor parameters' contents (`swap_tensors`), and their hooks with them."""
+    group = model.__dict__.get(_REPLICAS)
+    if group is None:
+        return
+    params = [p for p in model.parameters() if id(p) in model.__dict__[_SPLIT]]
+    syncing = model.__dict__.setdefault(_SYNC, [True])
+
+    def hook(p: torch.Tensor) -> None:
+        if syncing[0] and p.grad is not None:
+            dist.all_reduce(_local(p.grad), group=group)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether backward sums the experts' gradients over hybrid sharding's replicas (the
+    strategy's `no_sync` turns it off with FSDP's own reduction)."""
+    syncing = model.__dict__.get(_SYNC)
+    if syncing is not None:
+        syncing[0] = enabled
 
 
 def expert_params(model: nn.Module) -> set[nn.Parameter]:
@@ -365,5 +404,5 @@ def take_load(models: list[nn.Module], steps: int, device: torch.device) -> list
     return (table / max(1, steps)).tolist()
 
 
-__all__ = ["IMPLEMENTATION", "check_layout", "dispatch_forward", "expert_parallel_step",
-           "expert_params", "expert_units", "experts_modules", "sent_bytes", "take_load"]
+__all__ = ["IMPLEMENTATION", "check_layout", "dispatch_forward", "expert_parallel_step", "expert_params",
+           "expert_units", "experts_modules", "gradient_sync", "sent_bytes", "sum_over_replicas", "take_load"]

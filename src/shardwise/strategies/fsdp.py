@@ -55,7 +55,7 @@ from ..weights.adapters import is_peft_model, unwrapped
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks, keep_ties_whole
 from .direct_calls import generate_as_forward, route_fsdp_calls
-from .expert_parallel import expert_params, expert_units
+from .expert_parallel import expert_params, expert_units, gradient_sync, sum_over_replicas
 from .frozen import for_inference
 from .sharded_optim import optimizer_runner
 
@@ -158,10 +158,12 @@ def _model_no_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2's `set_requires_gradient_sync(False)` for the block: backward keeps the units'
     gradients unsharded and local; the next synced backward reduce-scatters their sum once."""
     cast(FSDPModule, model).set_requires_gradient_sync(False)
+    gradient_sync(model, False)  # (hybrid sharding's experts, which FSDP leaves alone)
     try:
         yield
     finally:
         cast(FSDPModule, model).set_requires_gradient_sync(True)
+        gradient_sync(model, True)
 
 
 class FSDPStrategy(Strategy):
@@ -213,6 +215,7 @@ class FSDPStrategy(Strategy):
         )
         if empty is not None:  # sharded while empty: each process allocates its shards only
             self.fill(model, empty, "cpu" if offload_params else self.info.device)
+        sum_over_replicas(model)  # (hybrid sharding's experts, once their tensors are final)
         if not hasattr(model, "no_sync"):  # DDP's `model.no_sync()`, which scripts call on any prepared model
             model.__dict__["no_sync"] = types.MethodType(_model_no_sync, model)
         model.register_forward_hook(reshard_after_no_grad)  # after FSDP2's own post-forward hook
