@@ -158,8 +158,10 @@ def sum_over_replicas(model: nn.Module) -> None:
     the sum over its replica's tokens, divided by every data-parallel rank: `_Divided`) are
     all-reduced over the replicas here, once the gradient is whole: at each backward that syncs
     (`gradient_sync`: off during the micro-steps of an accumulation, whose sum the synced
-    backward then all-reduces once). Called by the strategy once the model is laid out: moving
-    a model swaps its DTensor parameters' contents (`swap_tensors`), and their hooks with them."""
+    backward then all-reduces once). Called by the strategy once the model is laid out: hooks
+    registered on the experts as this step splits them were seen never to fire (laying the model
+    out replaces the DTensor parameters' tensors: torch swaps a subclass parameter's contents
+    when it moves a module).
     group = model.__dict__.get(_REPLICAS)
     if group is None:
         return
