@@ -161,7 +161,7 @@ def sum_over_replicas(model: nn.Module) -> None:
     backward then all-reduces once). Called by the strategy once the model is laid out: hooks
     registered on the experts as this step splits them were seen never to fire (laying the model
     out replaces the DTensor parameters' tensors: torch swaps a subclass parameter's contents
-    when it moves a module).
+    when it moves a module)."""
     group = model.__dict__.get(_REPLICAS)
     if group is None:
         return

@@ -27,7 +27,9 @@ import itertools
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -207,6 +209,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local
 
 
+STALE_BUILD_LOCK_S = 900.0  # a CPUAdam build takes about a minute here; a lock this old is left over
+
+
+def stale_build_lock(name: str, now: float | None = None) -> Path | None:
+    """The `lock` file torch's extension builder keeps in `name`'s build folder while it builds,
+    when it is older than `STALE_BUILD_LOCK_S`: left by a build that was killed, it makes every
+    later build wait for ever (torch's FileBaton). The folder is torch's: TORCH_EXTENSIONS_DIR/name,
+    else <cache>/torch_extensions/<python and device tag>/name."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        locks = [Path(root) / name / "lock"]
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        locks = sorted(Path(cache, "torch_extensions").glob(f"*/{name}/lock"))
+    now = time.time() if now is None else now
+    for lock in locks:
+        try:
+            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                return lock
+        except OSError:  # (gone meanwhile: a build just ended)
+            continue
+    return None
+
+
 def _cpu_adam_op() -> Any:
     """DeepSpeed's CPUAdam op, built on first use (DeepSpeed's JIT build, cached on disk)."""
     try:
@@ -214,6 +240,12 @@ def _cpu_adam_op() -> Any:
     except ImportError as e:
         raise ValueError("host_kernel='deepspeed' needs DeepSpeed: pip install 'shardwise[deepspeed]', "
                          f"or host_kernel='torch' ({e})") from None
+    lock = stale_build_lock(CPUAdamBuilder.NAME)
+    if lock is not None:
+        minutes = (time.time() - lock.stat().st_mtime) / 60
+        raise ValueError(f"host_kernel='deepspeed': {lock} is a build lock {minutes:.0f} minutes old, left "
+                         "by a build of DeepSpeed's CPUAdam op that was stopped (torch would wait for it for "
+                         "ever); delete that file, or use host_kernel='torch'")
     try:
         return CPUAdamBuilder().load(verbose=False)
     except (ImportError, OSError, RuntimeError, subprocess.SubprocessError) as e:  # a compiler missing, say
