@@ -149,25 +149,32 @@ def _measure(name: str, candidates: list[Candidate], steps: int = 2) -> list[int
                                   activation_checkpointing=cand.activation_checkpointing)
         model = copy.deepcopy(template)
         optimizer = _optimizer(name)(model.parameters())
-        live = LiveStorage()
-        for t in list(model.parameters()) + list(model.buffers()):
-            live.tensor(t)
-        with live:
-            model, optimizer = engine.prepare(model, optimizer)
-            live.peak = live.now  # the training steps' peak, not prepare's
-            out = None
-            for _ in range(steps):
-                batch_data = spec.make_batch(batch)
-                out = model(**batch_data)
-                loss = out.loss
-                engine.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            del out, loss, batch_data
-        peaks.append(live.peak)
+        peaks.append(peak_of_steps(engine, model, optimizer, lambda: spec.make_batch(batch), steps))
         del model, optimizer, engine
         gc.collect()
     return peaks
+
+
+def peak_of_steps(engine: Any, model: Any, optimizer: Any, make_batch: Any, steps: int) -> int:
+    """Peak live tensor bytes of `steps` training steps (`out = model(**batch)`, `engine.backward(
+    out.loss)`, `step`, `zero_grad`) after `engine.prepare(model, optimizer)`, prepare's own peak
+    left out (the model's tensors counted from the start)."""
+    live = LiveStorage()
+    for t in list(model.parameters()) + list(model.buffers()):
+        live.tensor(t)
+    with live:
+        model, optimizer = engine.prepare(model, optimizer)
+        live.peak = live.now  # the training steps' peak, not prepare's
+        out = None
+        for _ in range(steps):
+            batch_data = make_batch()
+            out = model(**batch_data)
+            loss = out.loss
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        del out, loss, batch_data
+    return live.peak
 
 
 def _predict(name: str, candidates: list[Candidate]) -> Plan:

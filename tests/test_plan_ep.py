@@ -35,7 +35,7 @@ import torch
 from planted import caught, planted
 from spawn import spawn
 from test_expert_parallel import SEQ, VOCAB, build
-from test_plan import TOLERANCE, LiveStorage
+from test_plan import TOLERANCE, peak_of_steps
 
 from shardwise import cli
 from shardwise.plan import Candidate, Plan, PlanRequest, plan_module
@@ -130,24 +130,9 @@ def _measure(cands: list[Candidate]) -> dict[str, Any]:
                                   expert_parallel_size=cand.expert_parallel_size)
         model = copy.deepcopy(template)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        live = LiveStorage()
-        for t in list(model.parameters()) + list(model.buffers()):
-            live.tensor(t)
         torch.manual_seed(1 + engine.process_index)
-        with live:
-            model, optimizer = engine.prepare(model, optimizer)
-            live.peak = live.now
-            sent_bytes()
-            out = None
-            for _ in range(2):
-                batch = _batch()
-                out = model(**batch)
-                loss = out.loss
-                engine.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            del out, loss, batch
-        peaks.append(live.peak)
+        sent_bytes()  # (prepare dispatches nothing)
+        peaks.append(peak_of_steps(engine, model, optimizer, _batch, 2))
         sent.append(sent_bytes())
         engine.end_training()
         del model, optimizer, engine

@@ -170,9 +170,8 @@ class Fitted:
 
     def comm_seconds(self, hw: Hardware) -> float:
         w = self._weights(self.batches[0])
-        kinds = {kind for r in self.traces.values() for kind in r.comm_bytes}
         total = 0.0
-        for kind in kinds:
+        for kind in self.comm_kinds():
             nbytes = sum(x * self.traces[k].comm_bytes.get(kind, 0.0) for k, x in w.items())
             total += nbytes * comm_factor(kind, self.world)
         return total / hw.interconnect

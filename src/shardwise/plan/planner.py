@@ -479,22 +479,17 @@ def check_tp_plan(spec: ModelSpec, tp: int) -> None:
 
 
 def check_ep_plan(spec: ModelSpec, ep: int) -> None:
-    """Refuse, in one line, expert-parallel candidates for a model with no experts module shardwise
-    splits, or whose experts `ep` does not divide (built on fake tensors, cut to the traced depth)."""
-    from ..strategies.expert_parallel import experts_modules
+    """Refuse, in one line, expert-parallel candidates for a model whose experts the step would
+    refuse to split (`expert_parallel.experts_to_split`; built on fake tensors, cut to the traced
+    depth)."""
+    from ..strategies.expert_parallel import experts_to_split
 
     with fake_mode():
         model = spec.build(TRACE_DEPTHS[0] if spec.depth is not None else None)
-    layers = experts_modules(model)
-    if not layers:
-        raise PlanError(f"--expert-parallel-size {ep}: {spec.name} has no mixture-of-experts layer shardwise "
-                        "splits (fused experts modules: gate_up_proj, down_proj, num_experts); plan it "
-                        "without --expert-parallel-size")
-    for name, m in layers:
-        count = int(m.num_experts)  # type: ignore[arg-type]
-        if count % ep:
-            raise PlanError(f"--expert-parallel-size {ep} does not divide {name}'s {count} experts; choose a "
-                            "divisor of it")
+    try:
+        experts_to_split(model, ep, f"--expert-parallel-size {ep}", "plan it without --expert-parallel-size")
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
 
 
 def trace_depths(cand: Candidate, depth: int | None) -> tuple[int, int] | None:

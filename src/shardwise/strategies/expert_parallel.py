@@ -102,31 +102,38 @@ def check_layout(dims: ParallelDims, strategy: str, backend: str) -> None:
                           f"expert_parallel_size to {dims.dp_shard}")
 
 
+def experts_to_split(model: nn.Module, ep: int, where: str, without: str) -> list[tuple[str, nn.Module]]:
+    """The experts modules `ep` splits, or a one-line ConfigError starting with `where` (the key
+    or flag that asked for it) and ending with `without` (how to do without): no experts module,
+    GPT-OSS's layout, a count of experts `ep` does not divide. The step and the planner ask it."""
+    layers = experts_modules(model)
+    if not layers:
+        raise ConfigError(f"{where}: {type(model).__name__} has no mixture-of-experts layer shardwise can "
+                          "split (transformers' fused experts modules: gate_up_proj, down_proj, "
+                          f"num_experts); {without}")
+    for name, m in layers:
+        if getattr(m, "is_transposed", False) or getattr(m, "has_bias", False) or \
+                not getattr(m, "has_gate", True) or getattr(m, "has_post_expert_norm", False):
+            raise ConfigError(f"{where}: {name} ({type(m).__name__}) stores its experts transposed or with "
+                              "biases (GPT-OSS's layout), which this version does not split")
+        count = int(getattr(m, "num_experts"))  # noqa: B009 (a plain int attribute, for mypy)
+        if count % ep:
+            raise ConfigError(f"{where} does not divide {name}'s {count} experts; choose a divisor of it")
+    return layers
+
+
 def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parameter]:
     """Split every experts module of `model` over the expert-parallel group, in place; returns the
     expert parameters (the data-parallel step leaves them out). Nothing at ep 1."""
     if dims.ep == 1:
         return []
-    layers = experts_modules(model)
-    if not layers:
-        raise ConfigError(f"expert_parallel_size={dims.ep}: {type(model).__name__} has no mixture-of-experts "
-                          "layer shardwise can split (transformers' fused experts modules: gate_up_proj, "
-                          "down_proj, num_experts); use expert_parallel_size 1")
-    for name, m in layers:
-        if getattr(m, "is_transposed", False) or getattr(m, "has_bias", False) or \
-                not getattr(m, "has_gate", True) or getattr(m, "has_post_expert_norm", False):
-            raise ConfigError(f"expert_parallel_size={dims.ep}: {name} ({type(m).__name__}) stores its "
-                              "experts transposed or with biases (GPT-OSS's layout), which this version "
-                              "does not split")
-        count = int(getattr(m, "num_experts"))  # noqa: B009 (a plain int attribute, for mypy)
-        if count % dims.ep:
-            raise ConfigError(f"expert_parallel_size={dims.ep} does not divide {name}'s {count} "
-                              "experts")
+    where = f"expert_parallel_size={dims.ep}"
+    layers = experts_to_split(model, dims.ep, where, "use expert_parallel_size 1")
     mesh, edp = expert_mesh(dims)
     group = mesh.get_group()
     _register()
     params: list[nn.Parameter] = []
-    for _, m in layers:
+    for name, m in layers:
         for p in EXPERT_PARAMS:
             full = getattr(m, p)
             split = nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)]),
@@ -407,4 +414,5 @@ def take_load(models: list[nn.Module], steps: int, device: torch.device) -> list
 
 
 __all__ = ["IMPLEMENTATION", "check_layout", "dispatch_forward", "expert_parallel_step", "expert_params",
-           "expert_units", "experts_modules", "gradient_sync", "sent_bytes", "sum_over_replicas", "take_load"]
+           "expert_units", "experts_modules", "experts_to_split", "gradient_sync", "sent_bytes",
+           "sum_over_replicas", "take_load"]
