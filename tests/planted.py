@@ -377,6 +377,39 @@ def _experts_replicas_unsummed() -> None:
     _patch(fsdp, "sum_over_replicas", lambda model: None)
 
 
+@fault("experts_edp_unsummed", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_zero1_experts_holders_unsummed_are_caught")
+def _experts_edp_unsummed() -> None:
+    """zero1 at ep 2 x data 2: the two ranks holding the same experts (DDP leaves them out) each
+    step them on their own tokens' gradient, never summed: the first loss is right, then they drift."""
+    from shardwise.strategies import ddp
+
+    _patch(ddp, "sum_over_replicas", lambda model: None)
+
+
+@fault("experts_optimizer_unsplit", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_zero1_experts_optimizer_kept_whole_is_caught")
+def _experts_optimizer_unsplit() -> None:
+    """zero1 at ep 2 x data 2: each rank steps its experts whole, their optimizer state not split
+    over the ranks holding the same experts (every number stays right)."""
+    from shardwise.strategies import ddp
+
+    held = ddp.experts_held_whole
+    _patch(ddp, "experts_held_whole", lambda model, dims: dict.fromkeys(held(model, dims)))
+
+
+@fault("experts_fused_swapped", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_experts_fused_in_the_wrong_order_are_caught")
+def _experts_fused_swapped() -> None:
+    """Experts stored one by one fused with up before gate (each expert's two halves swapped):
+    every shape and key matches, every value is one the file holds."""
+    from shardwise.weights import loading
+
+    swapped = {name: tuple(tuple(reversed(names)) for names in namings)
+               for name, namings in loading._FUSED_FROM.items()}
+    loading._FUSED_FROM = swapped  # (a table, not a function: `_patch` wraps functions)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -50,9 +50,10 @@ from torch.utils.data import DataLoader
 SEQ, VOCAB, BATCH, STEPS, LR = 16, 64, 2, 3, 1e-2
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5
 TWO = [("mixtral", "zero3"), ("mixtral", "zero2"), ("qwen", "zero3"), ("qwen", "zero2"),
-       ("mixtral", "zero3", "params"), ("qwen", "zero2", "optimizer"), ("own", "zero3")]
+       ("mixtral", "zero3", "params"), ("qwen", "zero2", "optimizer"), ("own", "zero3"), ("mixtral", "zero1"),
+       ("qwen", "zero1", "optimizer")]
 FOUR = [("mixtral", "zero2", 4), ("mixtral", "zero3", 4), ("mixtral", "zero3", 2), ("qwen", "zero3", 2),
-        ("qwen", "zero2", 4)]
+        ("qwen", "zero2", 4), ("mixtral", "zero1", 2), ("qwen", "zero1", 4)]
 
 
 def build(family: str, aux: bool = False) -> nn.Module:
@@ -177,15 +178,21 @@ def _train(family: str, strategy: str, offload: str = "none", *, ep: int,
         steps.append(_step(engine, model, opt, b))
         sent.append(sent_bytes())
     state = engine.get_state_dict(model)
+    # zero1: the per-element optimizer state this rank keeps (AdamW: exp_avg, exp_avg_sq; local
+    # shards), against the model's elements (DTensor: global)
+    inner = engine.session.optimizers[0].runner._inner if strategy == "zero1" else []
+    held = sum(v.numel() for o in inner for st in o.state.values() for v in st.values() if v.dim() > 0)
+    numel = sum(p.numel() for p in model.parameters())
     engine.free_memory()
     return {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "state": state,
-            "experts": experts, "sent": sent}
+            "experts": experts, "sent": sent, "opt_state": held, "numel": numel}
 
 
-def _resume(folder: str) -> dict[str, Any]:
-    """ep 2 -> plain zero3 -> ep 2, Mixtral: each load bit-identical, the step after the round
-    trip the straight run's."""
-    engine, model, opt = _prepared("mixtral", "zero3", 2)
+def _resume(folder: str, first: tuple[str, int] = ("zero3", 2),
+            middle: tuple[str, int] = ("zero3", 1)) -> dict[str, Any]:
+    """`first` (strategy, ep) -> `middle` -> `first` again, Mixtral (by default ep 2 -> plain
+    zero3 -> ep 2): each load bit-identical, the step after the round trip the straight run's."""
+    engine, model, opt = _prepared("mixtral", *first)
     batches = _my_batches(engine)
     for b in batches[:-1]:
         _step(engine, model, opt, b)
@@ -194,12 +201,12 @@ def _resume(folder: str) -> dict[str, Any]:
     straight = _step(engine, model, opt, batches[-1]), engine.get_state_dict(model)
     engine.save_model(model, f"{folder}/export")
     engine.free_memory()
-    plain, model, opt = _prepared("mixtral", "zero3", 1)
+    plain, model, opt = _prepared("mixtral", *middle)
     plain.load_state(f"{folder}/ep2")
     into_plain = plain.get_state_dict(model)
     plain.save_state(f"{folder}/plain")
     plain.free_memory()
-    back, model, opt = _prepared("mixtral", "zero3", 2)
+    back, model, opt = _prepared("mixtral", *first)
     back.load_state(f"{folder}/plain")
     into_ep = back.get_state_dict(model)
     after = _step(back, model, opt, batches[-1]), back.get_state_dict(model)
@@ -259,6 +266,22 @@ def _empty(family: str, strategy: str, ep: int, export: str | None = None) -> di
     return out
 
 
+def _per_expert(folder: str, family: str, strategy: str) -> dict[str, Any]:
+    """`engine.from_pretrained` of transformers' own save (the experts stored one by one), read
+    into the ep 2 split: the gathered weights, and each rank's share of every experts tensor."""
+    from transformers import AutoModelForCausalLM
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=2)
+    model = engine.prepare(engine.from_pretrained(AutoModelForCausalLM, f"{folder}/hf_{family}"))
+    out = {"empty": engine.get_state_dict(model),
+           "experts": [(p.to_local().numel(), p.numel()) for n, p in model.named_parameters()
+                       if "experts." in n]}
+    engine.free_memory()
+    return out
+
+
 def _two(folder: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case, ep=2) for case in TWO}
     out["aux"] = _train("mixtral", "zero3", ep=2, aux=True)
@@ -266,15 +289,17 @@ def _two(folder: str) -> dict[Any, Any]:
     out["resume"] = _resume(folder)
     out["empty"] = _empty("mixtral", "zero3", 2, f"{folder}/export")
     out["empty", "qwen"] = _empty("qwen", "zero2", 2)
+    out["per_expert", "mixtral"] = _per_expert(folder, "mixtral", "zero3")
+    out["per_expert", "qwen"] = _per_expert(folder, "qwen", "zero1")
     out["metrics"] = _metrics(folder)
     return out
 
 
-def _hybrid_accumulated() -> dict[str, Any]:
-    """Hybrid sharding (2 replicas of 2), ep 2, Mixtral zero3, 2 micro-batches per step (the
-    experts' gradients summed over the replicas once, at the synced micro-step): 4 ranks x 2
-    micro-batches of BATCH samples per step, the global batch of a dp 8 reference."""
-    engine, model, opt = _prepared("mixtral", "zero3", 2, shard_group_size=2, grad_accum_steps=2)
+def _accumulated(strategy: str, **extra: Any) -> dict[str, Any]:
+    """ep 2, Mixtral, 2 micro-batches per step: hybrid sharding's replicas (zero3, 2 of 2) or
+    zero1's edp ranks (DDP) sum the experts' gradients once, at the synced micro-step. 4 ranks x
+    2 micro-batches of BATCH samples per step, the global batch of a dp 8 reference."""
+    engine, model, opt = _prepared("mixtral", strategy, 2, grad_accum_steps=2, **extra)
     dp, rank = engine.parallel_dims.dp_size, engine.parallel_dims.dp_rank(engine.process_index)
     data = samples(2 * dp * BATCH * STEPS)
     losses, norms, step_losses = [], [], []
@@ -296,10 +321,14 @@ def _hybrid_accumulated() -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": state}
 
 
-def _four() -> dict[Any, Any]:
+def _four(folder: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case[:2], ep=case[2]) for case in FOUR}
     out["hybrid"] = _train("mixtral", "zero3", ep=2, shard_group_size=2)  # 2 replicas of 2, ep 2
-    out["hybrid", "accumulated"] = _hybrid_accumulated()
+    out["hybrid", "accumulated"] = _accumulated("zero3", shard_group_size=2)
+    out["hybrid", "zero1"] = _train("mixtral", "zero1", ep=2, shard_group_size=2)
+    out["accumulated", "zero1"] = _accumulated("zero1")  # ep 2 x data 2: the edp ranks' sum
+    out["resume"] = _resume(folder, ("zero1", 2), ("zero3", 4))  # zero1 ep 2 x data 2 -> zero3 ep 4 -> back
+    out["empty", "zero1"] = _empty("mixtral", "zero1", 2)  # ep 2 x data 2: DDP holds the experts whole
     out["empty"] = _empty("mixtral", "zero3", 2)  # ep 2 x data 2: the experts' FSDP over the edp ranks
     return out
 
@@ -307,6 +336,8 @@ def _four() -> dict[Any, Any]:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[Any, Any]], str]:
     folder = str(tmp_path_factory.mktemp("ep"))
+    for family in ("mixtral", "qwen"):  # transformers' own save: the experts one by one
+        build(family).save_pretrained(f"{folder}/hf_{family}")
     return spawn(_two, 2, folder), folder
 
 
@@ -321,12 +352,24 @@ def _check(runs: list[dict[Any, Any]], case: Any, ref: dict[str, Any]) -> None:
     assert worst <= WEIGHT_TOL, (case, worst)
 
 
+def _check_zero1_state(runs: list[dict[Any, Any]], case: Any, group: int) -> None:
+    """zero1: the optimizer's per-element state (AdamW: 2 per element) split over each group of
+    `group` ranks, the split experts' included: together the group's ranks hold every element
+    once, and each about 1/group of them (a space's last range is short by its padding)."""
+    held = [res[case]["opt_state"] for res in runs]
+    numel = runs[0][case]["numel"]
+    assert sum(held) == 2 * numel * len(runs) // group, (case, held, numel)
+    assert all(h <= 2 * (numel // group + 2) for h in held), (case, held, numel)
+
+
 @pytest.mark.parametrize("case", TWO, ids=["-".join(c) for c in TWO])
 def test_ep2_matches_one_process(two: tuple[list[dict[Any, Any]], str], case: tuple[str, ...]) -> None:
     runs = two[0]
     _check(runs, case, reference(case[0], 2))
     for res in runs:  # each rank holds half of every experts tensor, and only that
         assert res[case]["experts"] and all(local * 2 == full for local, full in res[case]["experts"])
+    if case[1] == "zero1":
+        _check_zero1_state(runs, case, 2)
 
 
 def test_the_load_balancing_loss_is_the_data_parallel_runs(two: tuple[list[dict[Any, Any]], str]) -> None:
@@ -337,13 +380,7 @@ def test_the_load_balancing_loss_is_the_data_parallel_runs(two: tuple[list[dict[
 
 
 def test_a_checkpoint_resumes_across_expert_parallel_sizes(two: tuple[list[dict[Any, Any]], str]) -> None:
-    run = two[0][0]["resume"]
-    saved = run["saved"]
-    assert saved and all(torch.equal(run["into_plain"][k], v) for k, v in saved.items())
-    assert all(torch.equal(run["into_ep"][k], v) for k, v in saved.items())
-    assert run["after"][0] == pytest.approx(run["straight"][0], abs=1e-7)
-    worst = max((run["after"][1][k] - v).abs().max().item() for k, v in run["straight"][1].items())
-    assert worst <= 1e-7, worst
+    _check_resumed(two[0][0]["resume"])
 
 
 def test_the_export_loads_in_a_plain_process(two: tuple[list[dict[Any, Any]], str]) -> None:
@@ -379,6 +416,16 @@ def test_init_empty_and_from_pretrained_fill_each_ranks_experts(
     exported, loaded = runs[0]["resume"]["straight"][1], runs[0]["empty"]["pretrained"]
     assert exported and loaded.keys() == exported.keys()
     assert all(torch.equal(loaded[k], v) for k, v in exported.items())
+
+
+def test_from_pretrained_fuses_experts_stored_one_by_one(two: tuple[list[dict[Any, Any]], str]) -> None:
+    """transformers' own save_pretrained writes the experts one by one (Mixtral's
+    `block_sparse_moe.experts.N.w1/w2/w3`, Qwen2-MoE's `experts.N.gate_proj/up_proj/down_proj`);
+    `engine.from_pretrained` reads them fused, each rank its own experts, into the ep 2 split
+    (Mixtral zero3, Qwen2-MoE zero1): the saved model's weights bit for bit."""
+    runs = two[0]
+    _check_empty([res["per_expert", "mixtral"] for res in runs], "mixtral", 2)
+    _check_empty([res["per_expert", "qwen"] for res in runs], "qwen", 2)
 
 
 def test_tokens_per_expert_are_recorded_and_plotted(two: tuple[list[dict[Any, Any]], str]) -> None:
@@ -419,10 +466,14 @@ def test_the_all_to_all_moves_what_the_routing_says(two: tuple[list[dict[Any, An
     assert crossing > 0 and sent == 4 * crossing * 32 * 4, (sent, crossing)
 
 
-def test_ep4_and_ep2_by_data2_match_one_process() -> None:
-    runs = spawn(_four, 4)
+def test_ep4_and_ep2_by_data2_match_one_process(tmp_path: Any) -> None:
+    runs = spawn(_four, 4, str(tmp_path))
     for case in FOUR:
         _check(runs, case, reference(case[0], 4))
+        if case[1] == "zero1":  # DDP holds the experts whole over the edp ranks (1/ep each) ...
+            assert all(local * case[2] == full for res in runs for local, full in res[case]["experts"])
+            _check_zero1_state(runs, case, 4)  # ... and their optimizer steps are split over them
+            continue
         # 1/ep of the experts each, and below the group sharded over the edp ranks: 1/4 either way
         assert all(local * 4 == full for res in runs for local, full in res[case]["experts"])
     _check_empty([res["empty"] for res in runs], "mixtral", 4)  # init_empty at ep 2 x data 2
@@ -430,6 +481,21 @@ def test_ep4_and_ep2_by_data2_match_one_process() -> None:
     _check(runs, "hybrid", reference("mixtral", 4))
     assert all(local * 2 == full for res in runs for local, full in res["hybrid"]["experts"])
     _check(runs, ("hybrid", "accumulated"), reference("mixtral", 8))
+    _check(runs, ("hybrid", "zero1"), reference("mixtral", 4))  # zero1: each replica's group of 2
+    assert all(local * 2 == full for res in runs for local, full in res["hybrid", "zero1"]["experts"])
+    _check_zero1_state(runs, ("hybrid", "zero1"), 2)
+    _check(runs, ("accumulated", "zero1"), reference("mixtral", 8))
+    _check_resumed(runs[0]["resume"])
+    _check_empty([res["empty", "zero1"] for res in runs], "mixtral", 2)
+
+
+def _check_resumed(run: dict[str, Any]) -> None:
+    saved = run["saved"]
+    assert saved and all(torch.equal(run["into_plain"][k], v) for k, v in saved.items())
+    assert all(torch.equal(run["into_ep"][k], v) for k, v in saved.items())
+    assert run["after"][0] == pytest.approx(run["straight"][0], abs=1e-7)
+    worst = max((run["after"][1][k] - v).abs().max().item() for k, v in run["straight"][1].items())
+    assert worst <= 1e-7, worst
 
 
 def _planted_case() -> dict[Any, Any]:
@@ -457,3 +523,24 @@ def test_an_empty_build_losing_the_experts_init_is_caught() -> None:
 def test_experts_gradients_left_summed_are_caught() -> None:
     runs = spawn(planted(_planted_case, "experts_gradient_summed"), 2)
     caught(_check, runs, TWO[0], reference("mixtral", 2))
+
+
+def _planted_zero1() -> dict[Any, Any]:
+    return {FOUR[5]: _train(*FOUR[5][:2], ep=FOUR[5][2])}  # zero1 ep 2 x data 2 (as the real test's)
+
+
+def test_zero1_experts_holders_unsummed_are_caught() -> None:
+    runs = spawn(planted(_planted_zero1, "experts_edp_unsummed"), 4)
+    caught(_check, runs, FOUR[5], reference("mixtral", 4))
+
+
+def test_zero1_experts_optimizer_kept_whole_is_caught() -> None:
+    runs = spawn(planted(_planted_zero1, "experts_optimizer_unsplit"), 4)
+    _check(runs, FOUR[5], reference("mixtral", 4))  # every number right ...
+    caught(_check_zero1_state, runs, FOUR[5], 4)  # ... the state whole on each holder
+
+
+def test_experts_fused_in_the_wrong_order_are_caught(tmp_path: Any) -> None:
+    build("mixtral").save_pretrained(tmp_path / "hf_mixtral")
+    runs = spawn(planted(_per_expert, "experts_fused_swapped"), 2, str(tmp_path), "mixtral", "zero3")
+    caught(_check_empty, runs, "mixtral", 2)

@@ -20,7 +20,7 @@ and Qwen2-MoE of `test_expert_parallel.py` (4 experts, top 2, 2 layers, 16 token
   auto          `Engine(strategy="auto", expert_parallel_size=2)` at 2 processes picks an ep 2
                 plan and trains the same model as that strategy named (losses and weights equal).
   refusals      one line, before tracing: a model with no experts, a size that does not divide
-                the experts or the devices, ep with tensor parallelism, ep on ddp/zero1.
+                the experts or the devices, ep with tensor parallelism, ep on ddp.
 """
 
 from __future__ import annotations
@@ -39,12 +39,14 @@ from test_plan import TOLERANCE, peak_of_steps
 
 from shardwise import cli
 from shardwise.plan import Candidate, Plan, PlanRequest, plan_module
+from shardwise.plan.comm import BOUNDARY_BYTES
 from shardwise.plan.presets import PlanError
 from shardwise.plan.report import describe
 
 BATCH, LAYERS, TOP_K, HIDDEN = 2, 2, 2, 32
 REAL = [Candidate("zero3"), Candidate("zero3", expert_parallel_size=2), Candidate("zero2"),
-        Candidate("zero2", expert_parallel_size=2)]
+        Candidate("zero2", expert_parallel_size=2), Candidate("zero1"),
+        Candidate("zero1", expert_parallel_size=2)]
 
 
 def _batch(batch: int = BATCH) -> dict[str, torch.Tensor]:
@@ -66,7 +68,8 @@ def _experts(model: torch.nn.Module) -> int:
 
 COUNTED = [Candidate("zero3"), Candidate("zero3", expert_parallel_size=2),
            Candidate("zero3", expert_parallel_size=4), Candidate("zero2", expert_parallel_size=2),
-           Candidate("zero3", "none", True, expert_parallel_size=2)]
+           Candidate("zero3", "none", True, expert_parallel_size=2),
+           Candidate("zero1", expert_parallel_size=2)]
 
 
 def _counts(family: str) -> dict[str, Any]:
@@ -90,11 +93,19 @@ def _check_counts(family: str, counts: dict[str, Any]) -> None:
         exchanges = 6 if c.checkpointed else 4
         expected = exchanges * LAYERS * row * (ep - 1) / ep
         assert sent.intra.get("all_to_all", 0.0) == pytest.approx(expected, rel=1e-9), c.name
-        # zero3 gathers twice, zero2 once; gradients reduce-scattered once, fp32
-        gathers = 2 if c.strategy == "zero3" else 1
         edp = world // ep
         dense = (total - experts) if ep > 1 else total
         held = experts / ep if ep > 1 else 0
+        if c.strategy == "zero1":  # DDP all-reduces the rest over every rank, the experts over
+            # their holders; the updated fp32 slices all-gathered over the same ranks
+            reduced = 2 * (4 * dense + BOUNDARY_BYTES) * (world - 1) / world + 2 * 4 * held * (edp - 1) / edp
+            assert sent.intra["all_reduce"] == pytest.approx(reduced, rel=1e-9), c.name
+            gathered = 4 * (dense * (world - 1) / world + held * (edp - 1) / edp)
+            assert sent.intra["all_gather"] == pytest.approx(gathered, rel=1e-9), c.name
+            assert "reduce_scatter" not in sent.intra, c.name
+            continue
+        # zero3 gathers twice, zero2 once; gradients reduce-scattered once, fp32
+        gathers = 2 if c.strategy == "zero3" else 1
         gathered = 4 * (gathers * dense * (world - 1) / world + gathers * held * (edp - 1) / edp)
         assert sent.intra["all_gather"] == pytest.approx(gathered, rel=1e-9), c.name
         scattered = 4 * (dense * (world - 1) / world + held * (edp - 1) / edp)
@@ -196,7 +207,7 @@ def test_predicted_peak_and_all_to_all_match_real_two_process_runs() -> None:
             assert sent == 0 and planned == 0
     print("\n".join(report))
     auto = results[0]["auto"]
-    assert auto["ep"] == 2 and auto["chosen"] in ("zero2", "zero3")
+    assert auto["ep"] == 2 and auto["chosen"] in ("zero1", "zero2", "zero3")
     (losses, state), (named_losses, named_state) = auto["auto"], auto["named"]
     assert losses == named_losses and len(losses) == 3
     assert state.keys() == named_state.keys()
@@ -238,7 +249,8 @@ def test_refusals_are_one_line_before_tracing() -> None:
     cases = [
         ({"world_size": 4, "expert_parallel_size": 3}, ("--expert-parallel-size 3", "divides the 4 devices")),
         ({"world_size": 4, "expert_parallel_size": 2, "tensor_parallel_size": 2}, ("plan it alone",)),
-        ({"world_size": 2, "candidates": (Candidate("zero1", expert_parallel_size=2),)}, ("zero2 or zero3",)),
+        ({"world_size": 2, "candidates": (Candidate("ddp", expert_parallel_size=2),)},
+         ("zero1, zero2 or zero3",)),
     ]
     for kwargs, words in cases:
         with pytest.raises(PlanError) as err:

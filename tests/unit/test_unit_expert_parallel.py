@@ -24,8 +24,7 @@ def _one_line(err: pytest.ExceptionInfo[BaseException], *words: str) -> None:
 
 
 @pytest.mark.parametrize(("strategy", "backend", "sizes", "words"), [
-    ("ddp", "torch", {}, ("zero2 or zero3", "ddp")),
-    ("zero1", "torch", {}, ("zero2 or zero3", "zero1")),
+    ("ddp", "torch", {}, ("zero1, zero2 or zero3", "ddp")),
     ("zero3", "deepspeed", {}, ("deepspeed", "backend: torch")),
     ("zero3", "torch", {"tp": 2}, ("tensor parallelism",)),
     ("zero3", "torch", {"dp_replicate": 2, "dp_shard": 4},
@@ -39,6 +38,12 @@ def test_layouts_refused(strategy: str, backend: str, sizes: dict[str, int], wor
 
 def test_hybrid_sharding_at_ep_the_sharding_group_is_a_layout() -> None:
     check_layout(_dims(dp_replicate=2), "zero3", "torch")  # 2 replicas of 2, ep 2: each replica splits
+    check_layout(_dims(dp_replicate=2), "zero1", "torch")
+
+
+def test_zero1_is_a_layout() -> None:
+    check_layout(_dims(), "zero1", "torch")  # DDP leaves the split experts out
+    check_layout(_dims(dp_shard=4), "zero1", "torch")  # ep 2 x data 2: the holders split their steps
 
 
 def test_ep_one_is_nothing() -> None:

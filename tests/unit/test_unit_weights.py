@@ -100,17 +100,59 @@ def test_a_mis_shaped_key_is_refused_by_name(tmp_path: Path) -> None:
         check_source(folder, nn.Linear(3, 2), strict=True)
 
 
-def test_experts_stored_one_by_one_are_refused_naming_transformers_loader(tmp_path: Path) -> None:
-    """A transformers 5 MoE checkpoint in the per-expert layout (Mixtral's w1/w2/w3, as
-    transformers' own save_pretrained writes it), checked against the fused experts module:
-    one line saying what the layout is and how to load it, not a key_map hint."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _moe(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
-    model = MixtralForCausalLM(config)
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=16, hidden_size=8, intermediate_size=6, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=4))
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=16, hidden_size=8, moe_intermediate_size=6, shared_expert_intermediate_size=4,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=2))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen"])
+def test_experts_stored_one_by_one_are_read_fused(tmp_path: Path, family: str) -> None:
+    """A transformers 5 MoE checkpoint in the per-expert layout, as its own save_pretrained writes
+    it (Mixtral: `block_sparse_moe.experts.N.w1/w2/w3`; Qwen2-MoE: `mlp.experts.N.gate_proj/
+    up_proj/down_proj`), read into the fused experts module: every key matched (none left over),
+    each fused tensor, whole and by a range of experts (a rank's split), bit for bit the model's."""
+    from safetensors import safe_open
+
+    from shardwise.weights.loading import make_reader
+
+    model = _moe(family)
     model.save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="experts one by one") as err:
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert any(".experts.0." in k for k in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
+    _, found = check_source(tmp_path, model, strict=True)
+    read = make_reader(found)
+    state = model.state_dict()
+    assert found.keys() == state.keys() - set(find_aliases(model))
+    fused = [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 4
+    for key in state.keys() - set(find_aliases(model)):
+        assert torch.equal(read(key, None), state[key]), key
+    for key in fused:
+        assert torch.equal(read(key, slice(2, 4)), state[key][2:4]), key
+        out = torch.empty_like(state[key][1:3])
+        read(key, slice(1, 3), out)
+        assert torch.equal(out, state[key][1:3]), key
+
+
+def test_experts_stored_one_by_one_that_differ_are_refused_in_one_line(tmp_path: Path) -> None:
+    model = _moe("qwen")
+    model.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.zeros(5, 8)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"behind model\.layers\.1\.mlp\.experts\.gate_up") as err:
         check_source(tmp_path, model, strict=True)
-    text = str(err.value)
-    assert "\n" not in text and "from_pretrained" in text and "key_map" not in text
+    assert "\n" not in str(err.value)

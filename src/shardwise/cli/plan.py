@@ -47,9 +47,9 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                         "each traced on its --seq-len / N tokens, tiled MLP and loss on), and report the "
                         "longest sequence each plan fits")
     p.add_argument("--expert-parallel-size", type=int, default=1, metavar="N",
-                   help="also plan zero2 and zero3 with every mixture-of-experts layer's experts split over "
-                        "N devices (expert parallelism; traced with even routing: the all-to-all bytes and "
-                        "the experts each device holds; default 1: none)")
+                   help="also plan zero1, zero2 and zero3 with every mixture-of-experts layer's experts "
+                        "split over N devices (expert parallelism; traced with even routing: the all-to-all "
+                        "bytes and the experts each device holds; default 1: none)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory of one device, e.g. 24GB (default: this machine's GPU 0)")
     p.add_argument("--cpu-memory", default=None,

@@ -28,6 +28,11 @@ Optimizers (`torch.optim.optimizer`)
 - `Optimizer._step_supports_amp_scaling`: the step unscales a GradScaler's gradients itself
   (fused kernels do).
 
+DistributedDataParallel
+- `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`: parameters DDP neither
+  broadcasts nor all-reduces (zero1's split experts; the only spelling torch has, used by its own
+  tests and by torchrec).
+
 Process groups and the launcher
 - `DeviceMesh._flatten`: several dimensions of a mesh as one named dimension (torchtitan and
   Accelerate make their `dp_cp`/`dp_shard_cp` views with it).
@@ -68,7 +73,8 @@ except ImportError:  # pragma: no cover - older torch: FSDP2's own reduce-scatte
 Hook = Callable[..., Any]
 
 __all__ = [
-    "FSDPReduceScatter", "allow_amp_scaling", "default_store", "dynamo_graphs", "graph_break_error",
+    "FSDPReduceScatter", "allow_amp_scaling", "ddp_ignore", "default_store", "dynamo_graphs",
+    "graph_break_error",
     "is_fake", "is_sharded", "is_strided", "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
     "member_groups", "no_grad_trunc_normal", "one_block_placements", "shard_box", "step_post_hooks",
     "step_pre_hooks", "storage_ref", "strided_shard", "terminate_handler", "tree_map", "version_of",
@@ -275,3 +281,10 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """`mesh` (a DeviceMesh slice of several named dimensions) as one dimension named `name`,
     registered on its root mesh, so `root[name]` finds it (made once: a second call returns it)."""
     return mesh._flatten(name)
+
+
+def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:
+    """Have a DistributedDataParallel built around `model` leave these parameters alone."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

@@ -9,8 +9,8 @@ the same inputs deterministically and without collectives, so every rank makes t
 with it, and a `shard_group_size` the user set is planned as set (hybrid sharding: per-rank
 state cut by the group, not the world). A `tensor_parallel_size` the user set is planned as set
 (every strategy and offload with it, `sequence_parallel` too), or refused in one line when none
-fits. An `expert_parallel_size` the user set is planned as set, on zero2 and zero3 (the
-strategies that split experts) with every offload. Otherwise only when no plan without tensor
+fits. An `expert_parallel_size` the user set is planned as set, on zero1, zero2 and zero3
+(the strategies that split experts) with every offload. Otherwise only when no plan without tensor
 parallelism fits, and the model has a
 tensor-parallel plan, does `auto` plan every strategy and offload again with
 tensor_parallel_size 2, 4 and 8 (those dividing the processes of a node), the smallest first,
@@ -118,7 +118,7 @@ def choose(
     if asked_ep > 1:  # the user's expert parallelism is planned as set, on the strategies that split experts
         plan = plan_module(models[0], batch, dataclasses.replace(request, candidates=[
             dataclasses.replace(c, expert_parallel_size=asked_ep) for c in candidates
-            if c.strategy_spec.shards_grads and c.shard_group_size is None]))
+            if c.strategy_spec.shards_optimizer and c.shard_group_size is None]))
         if plan.best is None:
             raise ConfigError(f"strategy='auto' with expert_parallel_size={asked_ep}: no strategy fits: "
                               f"{plan.why}; see `shardwise plan --expert-parallel-size {asked_ep}`")

@@ -48,7 +48,7 @@ class Candidate:
     too (`EngineConfig.sequence_parallel`)"""
     expert_parallel_size: int = 1
     """expert parallelism: every mixture-of-experts layer's experts split over this many ranks of
-    the sharding group (zero2, zero3; `EngineConfig.expert_parallel_size`)"""
+    the sharding group (zero1, zero2, zero3; `EngineConfig.expert_parallel_size`)"""
 
     def __post_init__(self) -> None:
         ac: Any = self.activation_checkpointing

@@ -34,11 +34,13 @@ from the trace, which runs the real TP code, not from the formula.
 Expert parallelism (`expert_parallel_size` N, `with_expert_parallel`): the data-parallel
 collectives above run on the parameters outside the experts; the experts are never gathered at
 N = W, and below it (each experts module its own FSDP unit over the W / N ranks holding the same
-experts) gathered and reduced over those ranks on 1/N of the experts. Every mixture-of-experts
-layer adds four all-to-alls of its T x k routed token slots (hidden-size rows): tokens out and
-results back in forward, their gradients in backward (3 passes of forward under full activation
-checkpointing: recomputed); a rank sends (N-1)/N of each (balanced routing, what the trace
-plans: `fakes.even_routing`). The counts exchanged first (N integers per expert) are not counted.
+experts; under zero1 held whole there, DDP leaving them out) gathered and reduced over those
+ranks on 1/N of the experts (zero1: all-reduced, and its optimizer's slices all-gathered).
+Every mixture-of-experts layer adds four all-to-alls of its T x k routed token slots
+(hidden-size rows): tokens out and results back in forward, their gradients in backward (3
+passes of forward under full activation checkpointing: recomputed); a rank sends (N-1)/N of
+each (balanced routing, what the trace plans: `fakes.even_routing`). The counts exchanged first
+(N integers per expert) are not counted.
 """
 
 from __future__ import annotations

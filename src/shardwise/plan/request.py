@@ -135,7 +135,7 @@ class PlanRequest:
     tile_tokens: int = 1024
     """the tiles of the tiled MLP and loss under context parallelism"""
     expert_parallel_size: int = 1
-    """above 1: every zero2 and zero3 plan is also planned with the experts of every
+    """above 1: every zero1, zero2 and zero3 plan is also planned with the experts of every
     mixture-of-experts layer split over this many devices (`Candidate.expert_parallel_size`),
     traced with even routing (`fakes.even_routing`); listed after the plans without"""
 
@@ -172,7 +172,7 @@ class PlanRequest:
             out += tp_candidates(list(out), self.tensor_parallel_size, self.sequence_parallel)
         if self.expert_parallel_size > 1:  # (expert parallelism splits within the sharding group)
             out += [replace(c, expert_parallel_size=self.expert_parallel_size) for c in list(out)
-                    if c.strategy_spec.shards_grads and c.shard_group_size is None]
+                    if c.strategy_spec.shards_optimizer and c.shard_group_size is None]
         return out
 
     @property
@@ -210,9 +210,9 @@ class PlanRequest:
             raise PlanError("--expert-parallel-size with tensor or context parallelism or hybrid sharding: "
                             "the planner plans expert parallelism on full sharding only; plan it alone")
         for c in self.candidates or ():
-            if c.expert_parallel_size > 1 and not c.strategy_spec.shards_grads:
-                raise PlanError(f"{c.name}: expert parallelism needs zero2 or zero3 (the experts are split "
-                                "over the sharding group)")
+            if c.expert_parallel_size > 1 and not c.strategy_spec.shards_optimizer:
+                raise PlanError(f"{c.name}: expert parallelism needs zero1, zero2 or zero3 (the experts are "
+                                "split over the sharding group)")
 
     def check(self) -> None:
         """Refuse a bad value in one line, before anything is traced."""

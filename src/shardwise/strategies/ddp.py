@@ -10,6 +10,10 @@ Hybrid zero1 (`shard_group_size` G < W): gradients are still all-reduced over al
 (the groups update the same elements identically), so optimizer state is 1/G per rank and no
 parameter bytes cross between groups. ddp shards nothing and ignores `shard_group_size` (said
 once, in a log line).
+
+zero1 with expert parallelism: DDP leaves the split experts out (they are DTensors, each rank's
+own experts); the ranks holding the same experts sum their gradients (`expert_parallel`) and
+split those experts' optimizer steps among themselves, the ranks of the sharding group the rest.
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config.tree import ShardingSection, offload_spec
+from ..distributed.internals import ddp_ignore
 from ..distributed.world import DistInfo
 from .base import EmptyModel, OptimizerRunner, Strategy
+from .expert_parallel import experts_held_whole, gradient_sync, sum_over_replicas
 from .frozen import for_inference
-from .sharded_optim import optimizer_runner
+from .sharded_optim import Ranks, optimizer_runner
 
 log = logging.getLogger("shardwise")
 
@@ -44,6 +52,7 @@ class DDPStrategy(Strategy):
     def __init__(self, cfg: ShardingSection, info: DistInfo, *, shard_optimizer: bool) -> None:
         super().__init__(cfg, info, shards=shard_optimizer)
         self.shard_optimizer = shard_optimizer
+        self._experts: dict[int, Ranks] = {}  # zero1's split experts (by id): the ranks stepping them
         if shard_optimizer:  # zero1: the mesh whose shard group splits the optimizer state
             self.mesh = self.dims.mesh
         else:  # ddp: every process is a replica (a shard_group_size is ignored, in one log line)
@@ -58,19 +67,33 @@ class DDPStrategy(Strategy):
             self.fill(model, empty, self.info.device)
         model.to(self.info.device)
         device_ids = [self.info.device.index] if self.info.device.type == "cuda" else None
+        experts = experts_held_whole(model, self.dims)
+        if experts:  # (each rank's own experts: DDP must neither broadcast nor all-reduce them)
+            names = [n for n, p in model.named_parameters() if id(p) in experts]
+            ddp_ignore(model, names)
+            self._experts.update({k: Ranks.alone() if g is None else Ranks.of(g) for k, g in experts.items()})
         # DDP broadcasts rank 0's parameters and buffers here, so every replica starts equal.
         # gradient_as_bucket_view: each gradient is a view of its all-reduce bucket, so the
         # reduced bucket is not copied back into separate gradients (a copy of every gradient,
         # each step) and the gradients take no memory beside the buckets
-        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        sum_over_replicas(model)  # (the experts' other holders, once the model is laid out)
+        return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        if isinstance(model, DistributedDataParallel):
-            return model.no_sync()
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        gradient_sync(model.module, False)  # (the split experts' holders, which DDP leaves alone)
+        try:
+            with model.no_sync():
+                yield
+        finally:
+            gradient_sync(model.module, True)
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
         if not self.shard_optimizer:  # ddp: a CPU device's step is a host step (see host_step)
@@ -80,9 +103,12 @@ class DDPStrategy(Strategy):
         shard, replicate = self.process_groups()
         return optimizer_runner(optimizer, self.cfg, self.info, partition="flat",
                                 host=offload_spec(self.cfg.offload).optimizer_on_host,
-                                group=shard if replicate is not None else None)
+                                group=shard if replicate is not None else None, apart=self._experts)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        state = self.unwrap(model).state_dict()
+        # the split experts whole (a collective: every rank sends its own)
+        split = {k: v.full_tensor() for k, v in state.items() if isinstance(v, DTensor)}
         if not self.info.is_main:
             return {}
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
+        return {k: split.get(k, v).detach().to("cpu", copy=True) for k, v in state.items()}

@@ -19,7 +19,9 @@ rank's tokens, so they are divided by the data-parallel size (`_Divided`), as FS
 others (the gradient of the mean of the ranks' losses).
 
 At ep below the sharding group the ranks holding the same experts shard them further (the
-data-parallel step's FSDP units over the edp mesh, as torchtitan's efsdp). Under hybrid sharding
+data-parallel step's FSDP units over the edp mesh, as torchtitan's efsdp); under zero1, whose
+data-parallel step is DDP, they hold them whole and split their optimizer steps instead
+(`experts_held_whole`). Under hybrid sharding
 (ep = dp_shard) each replica holds the same experts, their gradients summed over the replicas at
 each synced backward (`sum_over_replicas`). Context and tensor parallelism, and hybrid sharding
 with ep below the sharding group, are refused in one line (`check_layout`).
@@ -27,6 +29,7 @@ with ep below the sharding group, are refused in one line (`check_layout`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -90,9 +93,9 @@ def check_layout(dims: ParallelDims, strategy: str, backend: str) -> None:
     if backend != "torch":
         raise ConfigError(f"{where}: the deepspeed backend's AutoEP is not driven by shardwise; "
                           "use backend: torch")
-    if strategy not in ("zero2", "zero3"):
-        raise ConfigError(f"{where} needs strategy zero2 or zero3 (got {strategy}): the experts are split "
-                          "over the sharding group")
+    if strategy not in ("zero1", "zero2", "zero3"):
+        raise ConfigError(f"{where} needs strategy zero1, zero2 or zero3 (got {strategy}): the experts are "
+                          "split over the sharding group")
     if dims.cp > 1 or dims.tp > 1:
         raise ConfigError(f"{where}: this version splits experts without context or tensor parallelism; "
                           "set those to 1")
@@ -181,6 +184,26 @@ def sum_over_replicas(model: nn.Module) -> None:
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
+
+
+def experts_held_whole(model: nn.Module, dims: ParallelDims) -> dict[int, dist.ProcessGroup | None]:
+    """zero1, whose data-parallel step (DDP) holds parameters whole and must leave the split
+    experts out: the split expert parameters (by id), each with the other ranks holding the same
+    experts within the sharding group (None: this rank alone), whose optimizer steps they share.
+    Below the sharding group those (edp) ranks hold the experts whole, no FSDP unit over them:
+    their gradients are summed over the edp ranks at each synced backward, as hybrid sharding's
+    replicas' are (`sum_over_replicas`), each divided by every data-parallel rank."""
+    held: dict[int, dist.ProcessGroup | None] = {}
+    for m in model.modules():
+        state = m.__dict__.get(_STATE)
+        if state is None:
+            continue
+        edp = None if state.edp is None else state.edp.get_group()
+        if edp is not None:
+            model.__dict__[_REPLICAS] = edp
+            m.__dict__[_STATE] = dataclasses.replace(state, divisor=dims.dp_size, edp=None)
+        held.update({id(getattr(m, p)): edp for p in EXPERT_PARAMS})
+    return held
 
 
 def gradient_sync(model: nn.Module, enabled: bool) -> None:

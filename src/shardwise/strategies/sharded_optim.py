@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -49,14 +50,16 @@ from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, step_on_h
 def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: ShardingSection, info: DistInfo, *,
                      partition: Literal["flat", "local"] | None, host: bool = False,
                      offloaded: bool = False, dtensors: bool = False,
-                     group: dist.ProcessGroup | None = None) -> OptimizerRunner:
+                     group: dist.ProcessGroup | None = None,
+                     apart: dict[int, Ranks] | None = None) -> OptimizerRunner:
     """The runner of `optimizer` for a torch-backend strategy (ddp.py and fsdp.py say what differs).
 
     `partition` None: the user's optimizer steps the parameters in place; where they live on the
     host (`offloaded`, or a CPU device) with the host kernel (`step_on_host`; `dtensors`: they
     are FSDP2 shards). Otherwise a `ShardedOptimizer` over that partition, its masters on the
     host when `host` (optimizer offload); `group`: the process group a "flat" partition splits
-    the elements over (None: every process).
+    the elements over (None: every process); `apart`: parameters (by id) split over their own
+    ranks instead (zero1's split experts: the ranks holding the same experts).
     """
     if partition is None:
         placed = step_on_host(optimizer, info.device, info.local_world_size, offloaded=offloaded,
@@ -71,6 +74,7 @@ def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: ShardingSection, inf
         local_world_size=info.local_world_size,
         kernel=cfg.host_kernel,
         group=group,
+        apart=apart,
     )
 
 
@@ -91,13 +95,34 @@ class _Segment:
     alias: bool = False  # the master is the parameter's own storage (fp32 on a CPU device)
 
 
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """The processes a flat space's elements are split over: `group` (None: every process), this
+    process's index in it and its size; `alone()`: a space only this process holds (zero1's split
+    experts at ep = the sharding group), stepped whole, nothing gathered."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+
+    @staticmethod
+    def of(group: dist.ProcessGroup | None) -> Ranks:
+        return Ranks(group, dist.get_rank(group), dist.get_world_size(group))
+
+    @staticmethod
+    def alone() -> Ranks:
+        return Ranks(None, 0, 1)
+
+
 @dataclass(slots=True)
 class _FlatSpace:
-    """Parameters of one dtype laid end to end (zero1's all-gather unit)."""
+    """Parameters of one dtype, held alike by the same processes, laid end to end (zero1's
+    all-gather unit)."""
 
     params: list[tuple[torch.Tensor, int]]  # (parameter, offset in the space)
     chunk: int  # elements owned per rank: ceil(total / world)
     dtype: torch.dtype
+    ranks: Ranks
 
 
 def _numel(p: torch.Tensor) -> int:
@@ -105,17 +130,18 @@ def _numel(p: torch.Tensor) -> int:
     return local_flat(p).numel()
 
 
-def _flat_spaces(params: list[torch.Tensor], world: int) -> list[_FlatSpace]:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+def _flat_spaces(params: list[torch.Tensor], ranks_of: Callable[[torch.Tensor], Ranks]) -> list[_FlatSpace]:
+    """One space per dtype and set of processes holding the parameters alike."""
+    by_key: dict[tuple[torch.dtype, Ranks], list[torch.Tensor]] = {}
     for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
+        by_key.setdefault((p.dtype, ranks_of(p)), []).append(p)
     spaces = []
-    for dtype, ps in by_dtype.items():
+    for (dtype, ranks), ps in by_key.items():
         placed, offset = [], 0
         for p in ps:
             placed.append((p, offset))
             offset += _numel(p)
-        spaces.append(_FlatSpace(placed, math.ceil(offset / world), dtype))
+        spaces.append(_FlatSpace(placed, math.ceil(offset / ranks.world), dtype, ranks))
     return spaces
 
 
@@ -143,16 +169,19 @@ class ShardedOptimizer(OptimizerRunner):
         local_world_size: int = 1,
         kernel: HostKernelName = "torch",
         group: dist.ProcessGroup | None = None,
+        apart: dict[int, Ranks] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.partition = partition
         self.host = host
         self.device = device
-        # "flat": the processes the elements are split over (None: every process)
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # "flat": the processes the elements are split over (None: every process); `apart`: the
+        # parameters (by id) other processes hold alike (zero1's split experts)
+        ranks, apart = Ranks.of(group), apart or {}
+        self.group, self.rank, self.world = ranks.group, ranks.rank, ranks.world  # (most parameters')
         owned = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
-        self._spaces = _flat_spaces([p for _, p in owned], self.world) if partition == "flat" else []
+        self._spaces = (_flat_spaces([p for _, p in owned], lambda p: apart.get(id(p), ranks))
+                        if partition == "flat" else [])
         pin = host and device.type == "cuda"
         self._segments: list[_Segment] = []
         for gi, p, start, end in self._ranges(owned):
@@ -190,7 +219,7 @@ class ShardedOptimizer(OptimizerRunner):
         group_of = {id(p): gi for gi, p in owned}
         ranges = []
         for space in self._spaces:
-            lo, hi = self.rank * space.chunk, (self.rank + 1) * space.chunk
+            lo, hi = space.ranks.rank * space.chunk, (space.ranks.rank + 1) * space.chunk
             for p, off in space.params:
                 a, b = max(lo, off), min(hi, off + _numel(p))
                 if a < b:
@@ -263,7 +292,7 @@ class ShardedOptimizer(OptimizerRunner):
                     self._step_inner(inner)
             for seg in self._segments:
                 seg.master.grad = None  # drop the alias, or zero_grad could not free the grad
-        if self.partition == "flat" and self.world > 1:  # alone, this rank updated every element
+        if self.partition == "flat":
             self._all_gather_params()
         mark_stepped(self.optimizer)  # LR-scheduler bookkeeping
 
@@ -305,12 +334,15 @@ class ShardedOptimizer(OptimizerRunner):
             inner.step()
 
     def _all_gather_params(self) -> None:
-        """Give every rank the ranges the others updated (zero1): one all-gather per dtype."""
+        """Give every rank the ranges the others updated (zero1): one all-gather per space (a
+        space this rank holds alone, or with no other rank, it updated whole)."""
         for space in self._spaces:
-            lo = self.rank * space.chunk
+            if space.ranks.world == 1:
+                continue
+            lo = space.ranks.rank * space.chunk
             # in place: this rank's range is written straight into its slot of the gathered buffer
             # (gloo and NCCL both accept an input that is the output's own slice), no second buffer
-            full = torch.empty(space.chunk * self.world, dtype=space.dtype, device=self.device)
+            full = torch.empty(space.chunk * space.ranks.world, dtype=space.dtype, device=self.device)
             mine = full[lo : lo + space.chunk]
             for p, off in space.params:
                 a, b = max(lo, off), min(lo + space.chunk, off + _numel(p))
@@ -319,7 +351,7 @@ class ShardedOptimizer(OptimizerRunner):
             total = space.params[-1][1] + _numel(space.params[-1][0])
             if lo + space.chunk > total:  # the last rank's padding: defined bytes, never read back
                 mine[max(0, total - lo) :].zero_()
-            _all_gather_flat(full, mine, group=self.group)
+            _all_gather_flat(full, mine, group=space.ranks.group)
             for p, off in space.params:
                 local_flat(p).copy_(full[off : off + _numel(p)])
 
@@ -378,13 +410,14 @@ class ShardedOptimizer(OptimizerRunner):
         raise KeyError("segment without optimizer state")
 
     def _gather_space(self, space: _FlatSpace, key: str) -> torch.Tensor:
-        full = torch.zeros(space.chunk * self.world, dtype=torch.float32, device=self.device)
+        full = torch.zeros(space.chunk * space.ranks.world, dtype=torch.float32, device=self.device)
         offsets = {id(p): off for p, off in space.params}
         for seg in self._segments:
             if id(seg.param) in offsets:
                 a = offsets[id(seg.param)] + seg.start
                 full[a : a + seg.end - seg.start].copy_(self._state_of(seg)[key])
-        dist.all_reduce(full, group=self.group)  # ranges are disjoint: the sum is the concatenation
+        if space.ranks.world > 1:  # ranges are disjoint: the sum is the concatenation
+            dist.all_reduce(full, group=space.ranks.group)
         return full
 
     @torch.no_grad()

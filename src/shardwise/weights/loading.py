@@ -63,6 +63,13 @@ class _Entry:
     dtype: str
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
+    parts: tuple[tuple[_Entry, ...], ...] = ()
+    """a fused experts tensor the file stores expert by expert: per expert (its dim-0 row), the
+    entries laid end to end along the expert's first dimension (`fuse_experts`)"""
+
+    def file_keys(self) -> list[str]:
+        """The file keys this entry reads."""
+        return [p.key for row in self.parts for p in row] if self.parts else [self.key]
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -207,9 +214,50 @@ def strip_wrappers(shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry
     return best
 
 
-# a mixture-of-experts layer's experts stored one by one (Mixtral's w1/w2/w3, Qwen-MoE's and
-# others' gate/up/down projections per expert), which transformers 5 fuses as it loads
-_PER_EXPERT = re.compile(r"\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)\.weight$")
+# a mixture-of-experts layer's experts stored one by one, as transformers 5 writes them and fuses
+# them as it loads (its conversion_mapping's "mixtral" and "qwen2_moe" layouts, which most MoE
+# model types share): per fused tensor, the per-expert names laid end to end along each expert's
+# first dimension, in either naming; Mixtral's files also call the layer `block_sparse_moe`
+_FUSED_FROM = {"gate_up_proj": (("w1", "w3"), ("gate_proj", "up_proj")),
+               "down_proj": (("w2",), ("down_proj",))}
+_MOE_RENAME = (".block_sparse_moe.", ".mlp.")
+
+
+def fuse_experts(shapes: dict[str, tuple[int, ...]], entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    """`entries` with each fused experts tensor the model has (`...experts.gate_up_proj` [E, 2I, H],
+    `...experts.down_proj` [E, H, I]) and the files store expert by expert made one entry that
+    reads those (the per-expert entries it replaces removed); the files' own `block_sparse_moe`
+    layer named as the model names it. Nothing changes where the files hold the fused tensors."""
+    old, new = _MOE_RENAME
+    if any(old in k for k in entries) and not any(old in k for k in shapes):
+        entries = {k.replace(old, new): e for k, e in entries.items()}
+    out = dict(entries)
+    for key, shape in shapes.items():
+        head, _, name = key.rpartition(".")
+        if name not in _FUSED_FROM or not head.endswith("experts") or key in entries or not shape:
+            continue
+        for names in _FUSED_FROM[name]:
+            rows = [[f"{head}.{e}.{n}.weight" for n in names] for e in range(shape[0])]
+            if all(k in entries for row in rows for k in row):
+                out[key] = _fused(key, tuple(tuple(entries[k] for k in row) for row in rows))
+                for k in (k for row in rows for k in row):
+                    del out[k]
+                break
+    return out
+
+
+def _fused(key: str, parts: tuple[tuple[_Entry, ...], ...]) -> _Entry:
+    """The entry of a fused experts tensor read from its per-expert `parts` (one line if they do
+    not line up: dtypes, or shapes that are not [rows, columns] alike for every expert)."""
+    first = parts[0]
+    kinds = {(p.dtype, len(p.shape), p.shape[1:]) for row in parts for p in row}
+    if len(kinds) != 1 or len(first[0].shape) != 2 or any(
+            [p.shape for p in row] != [p.shape for p in first] for row in parts):
+        seen = sorted({f"{p.key} {p.dtype} {list(p.shape)}" for row in parts for p in row})
+        raise CheckpointError(f"{first[0].file}: the experts behind {key} differ in dtype or shape "
+                              f"({_few(seen)})")
+    shape = (len(parts), sum(p.shape[0] for p in first), first[0].shape[1])
+    return _Entry(first[0].file, f"{key} (from {first[0].key}, ...)", first[0].dtype, shape, 0, parts)
 
 
 def match_keys(
@@ -234,12 +282,13 @@ def match_keys(
     if key_map:
         entries = rename(entries, key_map)
     entries = strip_wrappers(shapes, entries, prefix, source)
+    entries = fuse_experts(shapes, entries)
     found = _find(shapes, entries, prefix)
     missing = [k for k in shapes if k not in found and not (k in aliases and aliases[k] in found)]
-    used = {e.key for e in found.values()}
+    used = {k for e in found.values() for k in e.file_keys()}
     ignore = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []]
-    unexpected = sorted(e.key for e in entries.values()
-                        if e.key not in used and not any(p.search(e.key) for p in ignore))
+    unexpected = sorted(k for e in entries.values() for k in e.file_keys()
+                        if k not in used and not any(p.search(k) for p in ignore))
     shaped = [
         f"{k} {list(found[k].shape)} vs {list(shapes[k])}"
         for k in shapes
@@ -257,10 +306,6 @@ def match_keys(
             f" (another model's weights, or keys under another prefix? {KEY_MAP_HINT}, or load with "
             "strict=False to skip them)"
         )
-        if any(_PER_EXPERT.search(k) for k in unexpected):
-            hint = (" (the file stores a mixture-of-experts layer's experts one by one, the layout that "
-                    "transformers fuses into one experts module as it loads; shardwise does not fuse them "
-                    "yet: load the model with transformers' own from_pretrained, then prepare it)")
         raise CheckpointError(f"{source}: does not match {class_name(module)}: {'; '.join(problems)}{hint}")
     if missing or unexpected:
         fate = "initialized by the model" if fills_missing else "left as they were"
@@ -288,34 +333,54 @@ def make_reader(found: dict[str, _Entry]) -> Reader:
     contiguous tensor of the file's dtype and the rows' shape), else into a new tensor."""
 
     def read(key: str, rows: slice | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        entry = found[key]
-        dtype = _DTYPES[entry.dtype]
-        shape = list(entry.shape)
-        row_bytes = torch.empty((), dtype=dtype).element_size()
-        for d in shape[1:]:
-            row_bytes *= d
-        first = 0
-        if rows is not None and shape:
-            first, stop, _ = rows.indices(shape[0])
-            shape[0] = max(0, stop - first)
-        if out is None:
-            out = torch.empty(shape, dtype=dtype)
-        if out.numel():
-            buf = memoryview(out.view(-1).view(torch.uint8).numpy().data)
-            with open(entry.file, "rb", buffering=0) as f:
-                f.seek(entry.offset + first * row_bytes)
-                got = 0
-                while got < len(buf):  # a raw read may return less than asked
-                    n = f.readinto(buf[got:])
-                    if not n:
-                        raise CheckpointError(f"{entry.file}: truncated while reading {entry.key}")
-                    got += n
-        return out
+        return _read_entry(found[key], rows, out)
 
     def file_dtype(key: str) -> torch.dtype:
         return _DTYPES[found[key].dtype]
 
     return Reader(read, file_dtype)
+
+
+def _read_entry(entry: _Entry, rows: slice | None, out: torch.Tensor | None) -> torch.Tensor:
+    """The rows of `entry` (all: None) into `out` or a new tensor of the file's dtype."""
+    if entry.parts:
+        return _read_fused(entry, rows, out)
+    dtype = _DTYPES[entry.dtype]
+    shape = list(entry.shape)
+    row_bytes = torch.empty((), dtype=dtype).element_size()
+    for d in shape[1:]:
+        row_bytes *= d
+    first = 0
+    if rows is not None and shape:
+        first, stop, _ = rows.indices(shape[0])
+        shape[0] = max(0, stop - first)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    if out.numel():
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy().data)
+        with open(entry.file, "rb", buffering=0) as f:
+            f.seek(entry.offset + first * row_bytes)
+            got = 0
+            while got < len(buf):  # a raw read may return less than asked
+                n = f.readinto(buf[got:])
+                if not n:
+                    raise CheckpointError(f"{entry.file}: truncated while reading {entry.key}")
+                got += n
+    return out
+
+
+def _read_fused(entry: _Entry, rows: slice | None, out: torch.Tensor | None) -> torch.Tensor:
+    """Experts `rows` of a fused experts tensor, each expert's parts read whole into its row (a
+    rank reads the files of its own experts only)."""
+    first, stop, _ = (rows or slice(None)).indices(entry.shape[0])
+    if out is None:
+        out = torch.empty((max(0, stop - first), *entry.shape[1:]), dtype=_DTYPES[entry.dtype])
+    for e in range(first, stop):
+        at = 0
+        for part in entry.parts[e]:
+            _read_entry(part, None, out[e - first, at : at + part.shape[0]])
+            at += part.shape[0]
+    return out
 
 
 @torch.no_grad()
