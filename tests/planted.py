@@ -410,6 +410,23 @@ def _experts_fused_swapped() -> None:
     loading._FUSED_FROM = swapped  # (a table, not a function: `_patch` wraps functions)
 
 
+@fault("experts_hybrid_units_within_group", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_hybrid_experts_units_left_within_the_group_are_caught")
+def _experts_hybrid_units_within_group() -> None:
+    """Hybrid sharding with ep below the sharding group: the experts' FSDP units over their
+    holders within the replica only (not hybrid over the replicas too): each replica steps its
+    experts on its own tokens; the first loss is right, the replicas drift apart after."""
+    from shardwise.strategies import expert_parallel
+
+    real = expert_parallel.expert_mesh
+
+    def within(dims: Any) -> Any:
+        ep, edp = real(dims)
+        return ep, edp["edp"] if edp is not None and edp.ndim == 2 else edp
+
+    _patch(expert_parallel, "expert_mesh", within)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -27,12 +27,24 @@ load-balancing loss off unless said:
                 replicas' expert gradients summed; the same with 2 micro-batches per step
                 against one process on the step's 16 samples (summed once, at the synced one).
                 Planted: the replicas' expert gradients never summed: the hybrid check fails.
-  init_empty    Mixtral zero3 and Qwen2-MoE zero2 at ep 2, Mixtral ep 2 x data 2 at 4: a normal
-                build's weights bit for bit, each rank holding its share of every experts tensor;
-                `engine.from_pretrained` of the export read into the ep 2 split bit for bit.
+                zero1 (DDP leaves the split experts out): Mixtral and Qwen2-MoE + optimizer
+                offload at 2, ep 2 x data 2 (the 2 holders of each expert sum its gradients and
+                split its optimizer steps) and ep 4 at 4, hybrid 2 replicas of 2, 2 micro-batches
+                per step; the optimizer state held once per sharding group (counted); a
+                checkpoint zero1 ep 2 x data 2 -> zero3 ep 4 -> back.
+  8 processes   hybrid sharding 2 replicas of 4 with ep 2 below the group (the experts' FSDP
+                units hybrid over replicas and holders): zero3, zero1, zero2 with 2 micro-batches
+                per step, a checkpoint round trip through zero2 ep 4, an init_empty build.
+  init_empty    Mixtral zero3 and Qwen2-MoE zero2 at ep 2, Mixtral ep 2 x data 2 at 4 (zero3
+                and zero1): a normal build's weights bit for bit, each rank holding its share of
+                every experts tensor; `engine.from_pretrained` of the export, and of transformers'
+                own save_pretrained (the experts stored one by one, both families), read into
+                the ep 2 split bit for bit.
   planted       the experts' gradients left undivided (summed over the ranks' tokens, not
                 averaged): the 2-process check fails; the split experts of an empty build
-                losing their recorded init: the init_empty check fails.
+                losing their recorded init: the init_empty check fails; zero1's holders not
+                summing, or each stepping its experts whole; experts read one by one fused in
+                the wrong order; hybrid experts' units left within each replica.
 """
 
 from __future__ import annotations
@@ -189,10 +201,11 @@ def _train(family: str, strategy: str, offload: str = "none", *, ep: int,
 
 
 def _resume(folder: str, first: tuple[str, int] = ("zero3", 2),
-            middle: tuple[str, int] = ("zero3", 1)) -> dict[str, Any]:
-    """`first` (strategy, ep) -> `middle` -> `first` again, Mixtral (by default ep 2 -> plain
-    zero3 -> ep 2): each load bit-identical, the step after the round trip the straight run's."""
-    engine, model, opt = _prepared("mixtral", *first)
+            middle: tuple[str, int] = ("zero3", 1), **extra: Any) -> dict[str, Any]:
+    """`first` (strategy, ep; with `extra`) -> `middle` -> `first` again, Mixtral (by default ep
+    2 -> plain zero3 -> ep 2): each load bit-identical, the step after the round trip the
+    straight run's."""
+    engine, model, opt = _prepared("mixtral", *first, **extra)
     batches = _my_batches(engine)
     for b in batches[:-1]:
         _step(engine, model, opt, b)
@@ -206,7 +219,7 @@ def _resume(folder: str, first: tuple[str, int] = ("zero3", 2),
     into_plain = plain.get_state_dict(model)
     plain.save_state(f"{folder}/plain")
     plain.free_memory()
-    back, model, opt = _prepared("mixtral", *first)
+    back, model, opt = _prepared("mixtral", *first, **extra)
     back.load_state(f"{folder}/plain")
     into_ep = back.get_state_dict(model)
     after = _step(back, model, opt, batches[-1]), back.get_state_dict(model)
@@ -239,7 +252,7 @@ def _metrics(folder: str) -> dict[str, Any]:
             "state": state}
 
 
-def _empty(family: str, strategy: str, ep: int, export: str | None = None) -> dict[str, Any]:
+def _empty(family: str, strategy: str, ep: int, export: str | None = None, **extra: Any) -> dict[str, Any]:
     """The model built under `init_empty()` and prepared with expert parallelism (each rank's
     experts initialized from the constructor's own draws, its split only), and, given an
     export, `from_pretrained` reading it straight into the split: the gathered weights, and
@@ -247,7 +260,7 @@ def _empty(family: str, strategy: str, ep: int, export: str | None = None) -> di
     import shardwise
 
     out: dict[str, Any] = {}
-    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=ep)
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, expert_parallel_size=ep, **extra)
     with engine.init_empty():
         model = build(family)
     assert all(p.is_meta for p in model.parameters())
@@ -498,6 +511,35 @@ def _check_resumed(run: dict[str, Any]) -> None:
     assert worst <= 1e-7, worst
 
 
+def _eight(folder: str) -> dict[Any, Any]:
+    """Hybrid sharding, 2 replicas of 4 (`shard_group_size: 4`), with ep 2 below the group."""
+    out: dict[Any, Any] = {}
+    out["zero3"] = _train("mixtral", "zero3", ep=2, shard_group_size=4)
+    out["zero1"] = _train("qwen", "zero1", ep=2, shard_group_size=4)
+    out["accumulated"] = _accumulated("zero2", shard_group_size=4)
+    out["resume"] = _resume(folder, ("zero3", 2), ("zero2", 4), shard_group_size=4)
+    out["empty"] = _empty("mixtral", "zero3", 2, shard_group_size=4)
+    return out
+
+
+def test_hybrid_sharding_with_ep_below_the_sharding_group(tmp_path: Any) -> None:
+    """8 processes, 2 replicas of 4, ep 2 (each replica's experts split over 2 ranks and sharded
+    again over the 2 holding the same ones; their FSDP units hybrid over (replicas, holders)):
+    Mixtral zero3 and Qwen2-MoE zero1 against one process on the global batch, Mixtral zero2
+    with 2 micro-batches per step; each rank a quarter of every experts tensor (zero1: half,
+    its optimizer state split over each group of 4); a checkpoint hybrid zero3 ep 2 -> zero2 ep 4
+    over all 8 -> back, and an init_empty build, bit for bit."""
+    runs = spawn(_eight, 8, str(tmp_path))
+    _check(runs, "zero3", reference("mixtral", 8))
+    assert all(local * 4 == full for res in runs for local, full in res["zero3"]["experts"])
+    _check(runs, "zero1", reference("qwen", 8))
+    assert all(local * 2 == full for res in runs for local, full in res["zero1"]["experts"])
+    _check_zero1_state(runs, "zero1", 4)
+    _check(runs, "accumulated", reference("mixtral", 16))
+    _check_resumed(runs[0]["resume"])
+    _check_empty([res["empty"] for res in runs], "mixtral", 4)
+
+
 def _planted_case() -> dict[Any, Any]:
     return {TWO[0]: _train(*TWO[0], ep=2)}  # (the same run as the real test's first case)
 
@@ -544,3 +586,12 @@ def test_experts_fused_in_the_wrong_order_are_caught(tmp_path: Any) -> None:
     build("mixtral").save_pretrained(tmp_path / "hf_mixtral")
     runs = spawn(planted(_per_expert, "experts_fused_swapped"), 2, str(tmp_path), "mixtral", "zero3")
     caught(_check_empty, runs, "mixtral", 2)
+
+
+def _planted_eight() -> dict[Any, Any]:
+    return {"zero3": _train("mixtral", "zero3", ep=2, shard_group_size=4)}  # (as the real test's)
+
+
+def test_hybrid_experts_units_left_within_the_group_are_caught() -> None:
+    runs = spawn(planted(_planted_eight, "experts_hybrid_units_within_group"), 8)
+    caught(_check, runs, "zero3", reference("mixtral", 8))

@@ -27,8 +27,6 @@ def _one_line(err: pytest.ExceptionInfo[BaseException], *words: str) -> None:
     ("ddp", "torch", {}, ("zero1, zero2 or zero3", "ddp")),
     ("zero3", "deepspeed", {}, ("deepspeed", "backend: torch")),
     ("zero3", "torch", {"tp": 2}, ("tensor parallelism",)),
-    ("zero3", "torch", {"dp_replicate": 2, "dp_shard": 4},
-     ("hybrid sharding", "set expert_parallel_size to 4")),
 ])
 def test_layouts_refused(strategy: str, backend: str, sizes: dict[str, int], words: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -39,6 +37,7 @@ def test_layouts_refused(strategy: str, backend: str, sizes: dict[str, int], wor
 def test_hybrid_sharding_at_ep_the_sharding_group_is_a_layout() -> None:
     check_layout(_dims(dp_replicate=2), "zero3", "torch")  # 2 replicas of 2, ep 2: each replica splits
     check_layout(_dims(dp_replicate=2), "zero1", "torch")
+    check_layout(_dims(dp_replicate=2, dp_shard=4), "zero3", "torch")  # ep 2 below the group of 4
 
 
 def test_zero1_is_a_layout() -> None:

@@ -55,7 +55,7 @@ class ParallelismConfig:
     ep: int = 1
     """Expert parallelism: ranks that split each mixture-of-experts layer's experts, borrowed from
     dp_shard x cp (expert_parallel_size; this version: the torch backend's zero1, zero2 and zero3,
-    without cp or tp, and ep = dp_shard under hybrid sharding)."""
+    without cp or tp)."""
 
     def __post_init__(self) -> None:
         rests = []

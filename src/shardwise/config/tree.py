@@ -347,8 +347,8 @@ class EngineConfig:
     mesh's ep dimension: parallelism.ep): each holds 1/N of every layer's experts, and each token
     goes to the ranks that own its chosen experts and back (two all-to-alls, no token dropped).
     transformers' fused experts modules (Mixtral, Qwen2-MoE, ...) or a user's layer of the same
-    layout. zero1, zero2 or zero3 (offload included), N dividing the sharding group (hybrid
-    sharding: N = the group). Torch backend."""
+    layout. zero1, zero2 or zero3 (offload included, hybrid sharding too), N dividing the
+    sharding group. Torch backend."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The sizes of the run's named mesh dimensions: dp_replicate, dp_shard, cp, tp, ep (their
     product, ep aside, is the number of processes; -1: the rest). The keys above translate into

@@ -21,10 +21,10 @@ others (the gradient of the mean of the ranks' losses).
 At ep below the sharding group the ranks holding the same experts shard them further (the
 data-parallel step's FSDP units over the edp mesh, as torchtitan's efsdp); under zero1, whose
 data-parallel step is DDP, they hold them whole and split their optimizer steps instead
-(`experts_held_whole`). Under hybrid sharding
-(ep = dp_shard) each replica holds the same experts, their gradients summed over the replicas at
-each synced backward (`sum_over_replicas`). Context and tensor parallelism, and hybrid sharding
-with ep below the sharding group, are refused in one line (`check_layout`).
+(`experts_held_whole`). Under hybrid sharding each replica holds the same experts: at ep =
+dp_shard their gradients are summed over the replicas at each synced backward
+(`sum_over_replicas`); below it the experts' FSDP units are hybrid too, over (dp_replicate, edp).
+Context and tensor parallelism are refused in one line (`check_layout`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _SPLIT = "shardwise_expert_params"  # the root module's set of the split parameters' ids
 _STATE = "shardwise_dispatch"  # each split experts module's `Dispatch`
 _SYNC = "shardwise_experts_sync"  # the root module's [bool]: sum the experts' gradients over replicas
-_REPLICAS = "shardwise_experts_replicas"  # the root module's replica group (hybrid sharding)
+_REPLICAS = "shardwise_experts_replicas"  # the root's groups the experts' gradients are summed over
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,6 @@ def check_layout(dims: ParallelDims, strategy: str, backend: str) -> None:
     if dims.cp > 1 or dims.tp > 1:
         raise ConfigError(f"{where}: this version splits experts without context or tensor parallelism; "
                           "set those to 1")
-    if dims.dp_replicate > 1 and dims.ep != dims.dp_shard:
-        raise ConfigError(f"{where} with hybrid sharding ({dims.dp_replicate} replicas of {dims.dp_shard}): "
-                          "this version splits experts over the whole sharding group only; set "
-                          f"expert_parallel_size to {dims.dp_shard}")
 
 
 def experts_to_split(model: nn.Module, ep: int, where: str, without: str) -> list[tuple[str, nn.Module]]:
@@ -156,8 +152,8 @@ def expert_parallel_step(model: nn.Module, dims: ParallelDims) -> list[nn.Parame
     if any(getattr(m, "config", None) is not None for _, m in layers):
         model.set_experts_implementation(IMPLEMENTATION)  # type: ignore[operator]
     model.__dict__[_SPLIT] = {id(p) for p in params}  # read by `expert_params`
-    if dims.dp_replicate > 1:  # the replicas' experts: their gradients summed across replicas
-        model.__dict__[_REPLICAS] = dims.world_mesh["dp_replicate"].get_group()
+    if dims.dp_replicate > 1 and edp is None:  # the replicas' experts: gradients summed across them
+        model.__dict__[_REPLICAS] = [dims.world_mesh["dp_replicate"].get_group()]
     model.register_forward_pre_hook(_commit_all)  # each forward's routing counted once (`Dispatch.current`)
     log.info("prepare: %d experts modules split over %d ranks (expert parallelism)", len(layers), dims.ep)
     return params
@@ -172,15 +168,16 @@ def sum_over_replicas(model: nn.Module) -> None:
     registered on the experts as this step splits them were seen never to fire (laying the model
     out replaces the DTensor parameters' tensors: torch swaps a subclass parameter's contents
     when it moves a module)."""
-    group = model.__dict__.get(_REPLICAS)
-    if group is None:
+    groups = model.__dict__.get(_REPLICAS)
+    if groups is None:
         return
     params = [p for p in model.parameters() if id(p) in model.__dict__[_SPLIT]]
     syncing = model.__dict__.setdefault(_SYNC, [True])
 
     def hook(p: torch.Tensor) -> None:
         if syncing[0] and p.grad is not None:
-            dist.all_reduce(_local(p.grad), group=group)
+            for group in groups:  # (zero1 under hybrid sharding: the edp ranks, then the replicas)
+                dist.all_reduce(_local(p.grad), group=group)
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
@@ -198,9 +195,11 @@ def experts_held_whole(model: nn.Module, dims: ParallelDims) -> dict[int, dist.P
         state = m.__dict__.get(_STATE)
         if state is None:
             continue
-        edp = None if state.edp is None else state.edp.get_group()
-        if edp is not None:
-            model.__dict__[_REPLICAS] = edp
+        edp = None
+        if state.edp is not None:  # (under hybrid sharding 2-D: the replicas, then the edp ranks)
+            groups = [state.edp.get_group(d) for d in range(state.edp.ndim)]
+            edp = groups[-1]
+            model.__dict__[_REPLICAS] = groups
             m.__dict__[_STATE] = dataclasses.replace(state, divisor=dims.dp_size, edp=None)
         held.update({id(getattr(m, p)): edp for p in EXPERT_PARAMS})
     return held
@@ -225,23 +224,27 @@ def _bound(m: nn.Module) -> Any:
     return lambda hidden, top_k_index, top_k_weights: dispatch_forward(m, hidden, top_k_index, top_k_weights)
 
 
-# the (edp, ep) meshes, one per process and layout (building one makes process groups collectively)
-_MESHES: dict[tuple[str, int, int, int], DeviceMesh] = {}
+# the (dp_replicate, edp, ep) meshes, one per process and layout (building one makes process
+# groups collectively)
+_MESHES: dict[tuple[str, int, int, int, int], DeviceMesh] = {}
 
 
 def expert_mesh(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
     """(the ep mesh the experts are split over, the edp mesh they are sharded over). At ep =
     dp_shard: the sharding mesh itself, and no edp (each rank holds 1/ep of the experts, whole).
-    Below it: a 2-D mesh (edp, ep) of the same ranks, ep consecutive ranks splitting the
-    experts, and the dp_shard / ep ranks holding the same experts sharding them further, as
-    torchtitan's efsdp does (so each rank holds 1/dp_shard of the experts either way)."""
+    Below it: a mesh (dp_replicate, edp, ep) of the same ranks, ep consecutive ranks splitting
+    the experts, and the dp_shard / ep ranks holding the same experts within a sharding group
+    sharding them further, as torchtitan's efsdp does (so each rank holds 1/dp_shard of the
+    experts either way); under hybrid sharding the edp mesh is (dp_replicate, edp), its first
+    dimension the replicas."""
     if dims.ep == dims.dp_shard:
         return dims.world_mesh["dp_shard"], None
-    key = (dims.device_type, dims.dp_shard, dims.ep, id(dist.group.WORLD))
+    key = (dims.device_type, dims.dp_replicate, dims.dp_shard, dims.ep, id(dist.group.WORLD))
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(dims.device_type, (dims.dp_shard // dims.ep, dims.ep),
-                                        mesh_dim_names=("edp", "ep"))
-    return _MESHES[key]["ep"], _MESHES[key]["edp"]
+        shape = (dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep)
+        _MESHES[key] = init_device_mesh(dims.device_type, shape, mesh_dim_names=("dp_replicate", "edp", "ep"))
+    mesh = _MESHES[key]
+    return mesh["ep"], mesh["dp_replicate", "edp"] if dims.dp_replicate > 1 else mesh["edp"]
 
 
 def expert_units(model: nn.Module) -> list[tuple[nn.Module, DeviceMesh]]:
