@@ -427,6 +427,85 @@ def _experts_hybrid_units_within_group() -> None:
     _patch(expert_parallel, "expert_mesh", within)
 
 
+# -- the core rows: every strategy equals one process, per-rank memory (test_equivalence) ---------
+@fault("accumulation_undivided", row="per-micro-batch losses, clip norms, final full weights",
+       test="tests/test_equivalence.py::test_gradients_left_undivided_under_accumulation_are_caught")
+def _accumulation_undivided() -> None:
+    """`backward` no longer divides by grad_accum_steps: each step's gradient is the sum of its
+    micro-batches', not their mean (AdamW hides most of the scale; the clipped norms do not)."""
+    from shardwise.engine.session import Session
+
+    def backward(self: Any, loss: Any, *, num_items: Any = None, **kwargs: Any) -> None:
+        self.step_state.items.add(num_items)
+        self.strategy.backward(self.strategy.precision.scale_loss(loss), **kwargs)
+
+    _patch(Session, "backward", backward)
+
+
+@fault("fsdp_shards_nothing", row="per-rank tensor bytes",
+       test="tests/test_equivalence.py::test_a_zero3_that_shards_nothing_is_caught")
+def _fsdp_shards_nothing() -> None:
+    """zero2/zero3 lay nothing out: every rank keeps whole parameters, gradients and optimizer
+    state, and trains on its own gradients (the numbers drift, quietly)."""
+    from shardwise.strategies import fsdp
+
+    _patch(fsdp, "apply_fsdp", lambda model, **kwargs: None)
+
+
+@fault("overflow_verdict_local", row="fp16 overflow",
+       test="tests/test_precision.py::test_an_overflow_verdict_kept_local_is_caught")
+def _overflow_verdict_local() -> None:
+    """The fp16 scaler's inf/nan verdict not all-reduced: a rank that alone sees an overflow in
+    its gradient shard skips the step while the others take it."""
+    import torch
+
+    from shardwise.strategies.precision import DynamicLossScaler, local_tensor
+
+    @torch.no_grad()
+    def unscale_and_check(self: Any, grads: Any) -> bool:
+        finite = True
+        for g in grads:
+            local = local_tensor(g)
+            local.mul_(1.0 / self.scale)
+            finite = finite and bool(torch.isfinite(local).all())
+        return finite
+
+    _patch(DynamicLossScaler, "unscale_and_check", unscale_and_check)
+
+
+@fault("metrics_keep_repeats", row="`gather_for_metrics` on 13 samples",
+       test="tests/test_engine.py::test_gather_for_metrics_keeping_the_repeats_is_caught")
+def _metrics_keep_repeats() -> None:
+    """`gather_for_metrics` keeps the samples the loader repeated to even out its last batch."""
+    from shardwise import Engine
+
+    _patch(Engine, "real_in_last_batch", lambda self: None)
+
+
+@fault("rng_not_restored", row="exact resume: 8 steps vs 4",
+       test="tests/test_checkpoint.py::test_a_resume_that_drops_the_rng_state_is_caught")
+def _rng_not_restored() -> None:
+    """A resume loads weights, optimizer, scheduler and sampler position, but not the RNG state."""
+    from shardwise.checkpoint import sharded
+
+    _patch(sharded, "_set_rng_state", lambda state: None)
+
+
+@fault("hybrid_replicas_unsynced", row="hybrid sharding, 4 processes as 2 groups of 2",
+       test="tests/test_hybrid.py::test_replicas_left_unsynced_are_caught")
+def _hybrid_replicas_unsynced() -> None:
+    """Hybrid sharding's groups each shard over their own ranks and never all-reduce across the
+    replicas: each group trains on its own half of the batch."""
+    from shardwise.strategies.fsdp import FSDPStrategy
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+        if self.mesh.ndim == 2:
+            self.mesh = self.mesh["dp_shard"]
+
+    _patch(FSDPStrategy, "__init__", init)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 
 N = 24  # samples: 6 global batches of 4 per epoch, so step 4 is mid-epoch and step 8 in epoch 1
@@ -95,7 +96,10 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_exact_resume_in_new_processes_is_bit_identical(exact: dict) -> None:
-    straight, first, second = exact["straight"], exact["first"], exact["second"]
+    check_exact(exact["straight"], exact["first"], exact["second"])
+
+
+def check_exact(straight: W.Checkpointed, first: W.Checkpointed, second: W.Checkpointed) -> None:
     assert first.losses + second.losses == straight.losses
     assert W.max_diff(second.state, straight.state) == 0.0
     assert second.step == 8 and second.lr == straight.lr
@@ -348,3 +352,13 @@ def test_bad_checkpoint_is_refused_with_one_line(case: str, good: Path, tmp_path
     after = engine.get_state_dict(model)
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert engine.step == 0
+
+
+def test_a_resume_that_drops_the_rng_state_is_caught(exact: dict, tmp_path: Path) -> None:
+    """The second half again, from a copy of the same checkpoint, with the saved RNG state not
+    restored (the loop's noise then draws other numbers)."""
+    import shutil
+
+    shutil.copytree(exact["root"], tmp_path / "checkpoints", ignore=shutil.ignore_patterns(".shardwise.lock"))
+    second = spawn(planted(_second_half, "rng_not_restored"), 2, str(tmp_path))[0]
+    caught(check_exact, exact["straight"], exact["first"], second)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -171,6 +172,10 @@ def test_two_models_two_optimizers(results: list) -> None:
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_gather_for_metrics_returns_exactly_the_dataset(results: list, strategy: str) -> None:
+    check_metrics(results, strategy)
+
+
+def check_metrics(results: list, strategy: str) -> None:
     for res in results:
         m = res[f"metrics-{strategy}"]
         assert m["map"]["all"] == list(range(13))  # in order, padding dropped
@@ -207,3 +212,13 @@ def test_gather_refuses_shapes_that_differ_across_processes(results: list) -> No
         assert "rank 0 has float32 (2,); rank 1 has int64 (2,)" in g["dtype"] and "\n" not in g["dtype"]
         assert g["lengths"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         assert g["max"] == [1.0, 0.0] and g["min"] == [0.0, -1.0]
+
+
+def _planted_metrics() -> dict[str, Any]:
+    import shardwise
+
+    return {"metrics-ddp": _metrics(shardwise.Engine(strategy="ddp", cpu=True, seed=W.SEED))}
+
+
+def test_gather_for_metrics_keeping_the_repeats_is_caught() -> None:
+    caught(check_metrics, spawn(planted(_planted_metrics, "metrics_keep_repeats"), 2), "ddp")

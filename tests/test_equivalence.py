@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 
 CONFIGS: list[dict[str, Any]] = [
@@ -80,7 +81,10 @@ def refs() -> dict[str, W.Trained]:
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_key)
 @pytest.mark.parametrize("name", MODELS)
 def test_matches_single_process(runs: dict, refs: dict, name: str, cfg: dict[str, str]) -> None:
-    run, ref = runs[(name, _key(cfg))], refs[name]
+    check_matches(runs[(name, _key(cfg))], refs[name], name)
+
+
+def check_matches(run: W.Trained, ref: W.Trained, name: str) -> None:
     assert len(run.losses) == 8 and len(run.norms) == 4
     assert W.close(run.losses, ref.losses) < 1e-5
     assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
@@ -98,7 +102,10 @@ def test_a_clip_bound_lasts_one_step(runs: dict, strategy: str) -> None:
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c["strategy"] in ("zero2", "zero3")], ids=_key)
 def test_zero23_memory_is_half_of_ddp(runs: dict, name: str, cfg: dict[str, str]) -> None:
-    ddp, sharded = runs[(name, "ddp")].memory, runs[(name, _key(cfg))].memory
+    check_half_of_ddp(runs[(name, "ddp")].memory, runs[(name, _key(cfg))].memory, cfg)
+
+
+def check_half_of_ddp(ddp: Any, sharded: Any, cfg: dict[str, str]) -> None:
     assert sharded.params == pytest.approx(ddp.params / 2, rel=0.05)
     assert sharded.grads == pytest.approx(ddp.grads / 2, rel=0.05)
     if cfg.get("offload", "none") == "none" or cfg.get("offload") == "params":
@@ -180,3 +187,18 @@ def test_fsdp_reduce_scatter_on_gloo_is_an_all_reduce_and_matches_gloos() -> Non
         assert res["calls"]["reduce_scatter"] == 0, res["calls"]  # no gloo reduce-scatter ran
         assert res["calls"]["all_reduce"] >= res["units"] > 1, res
     assert sum(k.startswith("pair") for k in results[0]) == 3
+
+
+def _planted_pair() -> dict[str, W.Trained]:
+    """ddp and zero3 on the tiny model, as the real test runs them."""
+    return {s: W.train_engine("tiny", {"cpu": True, "strategy": s}, **RUN) for s in ("ddp", "zero3")}
+
+
+def test_gradients_left_undivided_under_accumulation_are_caught() -> None:
+    run = spawn(planted(_planted_pair, "accumulation_undivided"), 2)[0]["zero3"]
+    caught(check_matches, run, W.reference("tiny", world=2, **RUN), "tiny")
+
+
+def test_a_zero3_that_shards_nothing_is_caught() -> None:
+    runs = spawn(planted(_planted_pair, "fsdp_shards_nothing"), 2)[0]
+    caught(check_half_of_ddp, runs["ddp"].memory, runs["zero3"].memory, {"strategy": "zero3"})

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 
 WORLD, GROUP = 4, 2  # 2 simulated nodes of 2 processes: never more than 4 processes
@@ -202,7 +203,10 @@ def test_four_processes_at_most(results: list) -> None:
 
 @pytest.mark.parametrize("cfg", [c for c in HYBRID if c.get("precision", "fp32") == "fp32"], ids=_key)
 def test_hybrid_fp32_matches_one_process(results: list, ref: dict, cfg: dict[str, Any]) -> None:
-    run = results[0].runs[_key(cfg)]
+    check_matches(results[0].runs[_key(cfg)], ref)
+
+
+def check_matches(run: HybridRun, ref: Any) -> None:
     assert len(run.losses) == 8 and len(run.norms) == 4
     assert W.close(run.losses, ref.losses) < 1e-5
     assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
@@ -319,3 +323,11 @@ def test_gradients_reduce_within_the_group_then_across(results: list) -> None:
         calls, units = res.collectives.calls, res.collectives.units
         assert units == 4  # 3 blocks and the root
         assert sorted(calls) == sorted([("all_reduce", shard)] * units + [("all_reduce", replicate)] * units)
+
+
+def _planted_zero3() -> HybridRun:
+    return _run({"strategy": "zero3", "shard_group_size": GROUP})  # (as the real test's zero3 case)
+
+
+def test_replicas_left_unsynced_are_caught(ref: Any) -> None:
+    caught(check_matches, spawn(planted(_planted_zero3, "hybrid_replicas_unsynced"), WORLD)[0], ref)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch.utils.data import DataLoader
 
@@ -114,6 +115,10 @@ def test_bf16_transformers_gpt2(results: list) -> None:
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_fp16_skips_overflow_step_on_every_rank(results: list, strategy: str) -> None:
+    check_overflow(results, strategy)
+
+
+def check_overflow(results: list, strategy: str) -> None:
     for rank, res in enumerate(results):
         r = res.overflow[strategy]
         assert r.skipped, f"rank {rank} did not skip"
@@ -123,3 +128,11 @@ def test_fp16_skips_overflow_step_on_every_rank(results: list, strategy: str) ->
     main = results[0].overflow[strategy]
     assert W.max_diff(main.after, main.before) == 0.0  # the skipped step left weights alone
     assert main.moved_after_skip > 0  # and the next step trained again
+
+
+def _planted_overflow() -> Work:
+    return Work({}, {"zero3": _overflow_run("zero3")})  # (as the real test's zero3 case)
+
+
+def test_an_overflow_verdict_kept_local_is_caught() -> None:
+    caught(check_overflow, spawn(planted(_planted_overflow, "overflow_verdict_local"), 2), "zero3")
