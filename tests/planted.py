@@ -506,6 +506,38 @@ def _hybrid_replicas_unsynced() -> None:
     _patch(FSDPStrategy, "__init__", init)
 
 
+@fault("precision_ignored", row="bf16, fp16",
+       test="tests/test_precision.py::test_a_precision_left_at_fp32_is_caught")
+def _precision_ignored() -> None:
+    """bf16 asked for, fp32 computed: the precision component takes the name but computes in
+    fp32 (no autocast, FSDP's parameters gathered in fp32); every loss stays finite and close."""
+    import torch
+
+    from shardwise.strategies.precision import Precision
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+        self.dtype = torch.float32
+
+    _patch(Precision, "__init__", init)
+
+
+@fault("items_count_local", row="token-weighted loss",
+       test="tests/test_token_loss.py::test_a_count_of_items_left_local_is_caught")
+def _items_count_local() -> None:
+    """`backward(loss_sum, num_items=n)`: the step's count of items taken as this process's count
+    times the world, never summed over the processes (exact only when every rank has as many)."""
+    import torch
+
+    from shardwise.engine.items import ItemCount
+
+    def agree(self: Any, info: Any, accum: int) -> float:
+        n = float(torch.as_tensor(self.local, dtype=torch.float64).item()) * info.world_size
+        return info.world_size * accum / n if n > 0 else 1.0
+
+    _patch(ItemCount, "_agree", agree)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -165,7 +166,10 @@ def refs() -> dict[str, W.Trained]:
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_token_weighted_loss_matches_one_process(runs: dict, refs: dict,
                                                  case: tuple[str, dict[str, Any]]) -> None:
-    run, ref = runs[_key(case)], refs[case[0]]
+    check_weighted(runs[_key(case)], refs[case[0]], case)
+
+
+def check_weighted(run: W.Trained, ref: W.Trained, case: tuple[str, dict[str, Any]]) -> None:
     assert len(run.losses) == STEPS
     assert W.close(run.losses, ref.losses) < 1e-5
     if run.norms:  # the script clipped (else the config's max_grad_norm did)
@@ -193,3 +197,12 @@ def test_careless_num_items(runs: dict) -> None:
     mixed, negative = runs["careless"]
     assert "pass num_items= to every backward of an accumulation window or to none" in mixed
     assert "backward(num_items=-1)" in negative and "\n" not in mixed + negative
+
+
+def _planted_weighted() -> W.Trained:
+    return train("tiny", {"strategy": "zero3"})  # (as the real test's zero3 case)
+
+
+def test_a_count_of_items_left_local_is_caught(refs: dict) -> None:
+    run = spawn(planted(_planted_weighted, "items_count_local"), WORLD)[0]
+    caught(check_weighted, run, refs["tiny"], ("tiny", {"strategy": "zero3"}))
