@@ -538,6 +538,16 @@ def _items_count_local() -> None:
     _patch(ItemCount, "_agree", agree)
 
 
+@fault("checkpointing_not_applied", row="activation checkpointing modes",
+       test="tests/test_ac_modes.py::test_a_mode_the_engine_never_applies_is_caught")
+def _checkpointing_not_applied() -> None:
+    """The engine takes `activation_checkpointing` and never wraps a block: the numbers are
+    exactly right, every activation is kept."""
+    from shardwise.strategies import steps
+
+    _patch(steps, "apply_activation_checkpointing", lambda *args, **kwargs: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

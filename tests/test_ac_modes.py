@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from test_plan import TOLERANCE, LiveStorage
 
@@ -173,15 +174,20 @@ def test_planner_peak_of_every_mode_matches_a_real_two_process_run(runs: TwoProc
         real = measured[_name(mode, every)].peak
         predicted = plan.find("zero3", "none", mode, activation_checkpointing_every=every).peak
         assert abs(predicted / real - 1) <= TOLERANCE, "\n".join(report)
+    check_peaks_ordered(measured)
+    # FLOPs: full recomputes every block's forward, selective only what its policy does not keep
+    flops = {_name(m, e): plan.find("zero3", "none", m, activation_checkpointing_every=e).compute_seconds
+             for m, e in MODES}
+    assert flops["full"] > flops["selective/2"] > flops["selective"] == flops["offload"] == flops["none"]
+
+
+def check_peaks_ordered(measured: dict[str, Measured]) -> None:
+    """The measured peaks of the modes differ as checkpointing says they must."""
     peak = {_name(m, e): measured[_name(m, e)].peak for m, e in MODES}
     assert peak["none"] > 1.3 * peak["selective"] > 1.3 * peak["full"], peak
     # on CPU offload copies nothing (host memory already): it holds what none holds, less the KV
     # cache `transformers` keeps without checkpointing (every mode turns it off)
     assert peak["selective"] < peak["offload"] <= peak["none"], peak
-    # FLOPs: full recomputes every block's forward, selective only what its policy does not keep
-    flops = {_name(m, e): plan.find("zero3", "none", m, activation_checkpointing_every=e).compute_seconds
-             for m, e in MODES}
-    assert flops["full"] > flops["selective/2"] > flops["selective"] == flops["offload"] == flops["none"]
 
 
 def test_planner_keeps_offloaded_activations_off_the_device_for_cuda(runs: TwoProcess) -> None:
@@ -351,3 +357,11 @@ def test_auto_plans_the_configured_mode() -> None:
     cfg = engine.config
     assert (cfg.activation_checkpointing, cfg.activation_checkpointing_every) == ("selective", 2)
     assert W.close(run.losses, ref.losses) < 1e-5 and W.max_diff(run.state, ref.state) < 2e-5
+
+
+def _planted_measure() -> dict[str, Measured]:
+    return _measure("zero3")  # (as the real test's)
+
+
+def test_a_mode_the_engine_never_applies_is_caught() -> None:
+    caught(check_peaks_ordered, spawn(planted(_planted_measure, "checkpointing_not_applied"), 2)[0])
