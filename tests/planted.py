@@ -548,6 +548,18 @@ def _checkpointing_not_applied() -> None:
     _patch(steps, "apply_activation_checkpointing", lambda *args, **kwargs: None)
 
 
+@fault("optimizer_state_dropped", row="reshard matrix",
+       test="tests/test_checkpoint.py::test_a_resume_that_drops_the_optimizer_state_is_caught")
+def _optimizer_state_dropped() -> None:
+    """A load restores weights, loop state and RNG, but leaves the optimizer's state as a fresh
+    optimizer has it (Adam's moments zero)."""
+    from shardwise.strategies.base import InPlaceRunner
+    from shardwise.strategies.sharded_optim import ShardedOptimizer
+
+    for cls in (InPlaceRunner, ShardedOptimizer):
+        _patch(cls, "load_checkpoint_state", lambda self, model, state: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

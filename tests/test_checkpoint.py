@@ -156,8 +156,13 @@ def test_resume_at_any_strategy_and_world_size(matrix: dict, world: int) -> None
     ref = _reference(8)
     runs = matrix[world]
     assert len(runs) == {2: 4 * 5 - 2, 1: 4 - 1, 4: 4 - 1}[world]
+    check_resumed(matrix["saved"], runs, ref, world)
+
+
+def check_resumed(saved: dict[str, W.Checkpointed], runs: dict[tuple[str, str], W.Checkpointed],
+                  ref: W.Trained, world: int) -> None:
     for (src, dst), run in runs.items():
-        losses = matrix["saved"][src].losses + run.losses
+        losses = saved[src].losses + run.losses
         assert W.close(losses, ref.losses) < 1e-5, (src, dst, world)
         assert W.max_diff(run.state, ref.state) < 2e-5, (src, dst, world)
         assert run.step == 8
@@ -362,3 +367,9 @@ def test_a_resume_that_drops_the_rng_state_is_caught(exact: dict, tmp_path: Path
     shutil.copytree(exact["root"], tmp_path / "checkpoints", ignore=shutil.ignore_patterns(".shardwise.lock"))
     second = spawn(planted(_second_half, "rng_not_restored"), 2, str(tmp_path))[0]
     caught(check_exact, exact["straight"], exact["first"], second)
+
+
+def test_a_resume_that_drops_the_optimizer_state_is_caught(matrix: dict) -> None:
+    """The matrix's resumes into ddp again, with the saved optimizer state not applied."""
+    runs = spawn(planted(_resume_all, "optimizer_state_dropped"), 2, str(matrix["folder"]), ["ddp"])[0]
+    caught(check_resumed, matrix["saved"], runs, _reference(8), 2)
