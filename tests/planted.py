@@ -560,6 +560,31 @@ def _optimizer_state_dropped() -> None:
         _patch(cls, "load_checkpoint_state", lambda self, model, state: None)
 
 
+@fault("adapter_not_merged", row="LoRA through peft",
+       test="tests/test_adapters.py::test_an_export_that_drops_the_adapter_is_caught")
+def _adapter_not_merged() -> None:
+    """`save_model(merge_adapters=True)` writes the base model with the adapter unloaded, not
+    merged: the right keys and shapes, the untrained model's outputs."""
+    import copy
+
+    import peft
+    import torch
+
+    from shardwise.weights import adapters
+
+    def unmerged(module: Any, state: Any) -> Any:
+        (name,) = module.peft_config
+        base = module.get_base_model()
+        with torch.device("meta"):
+            fresh = peft.get_peft_model(type(base)(copy.deepcopy(base.config)),
+                                        copy.deepcopy(module.peft_config[name]), adapter_name=name)
+        fresh.load_state_dict(state, strict=True, assign=True)
+        plain = fresh.unload()
+        return plain, {k: v for k, v in plain.state_dict().items() if not v.is_meta}
+
+    _patch(adapters, "_merged", unmerged)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import run_command, spawn
 
 pytestmark = pytest.mark.skipif(
@@ -225,16 +226,21 @@ def test_adapter_folder_reloads_in_a_plain_process(runs: dict[str, Any], case: t
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_merged_export_loads_with_transformers(runs: dict[str, Any], case: tuple[str, str]) -> None:
+    check_merged(runs["folder"] / _key(case) / "merged", runs["ranks"][0][case].logits)
+
+
+def check_merged(folder: Path, logits: torch.Tensor) -> None:
+    """The merged export: the base model's own keys only, loaded by transformers, the trained
+    (adapted) model's logits within 1e-5."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
-    folder = runs["folder"] / _key(case) / "merged"
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert keys and not any("lora_" in k or "base_layer" in k or k.startswith("base_model.") for k in keys)
     model = AutoModelForCausalLM.from_pretrained(str(folder))
     assert isinstance(model, GPT2LMHeadModel)
-    assert (_logits(model) - runs["ranks"][0][case].logits).abs().max().item() <= 1e-5
+    assert (_logits(model) - logits).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
@@ -264,3 +270,12 @@ def test_merge_adapters_refused_for_a_plain_model(tmp_path: Path) -> None:
                                               "drop merge_adapters"):
         engine.save_model(model, tmp_path / "m", merge_adapters=True)
     assert not (tmp_path / "m").exists()
+
+
+def _planted_zero3(folder: str) -> Adapted:
+    return _train("torch", "zero3", folder)  # (as the real test's torch zero3 case)
+
+
+def test_an_export_that_drops_the_adapter_is_caught(tmp_path: Path) -> None:
+    run = spawn(planted(_planted_zero3, "adapter_not_merged"), 2, str(tmp_path))[0]
+    caught(check_merged, tmp_path / "merged", run.logits)
