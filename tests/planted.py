@@ -585,6 +585,16 @@ def _adapter_not_merged() -> None:
     _patch(adapters, "_merged", unmerged)
 
 
+@fault("deepspeed_clip_unset", row="**DeepSpeed backend**",
+       test="tests/test_deepspeed.py::test_a_clip_bound_never_handed_to_deepspeed_is_caught")
+def _deepspeed_clip_unset() -> None:
+    """backend deepspeed: `clip_grad_norm_` computes and returns the global norm, but the bound is
+    never handed to DeepSpeed's optimizer, whose step then does not clip."""
+    from shardwise.strategies.deepspeed import internals
+
+    _patch(internals, "set_clip_bound", lambda zero_opt, bound: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -25,6 +25,7 @@ import test_data_safety as DS
 import test_equivalence as EQ
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 
 pytestmark = pytest.mark.skipif(
@@ -231,7 +232,10 @@ def test_deepspeed_host_kernel_matches_single_process(runs: dict, refs: dict, cf
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_key)
 @pytest.mark.parametrize("name", MODELS)
 def test_deepspeed_matches_single_process(runs: dict, refs: dict, name: str, cfg: dict[str, str]) -> None:
-    run, ref = runs[("eq", name, _key(cfg))], refs[name]
+    check_matches(runs[("eq", name, _key(cfg))], refs[name], name)
+
+
+def check_matches(run: W.Trained, ref: W.Trained, name: str) -> None:
     assert min(ref.norms) > CLIP  # so the clip really acts on every step
     assert len(run.losses) == 8 and len(run.norms) == 4
     assert W.close(run.losses, ref.losses) < 1e-5
@@ -439,3 +443,13 @@ def test_deepspeed_host_kernel_is_adam_in_torch_state() -> None:
 
     with pytest.raises(ConfigError, match="host_kernel"):
         EngineConfig(host_kernel="cuda")  # type: ignore[arg-type]
+
+
+def _planted_zero2() -> W.Trained:
+    return W.train_engine("tiny", {"cpu": True, "backend": "deepspeed", "strategy": "zero2"}, **RUN)
+
+
+def test_a_clip_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:
+    """The script's clip_grad_norm_ returns the right norm, and DeepSpeed's step never clips."""
+    run = spawn(planted(_planted_zero2, "deepspeed_clip_unset"), 2, timeout=1200)[0]
+    caught(check_matches, run, refs["tiny"], "tiny")
