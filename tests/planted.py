@@ -595,6 +595,26 @@ def _deepspeed_clip_unset() -> None:
     _patch(internals, "set_clip_bound", lambda zero_opt, bound: None)
 
 
+@fault("async_stage_aliases", row="asynchronous checkpoints",
+       test="tests/test_checkpoint_async.py::test_a_stage_that_aliases_the_live_tensors_is_caught")
+def _async_stage_aliases() -> None:
+    """An asynchronous save's staging hands the background writer the live CPU tensors instead of
+    copies: a write that overlaps the next step stores that step's weights."""
+    from shardwise.checkpoint import background
+
+    _patch(background._Copier, "tensor", lambda self, t: t)
+
+
+@fault("recipes_not_replayed", row="init_empty + prepare vs a normal build",
+       test="tests/test_big_models.py::test_an_empty_build_that_skips_the_recorded_init_is_caught")
+def _recipes_not_replayed() -> None:
+    """init_empty never replays the constructor's recorded writes: the modules' own initializers
+    fill every tensor instead (plausible values, another model)."""
+    from shardwise.weights.materialize import _Fill
+
+    _patch(_Fill, "by_recipes", lambda self: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from test_init_and_load import OwnInit
 from torch import nn
@@ -144,20 +145,41 @@ def test_empty_init_equals_a_normal_build(inits: dict, name: str) -> None:
     """init_empty + prepare gives the weights and buffers of a normal build with the same seed,
     bit for bit, at every process count and strategy (issue 21, item 5); so do the buffers of a
     `transformers` model built on meta."""
+    check_normal_build(inits, name, INIT_STRATEGIES)
+    if name == "own":
+        assert float(inits[1][0][("ddp", "own")].state["head.weight"].abs().sum()) == 0.0  # zeroed head
+    llama = tiny_llama()
+    for n, b in llama.named_buffers():
+        assert torch.equal(inits[1][0][("zero3", "llama")].state[f"buffer:{n}"], b), n
+
+
+def check_normal_build(inits: dict, name: str, strategies: list[str]) -> None:
+    """Every run's gathered weights and buffers equal a normal build's with the same seed."""
     builds = {"tiny": W.TinyLM, "gpt2": lambda: W.build("gpt2"), "rotary": WithRotary, "own": OwnInit,
               "llama_empty": tiny_llama}
     torch.manual_seed(1234)
     normal = builds[name]()
     want = {**normal.state_dict(), **{f"buffer:{n}": b for n, b in normal.named_buffers()}}
     for world, ranks in inits.items():
-        for strategy in INIT_STRATEGIES:
+        for strategy in strategies:
             got = ranks[0][(strategy, name)].state
             assert [k for k in want if not torch.equal(got[k], want[k])] == [], (world, strategy, name)
-    if name == "own":
-        assert float(want["head.weight"].abs().sum()) == 0.0  # the zeroed head stays zero
-    llama = tiny_llama()
-    for n, b in llama.named_buffers():
-        assert torch.equal(inits[1][0][("zero3", "llama")].state[f"buffer:{n}"], b), n
+
+
+def _planted_gpt2() -> dict[tuple[str, str], Init]:
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
+    torch.manual_seed(1234)
+    with engine.init_empty():  # (as the real test builds it)
+        model = W.build("gpt2")
+    model = engine.prepare(model)
+    return {("zero3", "gpt2"): Init(_gathered(engine, model))}
+
+
+def test_an_empty_build_that_skips_the_recorded_init_is_caught() -> None:
+    ranks = spawn(planted(_planted_gpt2, "recipes_not_replayed"), 2)
+    caught(check_normal_build, {2: ranks}, "gpt2", ["zero3"])
 
 
 # -- loading pretrained weights ------------------------------------------------------------------

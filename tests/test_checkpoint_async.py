@@ -32,6 +32,7 @@ import pytest
 import spawn as S
 import torch
 import workloads as W
+from planted import caught, planted
 
 N = 24  # samples: 6 global batches of 4
 
@@ -90,6 +91,7 @@ class Saving(Looped):
     staging_after: int
     listing: list[str]
     latest: str
+    step_2_as_sync: bool
     writes: list[tuple[str, float, float]]
 
 
@@ -135,13 +137,18 @@ def _saving_run(folder: str) -> Saving:
     writes = _slow_writes(0.4)
     seen: dict[str, Any] = {}  # Saving's fields, as the steps see them
 
-    def at_step(step: int, model: Any, opt: Any) -> None:
+    def at_step(step: int, model: Any, opt: Any) -> None:  # (after that step's update)
         if step == 2:
-            engine.save_state()  # step_2, pruned by keep_last at step_4
+            engine.config.checkpoint_async = False
+            engine.save_state(root / "sync_2")  # what step_2 must hold
+            engine.config.checkpoint_async = True
+            engine.save_state()  # step_2 (its slow write overlaps step 3's update), pruned at step_4
         if step == 3:
             engine.config.checkpoint_async = False
             engine.save_state(root / "sync_3")  # waits for step_2 first
             engine.config.checkpoint_async = True
+            seen["step_2_as_sync"] = _identical(_all_tensors(root / "checkpoints" / "step_2"),
+                                                _all_tensors(root / "sync_2"))
             engine.save_state()  # step_3
             seen["staging"] = engine.memory_report().staging  # pending: held
             optim = [v for st in _local_optim(opt) for v in st.values()]  # AdamW: step, exp_avg, exp_avg_sq
@@ -312,6 +319,7 @@ def test_async_resume_is_bit_identical_and_equals_a_synchronous_save(runs: dict)
         assert len(straight.optim) == len(resumed.optim) == 23  # this rank's AdamW shards, each tensor
         for mine, theirs in zip(straight.optim, resumed.optim):
             assert _identical(mine, theirs)
+    check_staged_copies(runs["saving"])
     root = runs["a"]
     sync, async_ = _all_tensors(root / "sync_3"), _all_tensors(root / "checkpoints" / "step_3")
     assert len(sync) > 20 and _identical(sync, async_)
@@ -401,3 +409,13 @@ def test_planner_predicts_the_staging_copy(runs: dict) -> None:
         assert staged[device, "zero2"] == measured
         whole = staged[device, "ddp"]
         assert staged[device, "zero1"] == whole and measured < whole <= 2 * measured
+
+
+def check_staged_copies(saving: list[Saving]) -> None:
+    """step_2, whose background write ran while step 3 updated the weights and AdamW's state in
+    place, holds what a synchronous save at step 2 holds, tensor for tensor."""
+    assert all(rank.step_2_as_sync for rank in saving), [rank.step_2_as_sync for rank in saving]
+
+
+def test_a_stage_that_aliases_the_live_tensors_is_caught(tmp_path: Path) -> None:
+    caught(check_staged_copies, S.spawn(planted(_saving_run, "async_stage_aliases"), 2, str(tmp_path)))
