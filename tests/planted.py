@@ -23,10 +23,11 @@ the guarantees.md row it breaks, `test` the planted test that shows the row's te
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,24 @@ def plant(name: str | None) -> None:
         FAULTS[name].apply()
 
 
+_UNDO: list[list[tuple[Any, str, Any]]] = []  # while `planted_here` runs: what each _patch replaced
+
+
+@contextlib.contextmanager
+def planted_here(name: str) -> Iterator[None]:
+    """The named fault in this (pytest's) process for the block only, then undone: for a row
+    whose check runs in process (a config refused, a file read). The fault must patch through
+    `_patch`."""
+    assert name in FAULTS, f"no fault named {name!r}"
+    _UNDO.append([])
+    try:
+        plant(name)
+        yield
+    finally:
+        for owner, attr, old in reversed(_UNDO.pop()):
+            setattr(owner, attr, old)
+
+
 def _run_planted(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     plant(name)
     return fn(*args)
@@ -96,7 +115,10 @@ def caught(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
 
 def _patch(owner: Any, name: str, replacement: Callable[..., Any]) -> None:
     """Replace `owner.name` for the rest of this (worker) process."""
+    old = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
     replacement.__wrapped__ = getattr(owner, name)  # type: ignore[attr-defined]
+    if _UNDO:
+        _UNDO[-1].append((owner, name, old))
     setattr(owner, name, replacement)
 
 
@@ -613,6 +635,39 @@ def _recipes_not_replayed() -> None:
     from shardwise.weights.materialize import _Fill
 
     _patch(_Fill, "by_recipes", lambda self: None)
+
+
+# -- in-process rows: configs, files, careless calls (planted_here) -----------------------------
+@fault("loop_checks_skipped", row="21 malformed configs",
+       test="tests/test_config.py::test_a_config_check_left_out_is_caught")
+def _loop_checks_skipped() -> None:
+    """The config's loop checks (accumulation, seed, clipping, batch sizes) never run: a bad
+    value starts the launch and fails, if at all, deep in training."""
+    from shardwise.config import tree
+
+    _patch(tree, "_check_loop", lambda cfg: None)
+
+
+@fault("clip_bound_unchecked", row="careless calls: `clip_grad_norm_(ps, -1.0)`",
+       test="tests/test_errors.py::test_a_clip_bound_left_unchecked_is_caught")
+def _clip_bound_unchecked() -> None:
+    """`clip_grad_norm_` takes any bound: -1.0 scales every gradient by a negative factor."""
+    from shardwise import Engine
+
+    def clip(self: Any, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        with self._supervisor.timeouts():
+            return self.session.clip_grad_norm(parameters, max_norm, norm_type)
+
+    _patch(Engine, "clip_grad_norm_", clip)
+
+
+@fault("cut_line_unsaid", row="`shardwise report` of a metrics.jsonl whose last line was cut",
+       test="tests/test_observe.py::test_a_report_silent_on_a_cut_line_is_caught")
+def _cut_line_unsaid() -> None:
+    """`shardwise report` drops a crash's unfinished last line without a word."""
+    from shardwise.runtime import report
+
+    _patch(report, "read_records", lambda run_dir, skipped=None: report.read_records.__wrapped__(run_dir))
 
 
 @fault("plan_experts_gathered", row="the planner under expert parallelism",

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from planted import caught, planted_here
 
 import shardwise
 from shardwise import cli
@@ -110,6 +111,10 @@ def test_every_bad_fixture_is_covered() -> None:
 def test_malformed_config_is_refused_before_start(
     name: str, no_torchrun: list, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    check_refused(name, no_torchrun, capsys)
+
+
+def check_refused(name: str, no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:
     script = HERE / "scripts" / "train_from_config.py"
     code = cli.main(
         ["launch", "--config", str(FIXTURES / "bad" / name), "--nproc-per-node", "2", str(script)]
@@ -118,6 +123,13 @@ def test_malformed_config_is_refused_before_start(
     assert code == 2 and not no_torchrun
     assert err.count("\n") == 1 and err.startswith("shardwise: error: "), err
     assert BAD[name] in err, err
+
+
+def test_a_config_check_left_out_is_caught(no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:
+    with planted_here("loop_checks_skipped"):
+        caught(check_refused, "zero_accumulation.yaml", no_torchrun, capsys)
+    no_torchrun.clear()  # (the planted launch went through)
+    check_refused("zero_accumulation.yaml", no_torchrun, capsys)  # undone: refused again
 
 
 def test_missing_script_is_named(no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:

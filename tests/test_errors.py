@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -99,6 +100,10 @@ def test_contradicting_train_batch_size_is_refused_before_sharding() -> None:
 
 
 def test_careless_calls_get_one_line_before_any_work() -> None:
+    check_careless_calls()
+
+
+def check_careless_calls() -> None:
     engine = shardwise.Engine(strategy="zero3", cpu=True)
     refusals = []
     with pytest.raises(RuntimeError, match=r"backward\(\) before prepare\(\): prepare the model") as err:
@@ -119,6 +124,11 @@ def test_careless_calls_get_one_line_before_any_work() -> None:
             engine.clip_grad_norm_(model.parameters(), bad)
         refusals.append(err.value)
     assert all("\n" not in str(e) for e in refusals), refusals
+
+
+def test_a_clip_bound_left_unchecked_is_caught() -> None:
+    with planted_here("clip_bound_unchecked"):
+        caught(check_careless_calls)
 
 
 def test_a_word_for_a_number_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

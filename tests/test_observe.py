@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from spawn import spawn
 from torch import nn
 from torch.utils.data import DataLoader
@@ -328,6 +329,15 @@ def test_log_refuses_a_non_scalar_in_one_line_naming_its_key(tmp_path: Path) -> 
 def test_report_reads_what_a_crash_left_whole(tmp_path: Path) -> None:
     """A metrics.jsonl whose last line was cut by a crash: the whole lines are reported, and one
     line names the file, the line and the bytes left out; a damaged line before the end is refused."""
+    check_report_of_a_cut_file(tmp_path)
+
+
+def test_a_report_silent_on_a_cut_line_is_caught(tmp_path: Path) -> None:
+    with planted_here("cut_line_unsaid"):
+        caught(check_report_of_a_cut_file, tmp_path)
+
+
+def check_report_of_a_cut_file(tmp_path: Path) -> None:
     from shardwise.config import ConfigError
     from shardwise.runtime.report import report
 
