@@ -670,6 +670,54 @@ def _cut_line_unsaid() -> None:
     _patch(report, "read_records", lambda run_dir, skipped=None: report.read_records.__wrapped__(run_dir))
 
 
+@fault("clip_flag_sticky", row="the script clips with 0.01 on one step only",
+       test="tests/test_equivalence.py::test_a_clip_bound_that_outlives_its_step_is_caught")
+def _clip_flag_sticky() -> None:
+    """"The script clipped this step" is never reset: after one clip_grad_norm_ call the config's
+    max_grad_norm is not applied again."""
+    from shardwise.engine.step import StepState
+
+    def begin_micro_step(self: Any, loader_at_end: bool) -> None:
+        clipped = self.clipped
+        begin_micro_step.__wrapped__(self, loader_at_end)  # type: ignore[attr-defined]
+        self.clipped = clipped
+
+    def end_step(self: Any) -> None:
+        clipped = self.clipped
+        end_step.__wrapped__(self)  # type: ignore[attr-defined]
+        self.clipped = clipped
+
+    _patch(StepState, "begin_micro_step", begin_micro_step)
+    _patch(StepState, "end_step", end_step)
+
+
+@fault("steps_of_the_first_optimizer", row="two optimizers, the first stepping every other iteration",
+       test="tests/test_single_process.py::test_steps_counted_by_one_optimizer_are_caught")
+def _steps_of_the_first_optimizer() -> None:
+    """`engine.step` counts the steps of the first optimizer that stepped, not the boundaries."""
+    from shardwise.engine.step import StepState
+
+    firsts: dict[int, int] = {}
+
+    def record_step(self: Any, optimizer_id: int) -> bool:
+        counted = firsts.setdefault(id(self), optimizer_id) == optimizer_id
+        if counted:
+            self.optimizer_steps += 1
+        return counted
+
+    _patch(StepState, "record_step", record_step)
+
+
+@fault("final_step_unsaved", row="`checkpoint_every_steps: 3`, 4 steps",
+       test="tests/test_resilience.py::test_a_policy_that_forgets_the_final_step_is_caught")
+def _final_step_unsaved() -> None:
+    """end_training() takes every step for saved: a run whose last step falls between the
+    policy's saves loses it."""
+    from shardwise.checkpoint.manager import CheckpointManager
+
+    _patch(CheckpointManager, "has_saved", lambda self, step: True)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

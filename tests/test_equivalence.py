@@ -202,3 +202,11 @@ def test_gradients_left_undivided_under_accumulation_are_caught() -> None:
 def test_a_zero3_that_shards_nothing_is_caught() -> None:
     runs = spawn(planted(_planted_pair, "fsdp_shards_nothing"), 2)[0]
     caught(check_half_of_ddp, runs["ddp"].memory, runs["zero3"].memory, {"strategy": "zero3"})
+
+
+def _planted_clip_once() -> dict[str, W.Trained]:
+    return clip_once_runs({"cpu": True, "strategy": "zero3"})  # (as the real test's zero3 case)
+
+
+def test_a_clip_bound_that_outlives_its_step_is_caught() -> None:
+    caught(check_clip_once, spawn(planted(_planted_clip_once, "clip_flag_sticky"), 2)[0])

@@ -32,6 +32,7 @@ import pytest
 import torch
 import workloads as W
 import yaml
+from planted import caught, planted_here
 from spawn import GLOO_ABORT, spawn
 
 SCRIPT = Path(__file__).parent / "scripts" / "resilient.py"
@@ -328,6 +329,15 @@ def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: p
 
 # -- checkpoint_every_steps saves the last step too, at end_training() ------------------------------
 def test_the_checkpoint_policy_saves_the_final_step(tmp_path: Path) -> None:
+    check_final_step_saved(tmp_path)
+
+
+def test_a_policy_that_forgets_the_final_step_is_caught(tmp_path: Path) -> None:
+    with planted_here("final_step_unsaved"):
+        caught(check_final_step_saved, tmp_path)
+
+
+def check_final_step_saved(tmp_path: Path) -> None:
     from shardwise.checkpoint.sharded import step_dirs
 
     engine, model, opt, loader = _prepared(tmp_path, checkpoint_every_steps=3)

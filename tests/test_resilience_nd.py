@@ -10,7 +10,11 @@ One chain of faults per layout, each fault a launch of its own on the same check
      limit: the kernel's EFBIG, as a full disk): the save of step 6 fails with the same one line
      ("could not ...: File too large ...") on every process, the run ends 1, and the newest
      checkpoint is still the one before, whole (`verify`);
-  3. a relaunch with `--max-restarts 1` resumes from that checkpoint; a worker SIGKILLs itself
+  3. a relaunch resumes from it; process 0 (the one that commits a checkpoint) is SIGKILLed in
+     the middle of saving step 6, its tensors written and the checkpoint not committed, as a
+     node lost mid-write: the run ends non-zero, the newest checkpoint is still the one before
+     (whole, `verify`), what the lost save left is a hidden `.step_6.incomplete`;
+  4. a relaunch with `--max-restarts 1` resumes from that checkpoint; a worker SIGKILLs itself
      after step 7; torchrun restarts the group, which resumes from step 6 and finishes.
 Every loss any attempt logged (each step's, recomputed ones included) equals the uninterrupted
 run's of the same layout bit for bit (fp32), and the final weights are torch.equal to its.
@@ -87,12 +91,26 @@ def _disk_full(config: Path, folder: Path, processes: int, saved: int) -> int:
     return previous
 
 
+def _lost_mid_write(config: Path, folder: Path, previous: int) -> None:
+    """Process 0 SIGKILLed in the middle of saving step 6 (a node lost mid-write)."""
+    from shardwise.checkpoint.sharded import newest, verify
+
+    run = _run(config, folder, fault="lostsave:6:0", timeout=240)
+    assert run.returncode != 0, run.stderr[-3000:]
+    assert f"attempt 0: starting at step {previous}" in run.stdout, run.stdout[-3000:]
+    root = folder / "checkpoints"
+    assert (root / ".step_6.incomplete").is_dir() and not (root / "step_6").exists(), os.listdir(root)
+    assert newest(root).name == f"step_{previous}" == (root / "latest").read_text().strip()
+    assert len(verify(root)) >= 5  # every file of the newest checkpoint matches its checksum
+
+
 def _every_loss(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "losses.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_n_d_layouts_survive_sigterm_a_full_disk_and_a_killed_worker(layout: str, tmp_path: Path) -> None:
+def test_n_d_layouts_survive_sigterm_a_full_disk_a_lost_write_and_a_killed_worker(layout: str,
+                                                                                  tmp_path: Path) -> None:
     settings = LAYOUTS[layout]
     processes = settings.get("launch", {}).get("num_processes", 2)
     straight, faulted = tmp_path / "straight", tmp_path / "faulted"
@@ -108,6 +126,7 @@ def test_n_d_layouts_survive_sigterm_a_full_disk_and_a_killed_worker(layout: str
 
     saved = _sigterm_everyone(config, faulted, processes)
     previous = _disk_full(config, faulted, processes, saved)
+    _lost_mid_write(config, faulted, previous)
     run = _run(config, faulted, "--max-restarts", "1", fault="kill:7:1", timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     log = run.stdout + run.stderr
@@ -122,6 +141,7 @@ def test_n_d_layouts_survive_sigterm_a_full_disk_and_a_killed_worker(layout: str
     assert not wrong, wrong  # every attempt's every step, bit for bit (fp32)
     losses, state = _result(faulted)
     assert losses == ref_losses and _identical(state, ref_state)
-    print(f"{layout}: SIGTERM saved step {saved}, the full disk kept step {previous}, the killed worker's "
+    print(f"{layout}: SIGTERM saved step {saved}, the full disk and the lost write kept step {previous}, the "
+          "killed worker's "
           f"restart resumed step 6: {len(rows)} losses and the final weights bit-identical "
           f"({time.monotonic() - t0:.0f} s)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from torch.utils.data import DataLoader
 
 import shardwise
@@ -67,6 +68,15 @@ def test_save_model_transformers_roundtrip(tmp_path) -> None:
 def test_step_counts_every_boundary_whichever_optimizer_steps() -> None:
     """Two optimizers, the first prepared stepping every other iteration only (a GAN-style
     loop): `engine.step` counts optimizer steps, one per iteration, not the first one's."""
+    check_step_counts()
+
+
+def test_steps_counted_by_one_optimizer_are_caught() -> None:
+    with planted_here("steps_of_the_first_optimizer"):
+        caught(check_step_counts)
+
+
+def check_step_counts() -> None:
     engine = shardwise.Engine(cpu=True)
     a, b = W.build("tiny"), W.build("tiny")
     opt_a, opt_b = W.make_optimizer(a), W.make_optimizer(b)

@@ -13,6 +13,9 @@ the end, the gathered weights to <folder>/final.pt.
   raise:STEP:RANK  RANK raises a ValueError inside optimizer step STEP
   full:STEP:RANK   RANK's files may not grow past 1 kB from optimizer step STEP on (a file-size limit,
                    the kernel's EFBIG, as a full disk): the checkpoint saved after step STEP fails
+  lostsave:STEP:RANK  on the first attempt, RANK SIGKILLs itself in the middle of saving the
+                   checkpoint of step STEP (every process's tensors written, the checkpoint not
+                   committed): a node lost mid-write
 The model is the tiny GPT (tests/workloads.py "tiny"); with tensor_parallel_size > 1 in the
 config file, the tiny Llama ("llama", which has a tensor-parallel plan). Each step's global batch
 is 4 samples at any layout (split over the data-parallel ranks).
@@ -63,6 +66,8 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
         shuffle=True,
     )
     model, opt, loader = engine.prepare(model, opt, loader)
+    if kind == "lostsave" and attempt == 0 and engine.process_index == who:
+        _die_in_save(engine, int(at))
     resumed = engine.load_state()
     if engine.is_main_process:
         print(f"attempt {attempt}: starting at step {resumed or 0}", flush=True)
@@ -97,6 +102,22 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
         torch.save(state, out / "final.pt")
     engine.end_training()
     return {"state": state}
+
+
+def _die_in_save(engine: Any, step: int) -> None:
+    """SIGKILL this process once the tensors of step `step`'s checkpoint are written, before it
+    is committed (meta.json, the rename)."""
+    import shardwise.checkpoint.sharded as ck
+
+    real_save = ck.dcp.save
+
+    def save_then_die(*args: Any, **kwargs: Any) -> Any:
+        out = real_save(*args, **kwargs)
+        if engine.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    ck.dcp.save = save_then_die
 
 
 def read_losses(folder: Path) -> dict[int, float]:
