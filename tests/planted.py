@@ -718,6 +718,16 @@ def _final_step_unsaved() -> None:
     _patch(CheckpointManager, "has_saved", lambda self, step: True)
 
 
+@fault("reshard_after_forward_ignored", row="Accelerate YAMLs (every distributed_type",
+       test="tests/test_config.py::test_a_mistranslated_key_is_caught")
+def _reshard_after_forward_ignored() -> None:
+    """An Accelerate FSDP2 YAML's `fsdp_reshard_after_forward: false` (zero2) read as FSDP's
+    default: the run shards parameters too (zero3), quietly."""
+    from shardwise.config import translate
+
+    _patch(translate, "_fsdp_strategy", lambda plain, source: {"strategy": "zero3"})
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

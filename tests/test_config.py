@@ -20,9 +20,9 @@ GOLDEN = HERE / "golden"
 UPDATE = os.environ.get("SHARDWISE_UPDATE_GOLDEN") == "1"
 
 
-def _golden(name: str, text: str) -> None:
+def _golden(name: str, text: str, update: bool = UPDATE) -> None:
     path = GOLDEN / name
-    if UPDATE:
+    if update:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     expected = path.read_text()
@@ -34,11 +34,21 @@ def _golden(name: str, text: str) -> None:
 def test_accelerate_yaml_translates_to_golden(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    check_translation(name, tmp_path, monkeypatch)
+
+
+def check_translation(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      update: bool = UPDATE) -> None:
     monkeypatch.chdir(FIXTURES / "accelerate")
     out = tmp_path / "shardwise.yaml"
     assert cli.main(["config", "--from-accelerate", name, "--output", str(out)]) == 0
-    _golden(f"accelerate/{name}", out.read_text())
+    _golden(f"accelerate/{name}", out.read_text(), update)
     load_config(out)  # what it wrote loads back as a valid config
+
+
+def test_a_mistranslated_key_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with planted_here("reshard_after_forward_ignored"):  # (never writes the golden file)
+        caught(check_translation, "fsdp2_zero2_size_wrap.yaml", tmp_path, monkeypatch, update=False)
 
 
 def test_issue_example_becomes_zero3_on_two_processes_fp32() -> None:
