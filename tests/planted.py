@@ -728,6 +728,29 @@ def _reshard_after_forward_ignored() -> None:
     _patch(translate, "_fsdp_strategy", lambda plain, source: {"strategy": "zero3"})
 
 
+@fault("load_rows_from_zero", row="a GPT-2 saved by `save_pretrained` in 3 files",
+       test="tests/test_big_models.py::test_every_rank_reading_the_first_rows_is_caught")
+def _load_rows_from_zero() -> None:
+    """Loading pretrained weights into shards: every rank reads the first rows of each tensor,
+    not its own (every shape right, every value one the file holds)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from shardwise.distributed.internals import local_tensor
+    from shardwise.strategies import base
+
+    @torch.no_grad()
+    def copy_into(target: Any, key: str, read: Any) -> None:
+        if isinstance(target, DTensor):
+            local = local_tensor(target)
+            if local.numel():
+                local.copy_(read(key, slice(0, local.shape[0])).reshape(local.shape))
+            return
+        copy_into.__wrapped__(target, key, read)  # type: ignore[attr-defined]
+
+    _patch(base, "copy_into", copy_into)  # (where the strategies' load calls it)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -300,6 +300,12 @@ def test_pretrained_weights_load_under_every_strategy(loads: dict, pretrained: P
     check_load_runs(loads, pretrained, LOAD_CONFIGS)
 
 
+def test_every_rank_reading_the_first_rows_is_caught(pretrained: Path) -> None:
+    zero3 = [{"strategy": "zero3"}]
+    runs = spawn(planted(load_runs, "load_rows_from_zero"), 2, "torch", zero3, str(pretrained))[0]
+    caught(check_load_runs, runs, pretrained, zero3)
+
+
 # -- bad sources ----------------------------------------------------------------------------------
 def _break(pretrained: Path, folder: Path, case: str) -> tuple[Path, str]:
     """A broken copy of the pretrained folder (or another source); what the one line must say."""
