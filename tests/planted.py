@@ -751,6 +751,20 @@ def _load_rows_from_zero() -> None:
     _patch(base, "copy_into", copy_into)  # (where the strategies' load calls it)
 
 
+@fault("clip_over_every_model", row="two models, two optimizers (one made after prepare)",
+       test="tests/test_engine.py::test_a_clip_over_every_model_is_caught")
+def _clip_over_every_model() -> None:
+    """`clip_grad_norm_(a.parameters(), ...)` measures and clips the gradients of every prepared
+    model, not the ones it was given."""
+    from shardwise.engine.session import Session
+
+    def clip_grad_norm(self: Any, parameters: Any, max_norm: float, norm_type: float) -> Any:
+        every = [p for m in self.models for p in m.parameters()]
+        return clip_grad_norm.__wrapped__(self, every, max_norm, norm_type)  # type: ignore[attr-defined]
+
+    _patch(Session, "clip_grad_norm", clip_grad_norm)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -161,7 +161,10 @@ def results() -> list[dict[str, Any]]:
 
 
 def test_two_models_two_optimizers(results: list) -> None:
-    run = results[0]["two_models"]
+    check_two_models(results[0]["two_models"])
+
+
+def check_two_models(run: dict[str, W.Trained]) -> None:
     for name in ("tiny", "gpt2"):
         ref = W.reference(name, world=2, **RUN)
         assert W.close(run[name].losses, ref.losses) < 1e-5
@@ -222,3 +225,13 @@ def _planted_metrics() -> dict[str, Any]:
 
 def test_gather_for_metrics_keeping_the_repeats_is_caught() -> None:
     caught(check_metrics, spawn(planted(_planted_metrics, "metrics_keep_repeats"), 2), "ddp")
+
+
+def _planted_two_models() -> dict[str, W.Trained]:
+    import shardwise
+
+    return _two_models(shardwise.Engine(strategy="zero3", cpu=True, grad_accum_steps=2, seed=W.SEED))
+
+
+def test_a_clip_over_every_model_is_caught() -> None:
+    caught(check_two_models, spawn(planted(_planted_two_models, "clip_over_every_model"), 2)[0])
