@@ -765,6 +765,23 @@ def _clip_over_every_model() -> None:
     _patch(Session, "clip_grad_norm", clip_grad_norm)
 
 
+@fault("export_rounded", row="`save_model` / `shardwise export` then `from_pretrained`",
+       test="tests/test_checkpoint.py::test_an_export_rounded_on_the_way_is_caught")
+def _export_rounded() -> None:
+    """save_model writes fp32 weights through bf16 (a dtype conversion on the way): the files
+    load, every shape right, every value a little off."""
+    import torch
+
+    from shardwise.engine import models
+
+    def save_weights(module: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+        rounded = {k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+                   for k, v in state.items()}
+        return save_weights.__wrapped__(module, rounded, *args, **kwargs)  # type: ignore[attr-defined]
+
+    _patch(models, "save_weights", save_weights)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

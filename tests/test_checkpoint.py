@@ -225,11 +225,20 @@ def _export_pair(folder: str) -> torch.Tensor:
 
 
 def test_save_model_and_export_give_what_transformers_loads(tmp_path: Path) -> None:
+    check_exports(tmp_path, spawn(_export_pair, 2, str(tmp_path))[0])
+
+
+def test_an_export_rounded_on_the_way_is_caught(tmp_path: Path) -> None:
+    caught(check_exports, tmp_path, spawn(planted(_export_pair, "export_rounded"), 2, str(tmp_path))[0])
+
+
+def check_exports(tmp_path: Path, live: torch.Tensor) -> None:
+    """save_model's folders load in transformers with the live model's logits, bit for bit, and
+    `shardwise export` of the checkpoint writes the same bytes."""
     from transformers import GPT2LMHeadModel
 
     from shardwise import cli
 
-    live = spawn(_export_pair, 2, str(tmp_path))[0]
     assert (tmp_path / "model" / "model.safetensors.index.json").is_file()  # split at 40KB
     for folder in ("model", "model-one-file"):
         back = GPT2LMHeadModel.from_pretrained(tmp_path / folder)
