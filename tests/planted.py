@@ -782,6 +782,16 @@ def _export_rounded() -> None:
     _patch(models, "save_weights", save_weights)
 
 
+@fault("override_unsaid", row="the code's keywords against the launcher's own resolved file",
+       test="tests/test_config.py::test_an_override_said_nowhere_is_caught")
+def _override_unsaid() -> None:
+    """A keyword in code silently wins over the value the user set in the launch's config file."""
+    from shardwise.engine import engine
+
+    _patch(engine, "config_from_code",
+           lambda config, kwargs: (engine.config_from_code.__wrapped__(config, kwargs)[0], []))
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -203,6 +203,15 @@ def test_the_launchers_own_file_warns_only_where_someone_set_a_value(
     """`shardwise launch` writes every field of the resolved config; code that changes one still
     at its default (the Accelerator passes grad_accum_steps, a seed) is no conflict, a value the
     user set for the launch is (issue 33)."""
+    check_overrides_said(tmp_path, monkeypatch)
+
+
+def test_an_override_said_nowhere_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with planted_here("override_unsaid"):
+        caught(check_overrides_said, tmp_path, monkeypatch)
+
+
+def check_overrides_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.config.files import write_yaml
 
     cfg = tmp_path / "resolved.yaml"
