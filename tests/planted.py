@@ -792,6 +792,20 @@ def _override_unsaid() -> None:
            lambda config, kwargs: (engine.config_from_code.__wrapped__(config, kwargs)[0], []))
 
 
+@fault("deepspeed_config_unclipped", row="`max_grad_norm` from the config, no clip call in the loop",
+       test="tests/test_deepspeed.py::test_a_config_bound_never_handed_to_deepspeed_is_caught")
+def _deepspeed_config_unclipped() -> None:
+    """backend deepspeed: the config's max_grad_norm never reaches DeepSpeed's own config
+    (`gradient_clipping` 0): a loop that leaves clipping to the config never clips."""
+    from shardwise.strategies.deepspeed import strategy
+
+    def deepspeed_config(*args: Any, **kwargs: Any) -> Any:
+        out = deepspeed_config.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+        return {**out, "gradient_clipping": 0.0}
+
+    _patch(strategy, "deepspeed_config", deepspeed_config)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

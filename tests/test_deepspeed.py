@@ -168,6 +168,13 @@ def _kernel_runs() -> dict[str, tuple[W.Trained, int]]:
     return out
 
 
+def _config_clip() -> W.Trained:
+    return W.train_engine(
+        "tiny", {"cpu": True, "backend": "deepspeed", "strategy": "zero2", "max_grad_norm": CLIP},
+        batch=2, accum=2, steps=4, clip=None,  # the script never clips; the config's bound applies
+    )
+
+
 def _everything(folder: str) -> dict[str, Any]:
     """All DeepSpeed runs of this file in one pair of processes (DeepSpeed starts slowly)."""
     out: dict[str, Any] = {}
@@ -180,10 +187,7 @@ def _everything(folder: str) -> dict[str, Any]:
             kw = {"cpu": True, "backend": backend, "strategy": "zero3", "precision": precision}
             out[("engines", backend, precision)] = W.train_engine(
                 "tiny", kw, batch=2, accum=2, steps=2, clip=CLIP)
-    out["config_clip"] = W.train_engine(
-        "tiny", {"cpu": True, "backend": "deepspeed", "strategy": "zero2", "max_grad_norm": CLIP},
-        batch=2, accum=2, steps=4, clip=None,  # the script never clips; the config's bound applies
-    )
+    out["config_clip"] = _config_clip()
     for strategy in ("zero2", "zero3"):
         out[("clip once", strategy)] = EQ.clip_once_runs(
             {"cpu": True, "backend": "deepspeed", "strategy": strategy})
@@ -248,8 +252,12 @@ def test_clipping_really_clips(runs: dict, refs: dict) -> None:
     """Without the clip the weights land far from the clipped reference: the clip is applied."""
     unclipped = W.reference("tiny", world=2, batch=2, accum=2, steps=4, clip=1e9)
     assert W.max_diff(unclipped.state, refs["tiny"].state) > 1e-4
-    # the config's max_grad_norm is applied by DeepSpeed's step, with no clip call in the loop
-    assert W.max_diff(runs["config_clip"].state, refs["tiny"].state) < 2e-5
+    check_config_clip(runs["config_clip"], refs["tiny"])
+
+
+def check_config_clip(run: W.Trained, ref: W.Trained) -> None:
+    """The config's max_grad_norm is applied by DeepSpeed's step, with no clip call in the loop."""
+    assert W.max_diff(run.state, ref.state) < 2e-5
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -453,3 +461,8 @@ def test_a_clip_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:
     """The script's clip_grad_norm_ returns the right norm, and DeepSpeed's step never clips."""
     run = spawn(planted(_planted_zero2, "deepspeed_clip_unset"), 2, timeout=1200)[0]
     caught(check_matches, run, refs["tiny"], "tiny")
+
+
+def test_a_config_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:
+    run = spawn(planted(_config_clip, "deepspeed_config_unclipped"), 2, timeout=1200)[0]
+    caught(check_config_clip, run, refs["tiny"])
