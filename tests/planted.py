@@ -806,6 +806,13 @@ def _deepspeed_config_unclipped() -> None:
     _patch(strategy, "deepspeed_config", deepspeed_config)
 
 
+@fault("deepspeed_export_rounded", row="`save_model` under DeepSpeed ZeRO-3, then `from_pretrained`",
+       test="tests/test_deepspeed.py::test_a_zero3_save_model_rounded_on_the_way_is_caught")
+def _deepspeed_export_rounded() -> None:
+    """backend deepspeed: save_model writes the gathered fp32 weights through bf16."""
+    _export_rounded()
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

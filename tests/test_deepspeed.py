@@ -285,10 +285,13 @@ def test_two_models_each_with_its_optimizer(runs: dict) -> None:
 
 
 def test_zero3_full_weights_and_save_model(runs: dict) -> None:
+    check_saved_zero3(runs["save_model"], runs["folder"] / "export")
+
+
+def check_saved_zero3(out: Saved, folder: Path) -> None:
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    out, folder = runs["save_model"], runs["folder"] / "export"
     full = W.build("gpt2").state_dict()
     assert set(out.state) == set(full)
     assert all(out.state[k].shape == full[k].shape for k in full)
@@ -466,3 +469,8 @@ def test_a_clip_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:
 def test_a_config_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:
     run = spawn(planted(_config_clip, "deepspeed_config_unclipped"), 2, timeout=1200)[0]
     caught(check_config_clip, run, refs["tiny"])
+
+
+def test_a_zero3_save_model_rounded_on_the_way_is_caught(tmp_path: Path) -> None:
+    out = spawn(planted(_save_model_zero3, "deepspeed_export_rounded"), 2, str(tmp_path), timeout=1200)[0]
+    caught(check_saved_zero3, out, tmp_path)
