@@ -813,6 +813,15 @@ def _deepspeed_export_rounded() -> None:
     _export_rounded()
 
 
+@fault("deepspeed_optimizer_dropped", row="checkpoints across backends",
+       test="tests/test_deepspeed.py::test_a_deepspeed_load_that_drops_the_optimizer_state_is_caught")
+def _deepspeed_optimizer_dropped() -> None:
+    """backend deepspeed: a load restores the weights but leaves DeepSpeed's optimizer state fresh."""
+    from shardwise.strategies.deepspeed.runner import DeepSpeedRunner
+
+    _patch(DeepSpeedRunner, "load_checkpoint_state", lambda self, model, state: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

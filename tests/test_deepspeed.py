@@ -314,8 +314,11 @@ def test_careless_user_loses_nothing_on_deepspeed(runs: dict, scenario: str) -> 
 
 @pytest.mark.parametrize("pair", CROSS, ids=lambda p: f"{p[0]}->{p[1]}")
 def test_checkpoint_moves_between_engines(runs: dict, pair: tuple[str, str]) -> None:
+    check_moved(*runs["cross"][pair])
+
+
+def check_moved(first: list[float], run: W.Checkpointed) -> None:
     ref = CK._reference(8)
-    first, run = runs["cross"][pair]
     assert W.close(first + run.losses, ref.losses) < 1e-5
     assert W.max_diff(run.state, ref.state) < 2e-5
     assert run.step == 8 and run.lr == pytest.approx([1e-3 * 0.9**8] * 2)  # both groups
@@ -474,3 +477,15 @@ def test_a_config_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:
 def test_a_zero3_save_model_rounded_on_the_way_is_caught(tmp_path: Path) -> None:
     out = spawn(planted(_save_model_zero3, "deepspeed_export_rounded"), 2, str(tmp_path), timeout=1200)[0]
     caught(check_saved_zero3, out, tmp_path)
+
+
+def _planted_cross(folder: str) -> tuple[list[float], W.Checkpointed]:
+    src, dst = CROSS[0]  # torch zero3 -> deepspeed zero2 (as the real test's first pair)
+    saved = CK._train(_engine(src), 4, save=f"{folder}/{src}")
+    return saved.losses, CK._train(_engine(dst), 4, load=f"{folder}/{src}")
+
+
+def test_a_deepspeed_load_that_drops_the_optimizer_state_is_caught(tmp_path: Path) -> None:
+    worker = planted(_planted_cross, "deepspeed_optimizer_dropped")
+    first, run = spawn(worker, 2, str(tmp_path), timeout=1200)[0]
+    caught(check_moved, first, run)
