@@ -822,6 +822,17 @@ def _deepspeed_optimizer_dropped() -> None:
     _patch(DeepSpeedRunner, "load_checkpoint_state", lambda self, model, state: None)
 
 
+@fault("host_kernel_ignored", row="`host_kernel=\"deepspeed\"`",
+       test="tests/test_deepspeed.py::test_a_host_kernel_setting_ignored_is_caught")
+def _host_kernel_ignored() -> None:
+    """host_kernel="deepspeed" accepted and never used: torch's own step runs (the numbers stay
+    right; the speed the user asked for does not come)."""
+    from shardwise.strategies import host_step, sharded_optim
+
+    for owner in (host_step, sharded_optim):
+        _patch(owner, "host_kernel", lambda *args, **kwargs: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

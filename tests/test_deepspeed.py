@@ -144,8 +144,8 @@ KERNEL_CONFIGS: list[dict[str, str]] = [
 ]
 
 
-def _kernel_runs() -> dict[str, tuple[W.Trained, int]]:
-    """Each KERNEL_CONFIGS run, with the number of elements DeepSpeed's kernel stepped in it."""
+def _kernel_runs(configs: list[dict[str, str]] = KERNEL_CONFIGS) -> dict[str, tuple[W.Trained, int]]:
+    """Each of `configs`' runs, with the number of elements DeepSpeed's kernel stepped in it."""
     from shardwise.strategies.host_step import DeepSpeedAdam
 
     calls = []
@@ -159,7 +159,7 @@ def _kernel_runs() -> dict[str, tuple[W.Trained, int]]:
     DeepSpeedAdam.step = counted  # type: ignore[method-assign]
     try:
         out = {}
-        for cfg in KERNEL_CONFIGS:
+        for cfg in configs:
             before = len(calls)
             run = W.train_engine("gpt2", {"cpu": True, "host_kernel": "deepspeed", **cfg}, **RUN)
             out[_key(cfg)] = (run, sum(calls[before:]))  # and the elements the kernel stepped
@@ -223,7 +223,11 @@ def test_deepspeed_host_kernel_matches_single_process(runs: dict, refs: dict, cf
     """host_kernel="deepspeed" trains the plain process's model on both backends, and it is
     DeepSpeed's kernel that stepped: over the 4 steps at least 4 x this process's half of the
     model's elements (all of them under ddp), counted as they pass through its kernel."""
-    (run, kernel_elements), ref = runs["kernel"][_key(cfg)], refs["gpt2"]
+    check_kernel(runs["kernel"][_key(cfg)], refs["gpt2"], cfg)
+
+
+def check_kernel(result: tuple[W.Trained, int], ref: W.Trained, cfg: dict[str, str]) -> None:
+    run, kernel_elements = result
     numel = sum(p.numel() for p in W.build("gpt2").parameters())
     share = numel if cfg["strategy"] == "ddp" else numel // 2
     assert kernel_elements >= 4 * share
@@ -489,3 +493,9 @@ def test_a_deepspeed_load_that_drops_the_optimizer_state_is_caught(tmp_path: Pat
     worker = planted(_planted_cross, "deepspeed_optimizer_dropped")
     first, run = spawn(worker, 2, str(tmp_path), timeout=1200)[0]
     caught(check_moved, first, run)
+
+
+def test_a_host_kernel_setting_ignored_is_caught(refs: dict) -> None:
+    cfg = KERNEL_CONFIGS[0]  # torch zero2 + optimizer offload
+    runs = spawn(planted(_kernel_runs, "host_kernel_ignored"), 2, [cfg], timeout=1200)[0]
+    caught(check_kernel, runs[_key(cfg)], refs["gpt2"], cfg)
