@@ -833,6 +833,26 @@ def _host_kernel_ignored() -> None:
         _patch(owner, "host_kernel", lambda *args, **kwargs: None)
 
 
+@fault("restart_from_zero", row="`load_state()` finding nothing",
+       test="tests/test_resilience.py::test_a_restart_that_starts_from_zero_is_caught")
+def _restart_from_zero() -> None:
+    """A restarted attempt that finds no checkpoint starts again from step 0, although an earlier
+    attempt of the same run saved one (elsewhere: another machine's checkpoint_dir)."""
+    from shardwise.checkpoint import run_record
+
+    _patch(run_record, "this_run", lambda *args, **kwargs: [])
+
+
+@fault("heartbeat_never_read", row="the run lock after a crash",
+       test="tests/test_run_lock.py::test_a_lock_whose_heartbeat_is_never_read_is_caught")
+def _heartbeat_never_read() -> None:
+    """Every lock's heartbeat reads as stale: a live run on another machine is taken over, and two
+    runs write one folder."""
+    from shardwise.checkpoint import runlock
+
+    _patch(runlock, "heartbeat_age", lambda lock: float("inf"))
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

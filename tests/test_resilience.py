@@ -294,6 +294,17 @@ def _train(engine: Any, model: Any, opt: Any, loader: Any, steps: int) -> None:
 
 def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    check_resume_rules(tmp_path, capfd, monkeypatch)
+
+
+def test_a_restart_that_starts_from_zero_is_caught(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    with planted_here("restart_from_zero"):
+        caught(check_resume_rules, tmp_path, capfd, monkeypatch)
+
+
+def check_resume_rules(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                       monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.checkpoint.storage import CheckpointError
     from shardwise.runtime.supervision import read_run_record
 

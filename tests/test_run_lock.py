@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from spawn import run_command, spawn
 
 LOCK = ".shardwise.lock"
@@ -376,6 +377,16 @@ def test_run_lock_rules_for_a_requeue_and_an_expired_lease(tmp_path: Path,
     unrelated run only once the holder's heartbeat is older than the lease; a lock of the same
     job and attempt whose pid is gone on this host (a same-host requeue whose restart count did
     not move) is a dead one, not a live one. Each takeover says its rule in one line."""
+    check_requeue_rules(tmp_path, monkeypatch)
+
+
+def test_a_lock_whose_heartbeat_is_never_read_is_caught(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    with planted_here("heartbeat_never_read"):
+        caught(check_requeue_rules, tmp_path, monkeypatch)
+
+
+def check_requeue_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.checkpoint import runlock
     from shardwise.checkpoint.sharded import CheckpointError
 
