@@ -853,6 +853,23 @@ def _heartbeat_never_read() -> None:
     _patch(runlock, "heartbeat_age", lambda lock: float("inf"))
 
 
+@fault("log_tensors_as_lists", row="`log()` with a 2x3 tensor under a nested key",
+       test="tests/test_observe.py::test_a_tensor_logged_as_a_list_is_caught")
+def _log_tensors_as_lists() -> None:
+    """`log()` writes a tensor of several elements as a nested list instead of refusing it:
+    scalar-only trackers then drop the key without a word."""
+    import torch
+
+    from shardwise.runtime import trackers
+
+    def scalar(value: Any, name: str) -> Any:
+        if isinstance(value, torch.Tensor) and value.numel() > 1:
+            return value.tolist()
+        return scalar.__wrapped__(value, name)  # type: ignore[attr-defined]
+
+    _patch(trackers, "_scalar", scalar)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

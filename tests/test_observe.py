@@ -306,6 +306,15 @@ def test_progress_bar_shows_step_loss_and_eta(tmp_path: Path) -> None:
 def test_log_refuses_a_non_scalar_in_one_line_naming_its_key(tmp_path: Path) -> None:
     """A tensor of several elements in `log()` is a one-line error naming the key (it crashed the
     JSONL writer); one-element tensors and numpy scalars are numbers, written as such."""
+    check_log_values(tmp_path)
+
+
+def test_a_tensor_logged_as_a_list_is_caught(tmp_path: Path) -> None:
+    with planted_here("log_tensors_as_lists"):
+        caught(check_log_values, tmp_path)
+
+
+def check_log_values(tmp_path: Path) -> None:
     import numpy as np
 
     import shardwise
