@@ -371,8 +371,6 @@ def test_bad_checkpoint_is_refused_with_one_line(case: str, good: Path, tmp_path
 def test_a_resume_that_drops_the_rng_state_is_caught(exact: dict, tmp_path: Path) -> None:
     """The second half again, from a copy of the same checkpoint, with the saved RNG state not
     restored (the loop's noise then draws other numbers)."""
-    import shutil
-
     shutil.copytree(exact["root"], tmp_path / "checkpoints", ignore=shutil.ignore_patterns(".shardwise.lock"))
     second = spawn(planted(_second_half, "rng_not_restored"), 2, str(tmp_path))[0]
     caught(check_exact, exact["straight"], exact["first"], second)
