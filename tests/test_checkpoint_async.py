@@ -335,8 +335,8 @@ def test_keep_last_latest_one_save_in_flight_and_staging_bytes(runs: dict) -> No
         assert r.staging == r.expected > 0  # the shards of params + AdamW state, whole bytes
         assert r.staging_after == 0
         order = [name for name, _, _ in r.writes]
-        assert order == [".step_2.incomplete", ".sync_3.incomplete", ".step_3.incomplete",
-                         ".copy_3.incomplete", ".step_4.incomplete"]
+        assert order == [".sync_2.incomplete", ".step_2.incomplete", ".sync_3.incomplete",
+                         ".step_3.incomplete", ".copy_3.incomplete", ".step_4.incomplete"]
         ends = [end for _, _, end in r.writes]
         starts = [start for _, start, _ in r.writes]
         assert all(s >= e for s, e in zip(starts[1:], ends[:-1]))  # never two writes at once
