@@ -870,6 +870,16 @@ def _log_tensors_as_lists() -> None:
     _patch(trackers, "_scalar", scalar)
 
 
+@fault("loaded_into_meta_dropped", row="pretrained keys under `module.`",
+       test="tests/test_init_and_load.py::test_values_loaded_into_an_empty_model_and_dropped_are_caught")
+def _loaded_into_meta_dropped() -> None:
+    """`model.load_state_dict(sd)` on a model built under init_empty copies into the meta tensors
+    (a no-op, as torch's own): prepare then initializes what the user loaded."""
+    from shardwise.weights import materialize
+
+    _patch(materialize, "_load_into_meta", lambda *args, **kwargs: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

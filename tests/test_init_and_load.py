@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch import nn
 
@@ -172,7 +173,16 @@ def _runs(folders: dict[str, str], gpt2: str, llama: str) -> dict[str, Any]:
     )
     out["key_map"] = engine.get_state_dict(model)
     out["llama"] = engine.get_state_dict(engine.prepare(engine.from_pretrained(LlamaForCausalLM, llama)))
-    # item 6: load_state_dict after init_empty is kept, whole or in part, on replicas and shards
+    return {**out, **_after_empty(gpt2)}
+
+
+def _after_empty(gpt2: str) -> dict[str, Any]:
+    """Item 6: load_state_dict after init_empty is kept, whole or in part, on replicas and shards."""
+    from transformers import GPT2LMHeadModel
+
+    import shardwise
+
+    out: dict[str, Any] = {}
     sd = GPT2LMHeadModel.from_pretrained(gpt2).state_dict()
     for strategy in ("ddp", "zero3"):
         engine = shardwise.Engine(strategy=strategy, cpu=True, seed=W.SEED)
@@ -238,14 +248,23 @@ def test_an_unknown_prefix_is_refused_key_map_renames_it_and_a_llamas_own_prefix
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_load_state_dict_after_init_empty_is_kept(runs: dict[str, Any], strategy: str) -> None:
+    check_kept(runs["ranks"][0], runs["gpt2"], strategy)
+
+
+def test_values_loaded_into_an_empty_model_and_dropped_are_caught(runs: dict[str, Any]) -> None:
+    out = spawn(planted(_after_empty, "loaded_into_meta_dropped"), 2, runs["gpt2"])[0]
+    caught(check_kept, out, runs["gpt2"], "zero3")
+
+
+def check_kept(out: dict[str, Any], gpt2: str, strategy: str) -> None:
     from transformers import GPT2LMHeadModel
 
-    sd = GPT2LMHeadModel.from_pretrained(runs["gpt2"]).state_dict()
-    got = runs["ranks"][0][f"load_state_dict:{strategy}"]
+    sd = GPT2LMHeadModel.from_pretrained(gpt2).state_dict()
+    got = out[f"load_state_dict:{strategy}"]
     assert not _equal(got, sd)
     torch.manual_seed(21)
     fresh = W.build("gpt2").state_dict()  # what init_empty + prepare gives the keys not loaded
-    partial = runs["ranks"][0][f"partial:{strategy}"]
+    partial = out[f"partial:{strategy}"]
     loaded = [k for k in sd if k.startswith("transformer.h.0.")]
     assert loaded and not _equal(partial, {k: sd[k] for k in loaded})
     assert not _equal(partial, {k: v for k, v in fresh.items() if k not in loaded})
