@@ -880,6 +880,16 @@ def _loaded_into_meta_dropped() -> None:
     _patch(materialize, "_load_into_meta", lambda *args, **kwargs: None)
 
 
+@fault("frozen_optimizer_accepted", row="a frozen model with its own optimizer",
+       test="tests/test_finetune.py::test_an_optimizer_over_a_frozen_model_accepted_is_caught")
+def _frozen_optimizer_accepted() -> None:
+    """An optimizer over a model prepared for inference only is accepted: that model gets no
+    gradient synchronisation, and each rank would train its own copy."""
+    from shardwise.engine import engine
+
+    _patch(engine, "check_inference_models", lambda models, optimizers: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

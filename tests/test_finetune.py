@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from spawn import spawn
 from torch import nn
 from torch.nn import functional as F
@@ -230,6 +231,15 @@ def test_dpo_on_deepspeed_with_a_frozen_reference_equals_one_process(
 def test_frozen_and_parameterless_models_prepare_on_one_process() -> None:
     """Preparing a frozen or parameterless model works; an optimizer over a frozen model, or over
     one prepared with evaluation_mode=True, is refused in one line before anything is prepared."""
+    check_frozen_refusals()
+
+
+def test_an_optimizer_over_a_frozen_model_accepted_is_caught() -> None:
+    with planted_here("frozen_optimizer_accepted"):
+        caught(check_frozen_refusals)
+
+
+def check_frozen_refusals() -> None:
     import shardwise
 
     engine = shardwise.Engine(strategy="zero3", cpu=True)
