@@ -890,6 +890,22 @@ def _frozen_optimizer_accepted() -> None:
     _patch(engine, "check_inference_models", lambda models, optimizers: None)
 
 
+@fault("engine_seeds_torch", row="the silent differences",
+       test="tests/test_observe.py::test_an_engine_that_seeds_the_script_is_caught")
+def _engine_seeds_torch() -> None:
+    """An Engine made without a seed seeds torch anyway (a default of 0): the script's own
+    `set_seed` before it is undone, silently."""
+    import torch
+
+    from shardwise import Engine
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+        torch.manual_seed(0)
+
+    _patch(Engine, "__init__", init)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
-from planted import caught, planted_here
+from planted import caught, planted, planted_here
 from spawn import spawn
 from torch import nn
 from torch.utils.data import DataLoader
@@ -235,7 +235,14 @@ def _resume_with_dropout(out: str, phase: str) -> list[float]:
 
 
 def test_accelerate_rules_on_two_processes(tmp_path: Path) -> None:
-    r0, r1 = spawn(_rules, 2, str(tmp_path))
+    check_rules(*spawn(_rules, 2, str(tmp_path)))
+
+
+def test_an_engine_that_seeds_the_script_is_caught(tmp_path: Path) -> None:
+    caught(check_rules, *spawn(planted(_rules, "engine_seeds_torch"), 2, str(tmp_path)))
+
+
+def check_rules(r0: Rules, r1: Rules) -> None:
     assert r0.rand_after_engine and r1.rand_after_engine  # the script's set_seed stands
     assert r0.distributed_type == "MULTI_CPU" and r0.mixed_precision == "no"
     # data order: the generator's, exactly what plain torch gives one process for the same loader
