@@ -906,6 +906,18 @@ def _engine_seeds_torch() -> None:
     _patch(Engine, "__init__", init)
 
 
+@fault("no_sync_reduces", row="Accelerate's helpers",
+       test="tests/test_accelerate_extras.py::test_a_no_sync_that_reduces_anyway_is_caught")
+def _no_sync_reduces() -> None:
+    """A sharded model's `model.no_sync()` defers nothing: every micro-batch's gradients are
+    reduce-scattered at once (the numbers stay right; the communication saved is not)."""
+    import contextlib
+
+    from shardwise.strategies import fsdp
+
+    _patch(fsdp, "_model_no_sync", contextlib.contextmanager(lambda model: (yield)))
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch.utils.data import DataLoader
 
@@ -110,7 +111,14 @@ def _reference() -> dict[str, torch.Tensor]:
 
 
 def test_accelerate_logger_tensorboard_layout_profile_no_sync_optimizer_methods(tmp_path: Path) -> None:
-    r0, r1 = spawn(_extras_run, 2, str(tmp_path))
+    check_extras(*spawn(_extras_run, 2, str(tmp_path)), tmp_path)
+
+
+def test_a_no_sync_that_reduces_anyway_is_caught(tmp_path: Path) -> None:
+    caught(check_extras, *spawn(planted(_extras_run, "no_sync_reduces"), 2, str(tmp_path)), tmp_path)
+
+
+def check_extras(r0: dict[str, Any], r1: dict[str, Any], tmp_path: Path) -> None:
     # accelerate.logging: the main process alone by default, every process with its own rank
     assert r0["log"] == ["[RANK 0] main only", "[RANK 0] every process"]
     assert r1["log"] == ["[RANK 1] every process"]
