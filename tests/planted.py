@@ -918,6 +918,21 @@ def _no_sync_reduces() -> None:
     _patch(fsdp, "_model_no_sync", contextlib.contextmanager(lambda model: (yield)))
 
 
+@fault("memory_of_rank0_only", row="metrics (`tests/test_observe.py`)",
+       test="tests/test_observe.py::test_a_record_with_one_ranks_memory_is_caught")
+def _memory_of_rank0_only() -> None:
+    """The metrics record's memory holds process 0's figures only: a rank running out of memory
+    elsewhere is invisible."""
+    from shardwise.runtime.metrics import Meter
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = record.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+        out["memory"] = out["memory"][:1]
+        return out
+
+    _patch(Meter, "record", record)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -65,7 +65,14 @@ def _tracked_run(out: str) -> Tracked:
 
 
 def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path) -> None:
-    results = spawn(_tracked_run, 2, str(tmp_path))
+    check_records(spawn(_tracked_run, 2, str(tmp_path)), tmp_path)
+
+
+def test_a_record_with_one_ranks_memory_is_caught(tmp_path: Path) -> None:
+    caught(check_records, spawn(planted(_tracked_run, "memory_of_rank0_only"), 2, str(tmp_path)), tmp_path)
+
+
+def check_records(results: list[Tracked], tmp_path: Path) -> None:
     r0, r1 = results
     assert not torch.equal(r0.init["weight"], r1.init["weight"])
     assert all(torch.equal(r0.full[k], r0.init[k]) for k in r0.init)  # process 0's, not a mix
