@@ -933,6 +933,16 @@ def _memory_of_rank0_only() -> None:
     _patch(Meter, "record", record)
 
 
+@fault("eval_forward_left_gathered", row="evaluation and generation between training steps",
+       test="tests/test_eval_generate.py::test_an_eval_forward_left_gathered_is_caught")
+def _eval_forward_left_gathered() -> None:
+    """A forward under no_grad leaves what it gathered in place (no backward follows to free it):
+    the whole model sits on every rank until the next training step."""
+    from shardwise.strategies import fsdp
+
+    _patch(fsdp, "reshard_after_no_grad", lambda model, args, output: None)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from torch import nn
 
@@ -133,7 +134,17 @@ def _key(case: tuple[str, str, str]) -> str:
 def test_eval_forward_and_generate_hold_only_the_shard(
     runs: dict[str, Any], case: tuple[str, str, str]
 ) -> None:
-    for r in runs["ranks"]:
+    check_held(runs["ranks"], case)
+
+
+def test_an_eval_forward_left_gathered_is_caught(tmp_path: Path) -> None:
+    case = ("torch", "zero2", "gpt2")  # zero2: the root stays gathered after a forward under no_grad
+    worker = planted(_run, "eval_forward_left_gathered")
+    caught(check_held, [{case: held} for held in spawn(worker, 2, *case, str(tmp_path))], case)
+
+
+def check_held(ranks: list[dict[Any, Held]], case: tuple[str, str, str]) -> None:
+    for r in ranks:
         run = r[case]
         replicated = case[:2] == ("deepspeed", "zero2")  # DeepSpeed's zero2 keeps whole parameters
         assert run.rest == (run.full if replicated
