@@ -943,6 +943,16 @@ def _eval_forward_left_gathered() -> None:
     _patch(fsdp, "reshard_after_no_grad", lambda model, args, output: None)
 
 
+@fault("evaluation_model_sharded", row="DPO with a frozen reference",
+       test="tests/test_finetune.py::test_a_reference_prepared_for_evaluation_but_sharded_is_caught")
+def _evaluation_model_sharded() -> None:
+    """Under zero2 a model prepared for inference only is sharded like a trained one (FSDP units,
+    gathered at every forward) instead of a whole replica."""
+    from shardwise.strategies import fsdp
+
+    _patch(fsdp, "for_inference", lambda model: False)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

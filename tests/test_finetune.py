@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
-from planted import caught, planted_here
+from planted import caught, planted, planted_here
 from spawn import spawn
 from torch import nn
 from torch.nn import functional as F
@@ -217,6 +217,12 @@ def test_dpo_with_a_frozen_reference_equals_one_process(
     runs: dict, ref: dict, case: tuple[str, str, str]
 ) -> None:
     _check(runs[case], ref, case)
+
+
+def test_a_reference_prepared_for_evaluation_but_sharded_is_caught(tmp_path: Any, ref: PlainDPO) -> None:
+    case = ("torch", "zero2", "eval")  # (as the real test's)
+    run = spawn(planted(_all_runs, "evaluation_model_sharded"), WORLD, [case], str(tmp_path))[0][case]
+    caught(_check, run, ref, case)
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED,
