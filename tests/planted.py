@@ -953,6 +953,19 @@ def _evaluation_model_sharded() -> None:
     _patch(fsdp, "for_inference", lambda model: False)
 
 
+@fault("loader_position_dropped", row="mid-epoch resume with dropout",
+       test="tests/test_observe.py::test_a_resume_at_the_epochs_start_is_caught")
+def _loader_position_dropped() -> None:
+    """A resumed loader starts its epoch again from the first batch, not where the checkpoint
+    stopped (every batch plausible, some seen twice)."""
+    from shardwise.engine.data import PreparedDataLoader
+
+    def load_state_dict(self: Any, state: Any) -> None:
+        load_state_dict.__wrapped__(self, {**state, "samples": 0})  # type: ignore[attr-defined]
+
+    _patch(PreparedDataLoader, "load_state_dict", load_state_dict)
+
+
 @fault("plan_experts_gathered", row="the planner under expert parallelism",
        test="tests/test_plan_ep.py::test_a_planner_that_gathers_the_experts_is_caught")
 def _plan_experts_gathered() -> None:

@@ -274,9 +274,18 @@ def check_rules(r0: Rules, r1: Rules) -> None:
 
 
 def test_mid_epoch_resume_is_bit_exact_with_dropout(tmp_path: Path) -> None:
+    check_resumed(tmp_path, _resume_with_dropout)
+
+
+def test_a_resume_at_the_epochs_start_is_caught(tmp_path: Path) -> None:
+    caught(check_resumed, tmp_path, planted(_resume_with_dropout, "loader_position_dropped"))
+
+
+def check_resumed(tmp_path: Path, second_half: Any) -> None:
+    """8 steps straight against 4 + save + new processes (`second_half`) + load + 4."""
     straight = spawn(_resume_with_dropout, 2, str(tmp_path / "a"), "straight")[0]
     first = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "first")[0]
-    second = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "second")[0]
+    second = spawn(second_half, 2, str(tmp_path / "b"), "second")[0]
     assert len(straight) == 8
     assert first + second == straight  # bit for bit
 
