@@ -56,6 +56,7 @@ from ..checkpoint.run_record import (  # (the launcher reads the run record thro
     RUN_RECORD_ENV as RUN_RECORD_ENV,
     read_run_record as read_run_record,
 )
+from ..checkpoint.storage import CheckpointError
 from ..config.tree import CheckpointSection, SupervisionSection
 from ..distributed.world import DistInfo
 
@@ -141,6 +142,14 @@ class _Process:
             os._exit(1)
         _tell_the_launcher(err)
         (self.previous_hook or sys.__excepthook__)(kind, err, tb)
+        if self.under_launcher and isinstance(err, CheckpointError):
+            # a save every process failed alike (one agreed line): end now, as a timeout does.
+            # Left to the interpreter's teardown, gloo's threads were seen to abort the process
+            # (SIGABRT, "terminate called without an active exception") after the line
+            sys.stdout.flush()
+            sys.stderr.flush()
+            runlock.release_all()  # os._exit skips atexit, where the run lock goes
+            os._exit(1)
 
     def _start_watch(self) -> None:
         if self.watch is None:
