@@ -176,7 +176,7 @@ def sum_over_replicas(model: nn.Module) -> None:
 
     def hook(p: torch.Tensor) -> None:
         if syncing[0] and p.grad is not None:
-            for group in groups:  # (zero1 under hybrid sharding: the edp ranks, then the replicas)
+            for group in groups:  # (zero1 under hybrid sharding: the replicas, then the edp ranks)
                 dist.all_reduce(_local(p.grad), group=group)
 
     for p in params:
