@@ -215,6 +215,16 @@ def _refusal_two_lines() -> None:
     _patch(tensor_parallel, "_sequence_layout", sequence_layout)
 
 
+@fault("sequence_trial_skipped", row="sequence parallelism",
+       test="tests/test_tp_refusals.py::test_planted_sequence_trial_skipped_is_caught")
+def _sequence_trial_skipped() -> None:
+    """prepare(model, loader) skips the meta-device trial forward: a planned MLP that sees no
+    sequence is refused only at the first forward, after the model was split."""
+    from shardwise.engine import engine
+
+    _patch(engine, "model_parallel_trial", lambda *args, **kwargs: None)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:
@@ -978,6 +988,22 @@ def _plan_experts_gathered() -> None:
                               world_size=req.world_size, nodes=req.nodes)
 
     _patch(planner, "_expert_volume", gathered)
+
+
+@fault("plan_hybrid_experts_whole_world", row="the planner under expert parallelism",
+       test="tests/test_plan_ep.py::test_a_planner_ignoring_the_hybrid_group_under_ep_is_caught")
+def _plan_hybrid_experts_whole_world() -> None:
+    """Hybrid sharding ignored in the planner's bytes under expert parallelism (as before it was
+    planned): the rest of the model and the experts counted as fully sharded over every rank."""
+    import dataclasses
+
+    from shardwise.plan import planner
+
+    def whole_world(fitted: Any, cand: Any, req: Any, batch: int) -> Any:
+        return whole_world.__wrapped__(fitted, dataclasses.replace(cand, shard_group_size=None),  # type: ignore[attr-defined]
+                                       req, batch)
+
+    _patch(planner, "_expert_volume", whole_world)
 
 
 @fault("ring_own_block_only", row="context parallelism (`tests/test_context_parallel.py`",

@@ -7,11 +7,12 @@ divide the world, zero3 with tp on DeepSpeed; sequence parallelism without tp, o
 block whose q/k/v hang off the block itself (the project's GPT) and on a block holding whole
 parameters that are not norms; a colwise layer without a rowwise partner, a 2-output head planned
 colwise (it trained on half its outputs), and under sequence parallelism an MLP run on pooled
-(batch, hidden) states (refused at its first forward: its shape shows only then). Asserted:
-every process refuses, with the same message, exactly
-one line (`workloads.one_line`), that starts with the words the case expects. (The node-crossing
-tp and the odd sequence are refused in tests/unit/test_unit_tensor_parallel.py and
-tests/test_sequence_parallel.py.)
+(batch, hidden) states and a sequence tp does not divide: refused at `prepare(model, loader)` (a
+trial forward on the meta device with the loader's first samples, before the model is changed),
+and at the first forward where no DataLoader is prepared with the model. Asserted: every process
+refuses, with the same message, exactly one line (`workloads.one_line`), that starts with the
+words the case expects. (The node-crossing tp and the odd sequence are refused in
+tests/unit/test_unit_tensor_parallel.py and tests/test_sequence_parallel.py.)
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import workloads as W
 from planted import caught, planted
 from spawn import spawn
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 NO_ERROR = "no error"
 
@@ -129,14 +132,28 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module] | None, str]] = {
         _two_output_head,
         "ConfigError: tensor_parallel_plan: 1 is colwise (its output stays split over the tp ranks) but the "
         "model (1 is not inside a sublayer) has no rowwise layer"),
-    "sp, an MLP without a sequence dimension (at the first forward)": (
+    "sp, an MLP without a sequence dimension (at prepare, with its DataLoader)": (
         {"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True}, _Pooled,
         "ConfigError: sequence_parallel: blocks.0.mlp gets hidden states of shape (2, 8), with no sequence "
         "dimension"),
+    "sp, an MLP without a sequence dimension (at the first forward, no DataLoader)": (
+        {"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True}, _Pooled,
+        "ConfigError: sequence_parallel: blocks.0.mlp gets hidden states of shape (2, 8), with no sequence "
+        "dimension"),
+    "sp, a sequence tp does not divide (at prepare, with its DataLoader)": (
+        {"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True}, lambda: W.build("llama"),
+        "ConfigError: sequence_parallel: the sequence length 7 does not divide by tensor_parallel_size=2"),
     "sp, whole parameters in a block": (
         {"strategy": "zero3", "tensor_parallel_size": 2, "sequence_parallel": True}, _gated_llama,
         "ConfigError: sequence_parallel: model.layers.0 (LlamaDecoderLayer) holds whole parameters"),
 }
+
+
+def _loader(case: str) -> DataLoader[Any]:
+    """The case's DataLoader: pooled (batch, 4, 8) inputs, or token ids of an odd length 7."""
+    if "sequence tp does not divide" in case:
+        return DataLoader(TensorDataset(torch.randint(0, W.VOCAB, (8, 7))), batch_size=2)
+    return DataLoader(TensorDataset(torch.randn(8, 4, 8), torch.randn(8, 8)), batch_size=2, shuffle=True)
 
 
 def _refusals(cases: list[str]) -> dict[str, str]:
@@ -149,7 +166,13 @@ def _refusals(cases: list[str]) -> dict[str, str]:
         engine = None
         try:
             engine = shardwise.Engine(cpu=True, seed=W.SEED, **settings)
-            if model is not None:
+            if model is not None and "at prepare" in case:
+                built = model()
+                try:  # refused before the model is changed, the loader's samples read, not drawn
+                    engine.prepare(built, _loader(case))
+                finally:
+                    assert not any(isinstance(p, DTensor) for p in built.parameters()), "split before refused"
+            elif model is not None:
                 prepared = engine.prepare(model())
                 if "first forward" in case:
                     prepared(torch.randn(2, 4, 8))
@@ -191,3 +214,10 @@ def test_planted_refusal_two_lines_is_caught() -> None:
     line (a hint); `pytest.raises(match=)` would still pass, the one-line check does not."""
     cases = ["sp, q/k/v off the block"]
     caught(check_refusals, spawn(planted(_refusals, "refusal_two_lines"), 2, cases), cases)
+
+
+def test_planted_sequence_trial_skipped_is_caught() -> None:
+    """`sequence_trial_skipped`: prepare does not run its trial forward; the MLP without a
+    sequence dimension is not refused at prepare (the check finds no refusal)."""
+    cases = ["sp, an MLP without a sequence dimension (at prepare, with its DataLoader)"]
+    caught(check_refusals, spawn(planted(_refusals, "sequence_trial_skipped"), 2, cases), cases)

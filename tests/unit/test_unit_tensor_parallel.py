@@ -3,18 +3,24 @@ the config's checks of `tensor_parallel_size`)."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
+import torch
 import workloads as W
 from torch import nn
 
 from shardwise.config import EngineConfig
 from shardwise.config.parallelism import check_tp as check_tensor_parallel
 from shardwise.config.tree import ConfigError
+from shardwise.engine.data import first_samples
 from shardwise.strategies.tensor_parallel import (
     _check_sizes,
     _matches,
     _sequence_layout,
     model_plan,
+    trial_sequence_shapes,
 )
 
 
@@ -234,3 +240,58 @@ def test_sequence_parallel_refuses_a_model_it_cannot_cut() -> None:
         _sequence_layout(llama, _matches(model_plan(llama, None), llama))
     assert W.one_line(refused.value).startswith(
         "sequence_parallel: model.layers.0 (LlamaDecoderLayer) holds whole parameters")
+
+
+class _Drawing(torch.utils.data.Dataset):
+    """Samples that draw from python's, numpy's and torch's generators as they are read (random
+    augmentations do): reading them for a trial must not change what the run draws next."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        noise = random.random() + float(np.random.rand()) + float(torch.rand(()))
+        return torch.full((4, 8), float(i)) + 0 * noise
+
+
+def test_the_trial_batch_reads_the_first_samples_and_leaves_the_generators_and_sampler_alone() -> None:
+    loader = torch.utils.data.DataLoader(_Drawing(), batch_size=3, shuffle=True)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    before = random.random(), float(np.random.rand()), float(torch.rand(())), list(loader.sampler)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    batch = first_samples(loader)
+    after = random.random(), float(np.random.rand()), float(torch.rand(())), list(loader.sampler)
+    assert before == after
+    assert batch.shape == (2, 4, 8) and batch[:, 0, 0].tolist() == [0.0, 1.0]
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from range(4)
+
+    iterable = torch.utils.data.DataLoader(Stream(), batch_size=2)
+    assert first_samples(iterable) is None  # reading it may consume it: no trial
+
+
+def test_the_trial_forward_refuses_a_pooled_mlp_and_leaves_the_model_unsplit() -> None:
+    class Block(nn.Module):
+        def __init__(self, pooled: bool = True) -> None:
+            super().__init__()
+            self.pooled = pooled
+            self.attn = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+            self.mlp = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn(x)
+            return self.mlp(x.mean(1) if self.pooled else x)
+
+    model = nn.Sequential(Block())
+    plan = {"0.*.0": "colwise", "0.*.1": "rowwise"}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError) as refused:
+        trial_sequence_shapes(model, plan, 2, (torch.randn(2, 4, 8), torch.randn(2)))
+    said = W.one_line(refused.value)
+    assert said.startswith("sequence_parallel: 0.mlp gets hidden states of shape (2, 8)"), said
+    assert all(torch.equal(v, weights[k]) and v.device.type == "cpu" for k, v in model.state_dict().items())
+    assert not model[0]._forward_pre_hooks and not model[0].mlp._forward_pre_hooks  # the copy's hooks only
+    with pytest.raises(ConfigError, match="sequence length 5 does not divide by tensor_parallel_size=2"):
+        trial_sequence_shapes(model, plan, 2, torch.randn(2, 5, 8))
+    trial_sequence_shapes(nn.Sequential(Block(pooled=False)), plan, 2, torch.randn(2, 4, 8))  # passes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -223,6 +224,40 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to_device(v, device) for v in batch)
     return batch
+
+
+def first_samples(loader: Any, most: int = 2) -> Any | None:
+    """A batch of `loader`'s first `most` samples, collated as its batches are, for a trial that
+    must not change the run: its sampler is not touched and the random generators (python,
+    numpy, torch) are put back. None for an iterable dataset (reading it may consume it)."""
+    dataset: Any = getattr(loader, "dataset", None)
+    readable = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    if isinstance(dataset, IterableDataset) or not readable:
+        return None
+    collate = getattr(loader, "collate_fn", None)
+    count = min(most, len(dataset), getattr(loader, "batch_size", None) or most)
+    if collate is None or count == 0:
+        return None
+    state = random.getstate(), _numpy_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            return collate([dataset[i] for i in range(count)])
+        except Exception:  # noqa: BLE001 - not readable by position: the trial is skipped
+            return None
+        finally:
+            random.setstate(state[0])
+            _numpy_state(state[1])
+
+
+def _numpy_state(state: Any = None) -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    if state is None:
+        return np.random.get_state()
+    np.random.set_state(state)
+    return None
 
 
 class PreparedDataLoader(DataLoader[Any]):

@@ -44,10 +44,11 @@ from ..strategies.compile import compile_boundary
 from ..strategies.expert_parallel import take_load
 from ..strategies.frozen import check_inference_models, for_inference
 from ..strategies.precision import check_device_supports
+from ..strategies.steps import model_parallel_trial
 from ..weights.adapters import attach_full_weights
 from ..weights.ema import PreparedEMA, adopt_at_first_step, bind, shard
 from . import boundary
-from .data import PreparedDataLoader
+from .data import PreparedDataLoader, first_samples
 from .items import per_item
 from .loop_rules import LoopRules
 from .loop_state import LoaderTracker, checkpoint_parts, config_from_code, kind_of, restore_loop_state
@@ -222,6 +223,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             self._session = self._new_session(self.config)
         session = self._session
         session.init_rng = self._init_rng
+        self._trial(session, of["model"], of["dataloader"])
         for model in of["model"]:
             self._observer.watch(model)
         prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
@@ -246,6 +248,18 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             self._build_from_config(prepared[id(trained[0])], loaders[0] if loaders else None)
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
+
+    @staticmethod
+    def _trial(session: Session, models: list[nn.Module], loaders: list[Any]) -> None:
+        """What only a forward shows, refused before any model is changed: each model run on the
+        meta device with the first DataLoader's first samples (`steps.model_parallel_trial`)."""
+        batch = first_samples(loaders[0]) if loaders and models else None
+        if batch is None:
+            return
+        strategy = session.strategy
+        for model in models:
+            if "tp" not in strategy.own_steps:
+                model_parallel_trial(model, strategy.dims, strategy.cfg, batch)
 
     def _prepare_loader(self, loader: Any) -> PreparedDataLoader:
         """This process's share of `loader`, split and ordered by the rules (`shardwise.engine.data`)."""

@@ -88,6 +88,12 @@ class CommVolume:
         """Everything sent across nodes."""
         return sum(self.inter.values())
 
+    def __add__(self, other: CommVolume) -> CommVolume:
+        """Both steps' bytes, kind by kind and link by link."""
+        def merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in (*a, *(k for k in b if k not in a))}
+        return CommVolume(intra=merged(self.intra, other.intra), inter=merged(self.inter, other.inter))
+
     def seconds(self, intra_bandwidth: float, inter_bandwidth: float) -> float:
         """Communication time at these link speeds (bytes/s per process), nothing overlapped."""
         return self.intra_bytes / intra_bandwidth + self.inter_bytes / inter_bandwidth

@@ -348,17 +348,32 @@ def _volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> Co
 
 def _expert_volume(fitted: Fitted, cand: Candidate, req: PlanRequest, batch: int) -> CommVolume:
     """Under expert parallelism of size N (`comm.with_expert_parallel`): the parameters outside
-    the experts over every rank, the experts (1/N of them) over the W / N ranks holding the same
-    ones, and the all-to-alls the trace counted (its routing even: `fakes.even_routing`)."""
-    ep, world = cand.expert_parallel_size, req.world_size
+    the experts over every rank (hybrid: within groups of G, across the R = W / G replicas), the
+    experts (1/N of them) over the ranks holding the same ones: the G / N edp ranks of a group
+    and their R replicas, and the all-to-alls the trace counted (its routing even:
+    `fakes.even_routing`). zero2/zero3 shard an experts module over its edp ranks (hybrid: across
+    the replicas too, as FSDP's HSDP units do; at N = G only the replicas' all-reduce is left);
+    zero1 holds them whole there and all-reduces their gradients over the replicas, then over the
+    edp ranks, which share its optimizer step (`expert_parallel.sum_over_replicas`)."""
+    ep, world, per_node = cand.expert_parallel_size, req.world_size, req.gpus_per_node
+    group = cand.sharding_group(world)
+    replicas, edp = world // group, group // ep
     experts = fitted.linear("expert_parameters", batch)
     dense = step_comm(cand.strategy, fitted.linear("parameters", batch) - experts, req.precision,
-                      world_size=world, nodes=req.nodes)
-    edp = world // ep  # (no hybrid sharding with expert parallelism: the experts' group is within it)
-    held = step_comm(cand.strategy, experts / ep, req.precision, world_size=edp, boundary=False,
-                     nodes=req.nodes if edp % req.nodes == 0 else 1)
+                      world_size=world, nodes=req.nodes, group_size=cand.shard_group_size)
+    spans = group > per_node or per_node % group != 0  # the edp ranks lie in a group spanning nodes
+    # (`nodes` below only says which of the experts' rings span nodes: n "nodes" of one rank each)
+    if cand.strategy_spec.shards_grads:
+        nodes = replicas * edp if spans else replicas if req.nodes > 1 else 1
+        held = step_comm(cand.strategy, experts / ep, req.precision, world_size=replicas * edp,
+                         group_size=edp, boundary=False, nodes=nodes)
+    else:
+        held = step_comm(cand.strategy, experts / ep, req.precision, world_size=edp, boundary=False,
+                         nodes=edp if spans else 1)
+        held = held + step_comm("ddp", experts / ep, req.precision, world_size=replicas, boundary=False,
+                                nodes=replicas if req.nodes > 1 else 1)
     exchanged = sum(fitted.comm_bytes(kind) for kind in fitted.comm_kinds() if kind.startswith("alltoall"))
-    return with_expert_parallel(dense, held, exchanged, ep, crosses_nodes=ep > req.gpus_per_node)
+    return with_expert_parallel(dense, held, exchanged, ep, crosses_nodes=ep > per_node)
 
 
 def _gib(x: float) -> str:

@@ -170,9 +170,10 @@ class PlanRequest:
                 out.append(replace(c, shard_group_size=self.gpus_per_node))
         if self.tensor_parallel_size > 1:  # after every plan without: a tie goes to the simpler
             out += tp_candidates(list(out), self.tensor_parallel_size, self.sequence_parallel)
-        if self.expert_parallel_size > 1:  # (expert parallelism splits within the sharding group)
-            out += [replace(c, expert_parallel_size=self.expert_parallel_size) for c in list(out)
-                    if c.strategy_spec.shards_optimizer and c.shard_group_size is None]
+        ep = self.expert_parallel_size
+        if ep > 1:  # (expert parallelism splits within the sharding group: hybrid where ep divides it)
+            out += [replace(c, expert_parallel_size=ep) for c in list(out)
+                    if c.strategy_spec.shards_optimizer and (c.shard_group_size or ep) % ep == 0]
         return out
 
     @property
@@ -196,8 +197,9 @@ class PlanRequest:
                             "(tensor parallelism stays within a node)")
 
     def _check_ep(self, world: int) -> None:
-        """An expert-parallel size: an integer >= 1 that divides the devices, planned alone (no
-        tensor or context parallelism with it: `strategies.expert_parallel.check_layout`)."""
+        """An expert-parallel size: an integer >= 1 that divides the devices and a hybrid
+        candidate's group, planned without tensor or context parallelism
+        (`strategies.expert_parallel.check_layout`)."""
         ep = self.expert_parallel_size
         sizes = [ep] + [c.expert_parallel_size for c in self.candidates or ()]
         for n in sizes:
@@ -205,11 +207,13 @@ class PlanRequest:
                 raise PlanError(f"--expert-parallel-size {n!r} must be an integer >= 1 that divides the "
                                 f"{world} devices")
         if max(sizes) > 1 and (self.tensor_parallel_size > 1 or self.context_parallel_size > 1 or any(
-                c.tensor_parallel_size > 1 or c.shard_group_size is not None for c in self.candidates or ()
-                if c.expert_parallel_size > 1)):
-            raise PlanError("--expert-parallel-size with tensor or context parallelism or hybrid sharding: "
-                            "the planner plans expert parallelism on full sharding only; plan it alone")
+                c.tensor_parallel_size > 1 for c in self.candidates or () if c.expert_parallel_size > 1)):
+            raise PlanError("--expert-parallel-size with tensor or context parallelism: the planner plans "
+                            "expert parallelism with data parallelism only; plan it alone")
         for c in self.candidates or ():
+            if c.expert_parallel_size > 1 and (c.shard_group_size or world) % c.expert_parallel_size:
+                raise PlanError(f"{c.name}: expert_parallel_size {c.expert_parallel_size} does not divide "
+                                f"the sharding group of {c.shard_group_size}; choose a divisor of it")
             if c.expert_parallel_size > 1 and not c.strategy_spec.shards_optimizer:
                 raise PlanError(f"{c.name}: expert parallelism needs zero1, zero2 or zero3 (the experts are "
                                 "split over the sharding group)")

@@ -43,7 +43,7 @@ from .blocks import apply_activation_checkpointing, find_blocks
 from .compile import apply_compile, compile_options
 from .context_parallel import context_parallel_step
 from .expert_parallel import expert_parallel_step
-from .tensor_parallel import apply_tensor_parallel, model_plan
+from .tensor_parallel import apply_tensor_parallel, model_plan, trial_sequence_shapes
 from .tiling import tiling_step
 
 log = logging.getLogger("shardwise")
@@ -81,6 +81,17 @@ def model_parallel_step(model: nn.Module, dims: ParallelDims, sharding: Sharding
     with recipes_kept(model):  # (an init_empty() model: its split parameters keep their init)
         apply_tensor_parallel(model, model_plan(model, sharding.tensor_parallel_plan), dims.tp_mesh,
                               sequence_parallel=sharding.sequence_parallel)
+
+
+def model_parallel_trial(model: nn.Module, dims: ParallelDims, sharding: ShardingSection, batch: Any) -> None:
+    """Before step 1 changes `model`: under sequence parallelism, run its forward on the meta
+    device with `batch` (the DataLoader's first samples) and refuse in one line a planned layer
+    that would get no sequence to split (`tensor_parallel.trial_sequence_shapes`)."""
+    if dims.tp == 1 or not sharding.sequence_parallel or sharding.parallelize is not None:
+        return
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return  # split already: step 1 leaves it as it is
+    trial_sequence_shapes(model, model_plan(model, sharding.tensor_parallel_plan), dims.tp, batch)
 
 
 def resolve_parallelize(value: str | Callable[..., Any] | None) -> Callable[..., Any] | None:

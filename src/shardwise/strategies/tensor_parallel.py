@@ -41,8 +41,9 @@ all-reduce of the activations (batch x sequence x hidden) in forward and again i
 
 from __future__ import annotations
 
+import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -271,14 +272,79 @@ def _split_sequence(model: nn.Module, layout: _Layout, mesh: DeviceMesh) -> None
     group = mesh.get_group()
     parallelize_module(model, mesh, {n: SequenceParallel(use_local_output=True) for n in layout.norms})
     first, last = model.get_submodule(layout.blocks[0]), model.get_submodule(layout.blocks[-1])
-    first.register_forward_pre_hook(_on_hidden(_SeqSplit, group, layout.blocks[0]), with_kwargs=True)
+    first.register_forward_pre_hook(_on_hidden(_applied(_SeqSplit, group), layout.blocks[0]),
+                                    with_kwargs=True)
     last.register_forward_hook(_gather_output(group))
     for name in layout.sublayers:
-        model.get_submodule(name).register_forward_pre_hook(_on_hidden(_SeqGather, group, name),
+        model.get_submodule(name).register_forward_pre_hook(_on_hidden(_applied(_SeqGather, group), name),
                                                             with_kwargs=True)
 
 
-def _on_hidden(fn: type[torch.autograd.Function], group: dist.ProcessGroup, name: str) -> Any:
+def trial_sequence_shapes(model: nn.Module, plan: dict[str, str], tp: int, batch: Any) -> None:
+    """Refuse, before `model` is changed, a model whose planned blocks or sublayers would get no
+    sequence to split: its forward on `batch` run on a meta-device copy (no memory, no compute,
+    no collective), with the shape checks the cuts make, so the refusal comes at prepare, not at
+    the first forward. `batch` is called as a script calls it: a mapping as keywords, a tensor as
+    the argument, a tuple's first item. A model or batch that cannot run on the meta device is
+    left to those checks at its first forward (they refuse the same line there)."""
+    layout = _sequence_layout(model, _matches(plan, model))
+    try:
+        ghost = _meta_copy(model)
+    except Exception:  # noqa: BLE001 - an attribute deepcopy cannot take: the first forward checks
+        return
+    length = _applied_length(tp)
+    ghost.get_submodule(layout.blocks[0]).register_forward_pre_hook(_on_hidden(length, layout.blocks[0]),
+                                                                    with_kwargs=True)
+    for name in layout.sublayers:
+        ghost.get_submodule(name).register_forward_pre_hook(_on_hidden(lambda x: x, name), with_kwargs=True)
+    meta = _to_meta(batch)
+    try:
+        with torch.no_grad():
+            if isinstance(meta, dict):
+                ghost(**meta)
+            else:
+                ghost(meta[0] if isinstance(meta, (list, tuple)) else meta)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - not runnable on meta (data-dependent code): checked at first forward
+        return
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """`model`'s structure with every parameter and buffer on the meta device (nothing copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _to_meta(batch: Any) -> Any:
+    if torch.is_tensor(batch):
+        return torch.empty_like(batch, device="meta")
+    if isinstance(batch, Mapping):
+        return {k: _to_meta(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return [_to_meta(v) for v in batch]
+    return batch
+
+
+def _applied(fn: type[torch.autograd.Function], group: dist.ProcessGroup) -> Callable[[torch.Tensor], Any]:
+    return lambda x: fn.apply(x, group)
+
+
+def _applied_length(tp: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The first block's check of the trial: the sequence divides by tp (as `_chunk` says)."""
+    def check(x: torch.Tensor) -> torch.Tensor:
+        if x.size(1) % tp:
+            raise ConfigError(f"sequence_parallel: the sequence length {x.size(1)} does not divide by "
+                              f"tensor_parallel_size={tp}; pad the batches to a multiple of it")
+        return x
+    return check
+
+
+def _on_hidden(fn: Callable[[torch.Tensor], Any], name: str) -> Any:
     """A forward pre-hook applying `fn` to module `name`'s hidden states (first argument or
     `hidden_states=`), which must be (batch, sequence, ...): every tp rank sees the same shape,
     so a refusal here is the same one line on each, before any collective of this module."""
@@ -288,7 +354,7 @@ def _on_hidden(fn: type[torch.autograd.Function], group: dist.ProcessGroup, name
             raise ConfigError(f"sequence_parallel: {name} gets hidden states of shape {shape}, with no "
                               "sequence dimension (batch, sequence, hidden) to split; leave "
                               "sequence_parallel off for this model, or plan only layers that see a sequence")
-        return fn.apply(x, group)
+        return fn(x)
 
     def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args:
