@@ -225,6 +225,58 @@ def _sequence_trial_skipped() -> None:
     _patch(engine, "model_parallel_trial", lambda *args, **kwargs: None)
 
 
+@fault("tp_batch_counts_processes", row="careless layouts under tensor parallelism",
+       test="tests/test_tp_careless.py::test_planted_tp_batch_counts_processes_is_caught")
+def _tp_batch_counts_processes() -> None:
+    """The global batch counted per process again under tensor parallelism (the probe's finding):
+    a tp group's processes, which take one batch, counted as data-parallel ranks."""
+    from shardwise.config import tree
+
+    _patch(tree, "_data_parallel", lambda cfg, world: (world, f"{world} processes"))
+
+
+@fault("field_docs_dropped", row="the docs (`tests/test_docs.py`",
+       test="tests/test_docs.py::test_planted_field_docs_dropped_is_caught")
+def _field_docs_dropped() -> None:
+    """The config page's generator loses the docstrings written under a section's fields after its
+    first (a walker that stops at the first field): rows with no description."""
+    from shardwise.config import docs
+
+    def field_docs(cls: type) -> dict[str, str]:
+        found = field_docs.__wrapped__(cls)  # type: ignore[attr-defined]
+        return dict(list(found.items())[:1])
+
+    _patch(docs, "field_docs", field_docs)
+
+
+@fault("replay_in_default_dtype", row="the recorder's pieces in one process",
+       test="tests/test_init_memory.py::test_planted_replay_in_default_dtype_is_caught")
+def _replay_in_default_dtype() -> None:
+    """A recipe replayed in the default dtype and cast to the parameter's: a float64 parameter's
+    normal_ values are float32 draws widened, not a normal build's."""
+    import dataclasses
+
+    import torch
+
+    from shardwise.weights.record import InitRecipe
+
+    def replay(self: Any, into: Any = None) -> Any:
+        default = dataclasses.replace(self, dtype=torch.get_default_dtype())
+        return replay.__wrapped__(default).to(self.dtype)  # type: ignore[attr-defined]
+
+    _patch(InitRecipe, "replay", replay)
+
+
+@fault("worker_error_unread", row="the launcher's lines (`tests/test_launch.py`",
+       test="tests/test_launch.py::test_planted_worker_error_unread_is_caught")
+def _worker_error_unread() -> None:
+    """The launcher no longer reads a failed worker's error file: its line loses the Python error,
+    and a Python error followed by an abort gets gloo's start-up hint as if none was raised."""
+    from shardwise.cli import launch
+
+    _patch(launch, "_first_error_line", lambda error_file: "")
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from planted import caught, planted
+from planted import caught, planted, planted_here
 from spawn import spawn
 from torch import nn
 
@@ -396,6 +396,13 @@ def test_counted_draws_keep_the_generator_in_step(init: str, shape: tuple[int, .
     counted = Stepper().draws(kernel_name, {"std": 0.02}, part)
     if dtype != torch.bfloat16 or init != "trunc_normal_":  # (no draw bound known in bfloat16)
         assert counted is not None, "an initializer models use was not counted: it would need a scratch"
+
+
+def test_planted_replay_in_default_dtype_is_caught() -> None:
+    """`replay_in_default_dtype`: recipes replayed in float32 and cast; the build check finds a
+    float64 parameter's values differ from a normal build's."""
+    with planted_here("replay_in_default_dtype"):
+        caught(_check_equal_to_normal_build, lambda: _Writes((64, 32), torch.float64, INITS["normal_"]))
 
 
 class _Uncounted(nn.Module):

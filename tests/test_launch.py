@@ -17,6 +17,7 @@ import pytest
 import torch
 import workloads as W
 import yaml
+from planted import caught, planted_here
 from spawn import GLOO_ABORT, free_port, run_command, wait_for_launchers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +177,16 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
 
 
 def test_gloo_abort_hint_only_on_an_abort_without_a_python_error(tmp_path: Path) -> None:
+    check_abort_hint(tmp_path)
+
+
+def test_planted_worker_error_unread_is_caught(tmp_path: Path) -> None:
+    """`worker_error_unread`: the workers' error files unread; the hint check fails."""
+    with planted_here("worker_error_unread"):
+        caught(check_abort_hint, tmp_path)
+
+
+def check_abort_hint(tmp_path: Path) -> None:
     import json
     from types import SimpleNamespace
 

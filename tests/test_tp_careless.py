@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from spawn import spawn
 from torch.utils.data import DataLoader
 
@@ -265,6 +266,17 @@ def test_careless_tp_layouts_are_refused_in_one_line(two: list[dict[str, Any]],
 
 
 def test_batch_rules_in_process() -> None:
+    check_batch_rules()
+
+
+def test_planted_tp_batch_counts_processes_is_caught() -> None:
+    """`tp_batch_counts_processes`: the batch counted per process under tp; the in-process check
+    of the probe's sizes fails."""
+    with planted_here("tp_batch_counts_processes"):
+        caught(check_batch_rules)
+
+
+def check_batch_rules() -> None:
     """The resolution itself, at the sizes of the probe (no process group needed)."""
     from shardwise.config import ConfigError, EngineConfig, check_train_batch, resolve_grad_accum
     from shardwise.config.tree import LaunchConfig
