@@ -277,6 +277,31 @@ def _worker_error_unread() -> None:
     _patch(launch, "_first_error_line", lambda error_file: "")
 
 
+@fault("start_time_unread", row="two runs of 2 processes on one `checkpoint_dir` at the same time",
+       test="tests/test_run_lock.py::test_planted_start_time_unread_is_caught")
+def _start_time_unread() -> None:
+    """The lock's check of a same-host holder cannot read its process's start time (as on a
+    system whose /proc it misparses): a live run's pid is judged reused, its lock taken over."""
+    from shardwise.checkpoint import runlock
+
+    _patch(runlock, "_start_ticks", lambda pid: None)
+
+
+@fault("latest_before_write", row="SIGKILL in the middle of a save",
+       test="tests/test_checkpoint.py::test_planted_latest_before_write_is_caught")
+def _latest_before_write() -> None:
+    """`latest` pointed at a checkpoint when its save begins, not once it is in place: a process
+    killed mid-save leaves `latest` naming a checkpoint that was never completed."""
+    from shardwise.checkpoint import files, sharded
+
+    def begin(parts: Any, target: Any) -> None:
+        begin.__wrapped__(parts, target)  # type: ignore[attr-defined]
+        if parts.rank == 0:
+            files.atomic_write_text(target.parent / "latest", target.name + "\n")
+
+    _patch(sharded, "_begin", begin)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

@@ -192,11 +192,30 @@ def _resume_after_kill(folder: str) -> W.Checkpointed:
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
-    from shardwise.checkpoint.sharded import full_model_state, read_meta, resolve, verify
-
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(_killed_while_saving, 2, str(tmp_path), timeout=120)
     root = tmp_path / "checkpoints"
+    check_after_kill(root)
+    # the run resumes from step_3; its next save to the same place removes what the killed one left
+    resumed = spawn(_resume_after_kill, 2, str(tmp_path))[0]
+    assert resumed.step == 6
+    assert sorted(os.listdir(root)) == [".shardwise.lock", "latest", "step_3", "step_6"]
+    assert (root / "latest").read_text().strip() == "step_6"
+
+
+def test_planted_latest_before_write_is_caught(tmp_path: Path) -> None:
+    """`latest_before_write`: `latest` moved when the save begins; after the kill it names the
+    checkpoint never completed, which the check after the kill refuses."""
+    with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
+        spawn(planted(_killed_while_saving, "latest_before_write"), 2, str(tmp_path), timeout=120)
+    caught(check_after_kill, tmp_path / "checkpoints")
+
+
+def check_after_kill(root: Path) -> None:
+    """What a process killed while saving step_6 leaves: `latest` still step_3, which verifies and
+    reads; the unfinished save only as a hidden staging folder."""
+    from shardwise.checkpoint.sharded import full_model_state, read_meta, resolve, verify
+
     assert (root / "latest").read_text().strip() == "step_3"
     assert (root / ".step_6.incomplete").is_dir() and not (root / "step_6").exists()
     # nothing partial in sight; the killed run's lock stays (the resume below takes it over)
@@ -205,11 +224,6 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert len(verify(root)) >= 5  # every file of step_3 matches its checksum
     state, _ = full_model_state(resolve(root / "latest"))
     assert set(state) >= set(W.build("tiny").state_dict())
-    # the run resumes from step_3; its next save to the same place removes what the killed one left
-    resumed = spawn(_resume_after_kill, 2, str(tmp_path))[0]
-    assert resumed.step == 6
-    assert sorted(os.listdir(root)) == [".shardwise.lock", "latest", "step_3", "step_6"]
-    assert (root / "latest").read_text().strip() == "step_6"
 
 
 # -- export and save_model -----------------------------------------------------------------------

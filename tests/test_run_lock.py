@@ -227,6 +227,22 @@ def test_run_lock_takes_over_only_a_provably_dead_holder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Single process (no process group): who may take a lock over, and the lines."""
+    check_takeover_rules(tmp_path, monkeypatch)
+
+
+def test_planted_start_time_unread_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`start_time_unread`: a holder's start time unreadable, so every same-host holder looks like
+    a reused pid; the live run's lock is taken over, which the rules' check refuses."""
+    from shardwise.checkpoint import runlock
+
+    try:
+        with planted_here("start_time_unread"):
+            caught(check_takeover_rules, tmp_path, monkeypatch)
+    finally:
+        runlock.release_all()  # the locks the planted run took (and their heartbeats)
+
+
+def check_takeover_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.checkpoint import runlock
     from shardwise.checkpoint.sharded import CheckpointError
 
