@@ -302,6 +302,22 @@ def _latest_before_write() -> None:
     _patch(sharded, "_begin", begin)
 
 
+@fault("export_in_place", row="SIGKILL in the middle of `save_model`",
+       test="tests/test_data_safety.py::test_planted_export_in_place_is_caught")
+def _export_in_place() -> None:
+    """save_model over an earlier save writes its files straight into the user's folder, no
+    staging beside it: a process killed halfway leaves a half-written model.safetensors where the
+    good one was."""
+    from shardwise.weights import export
+
+    def in_place(target: Any, checkpoint: Any = None) -> Any:
+        if (target / "model.safetensors").exists():
+            return target
+        return in_place.__wrapped__(target, checkpoint)  # type: ignore[attr-defined]
+
+    _patch(export, "new_staging", in_place)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

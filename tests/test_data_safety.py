@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 
 USER_FILES = {"tokenizer.json": '{"vocab": "mine"}', "results.txt": "accuracy 0.91\n"}
@@ -288,6 +289,33 @@ def test_verify_finds_flipped_bytes_in_an_export(careless: tuple[list[dict[str, 
 
 
 # -- SIGKILL in the middle of save_model ----------------------------------------------------------
+def check_model_folder_whole(tmp_path: Path) -> None:
+    """After a save_model killed halfway: the earlier save whole (it verifies and loads), nothing
+    partial in the folder, what the killed save staged beside it."""
+    from transformers import GPT2LMHeadModel
+
+    from shardwise.checkpoint.sharded import CheckpointError, verify
+
+    target = tmp_path / "outputs"
+    assert sorted(os.listdir(target)) == [
+        "config.json", "model.safetensors", "tokenizer.json"]  # nothing partial
+    try:
+        checked = verify(target)
+    except CheckpointError as err:
+        raise AssertionError(f"the earlier save does not verify: {err}") from None
+    assert len(checked) == 2  # the earlier save, whole
+    GPT2LMHeadModel.from_pretrained(target)
+    assert (tmp_path / ".outputs.incomplete").is_dir()  # what the killed save staged, beside the folder
+
+
+def test_planted_export_in_place_is_caught(tmp_path: Path) -> None:
+    """`export_in_place`: save_model writes into the folder itself; the kill leaves a half file."""
+    with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
+        spawn(planted(_killed_in_save_model, "export_in_place"), 2, str(tmp_path), timeout=300)
+    caught(check_model_folder_whole, tmp_path)
+
+
+
 def _killed_in_save_model(folder: str) -> None:
     import shardwise
     import shardwise.weights.export as writer
@@ -323,18 +351,10 @@ def _save_again(folder: str) -> None:
 
 
 def test_sigkill_during_save_model_leaves_the_folder_whole(tmp_path: Path) -> None:
-    from transformers import GPT2LMHeadModel
-
-    from shardwise.checkpoint.sharded import verify
-
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(_killed_in_save_model, 2, str(tmp_path), timeout=300)
     target = tmp_path / "outputs"
-    assert sorted(os.listdir(target)) == [
-        "config.json", "model.safetensors", "tokenizer.json"]  # nothing partial
-    assert len(verify(target)) == 2  # the earlier save, whole
-    GPT2LMHeadModel.from_pretrained(target)
-    assert (tmp_path / ".outputs.incomplete").is_dir()  # what the killed save staged, beside the folder
+    check_model_folder_whole(tmp_path)
     spawn(_save_again, 2, str(tmp_path))
     assert not (tmp_path / ".outputs.incomplete").exists()  # the next save to the same place cleared it
     assert sorted(os.listdir(tmp_path)) == ["outputs"]
