@@ -389,6 +389,18 @@ def _bad_loads(cases: list[tuple[str, str]]) -> BadLoads:
 def test_bad_sources_are_refused_before_any_weight_changes(pretrained: Path, tmp_path: Path) -> None:
     broken = {case: _break(pretrained, tmp_path, case) for case in BAD_SOURCES}
     ranks = spawn(_bad_loads, 2, [(case, str(path)) for case, (path, _) in broken.items()])
+    check_bad_sources(broken, ranks)
+
+
+def test_planted_load_not_strict_is_caught(pretrained: Path, tmp_path: Path) -> None:
+    """`load_not_strict`: a source missing a key loads with a warning; the check wants the refusal."""
+    broken = {case: _break(pretrained, tmp_path, case) for case in ("missing key",)}
+    ranks = spawn(planted(_bad_loads, "load_not_strict"), 2, [(c, str(p)) for c, (p, _) in broken.items()])
+    caught(check_bad_sources, broken, ranks)
+
+
+def check_bad_sources(broken: dict[str, tuple[Path, str]], ranks: list[BadLoads]) -> None:
+    """Each case refused on every process, the same one line holding its words; no weight moved."""
     for case, (_, needle) in broken.items():
         messages = [r.messages[case] for r in ranks]
         assert messages[0] is not None and all(m == messages[0] for m in messages), (case, messages)
