@@ -331,6 +331,20 @@ def _load_not_strict() -> None:
     _patch(loading, "match_keys", match_keys)
 
 
+@fault("uninitialised_accepted", row="what init_empty cannot replay",
+       test="tests/test_init_and_load.py::test_planted_uninitialised_accepted_is_caught")
+def _uninitialised_accepted() -> None:
+    """A parameter nothing in its constructor initializes (torch.empty) is no longer a problem of
+    its recipe: init_empty's model is prepared with whatever the allocation held."""
+    from shardwise.weights.record import InitRecipe
+
+    def problem(self: Any) -> str | None:
+        said = problem.__wrapped__(self)  # type: ignore[attr-defined]
+        return None if said is not None and said.startswith("nothing in its constructor") else said
+
+    _patch(InitRecipe, "problem", problem)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

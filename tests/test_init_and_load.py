@@ -142,13 +142,9 @@ def _runs(folders: dict[str, str], gpt2: str, llama: str) -> dict[str, Any]:
 
     import shardwise
 
-    out: dict[str, Any] = {}
     engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
     # item 5: what cannot be replayed is refused by name; an init_weights() is called instead
-    for cls in (Derived, NeverInitialized):
-        with engine.init_empty():
-            model = cls()
-        out[f"refused:{cls.__name__}"] = _refusal(lambda model=model: engine.prepare(model))
+    out = _cannot_replay(engine)
     torch.manual_seed(11)
     with engine.init_empty():
         model = DerivedWithInitWeights()
@@ -174,6 +170,19 @@ def _runs(folders: dict[str, str], gpt2: str, llama: str) -> dict[str, Any]:
     out["key_map"] = engine.get_state_dict(model)
     out["llama"] = engine.get_state_dict(engine.prepare(engine.from_pretrained(LlamaForCausalLM, llama)))
     return {**out, **_after_empty(gpt2)}
+
+
+def _cannot_replay(engine: Any = None) -> dict[str, Any]:
+    """What each model init_empty cannot replay says at prepare (None: prepared)."""
+    import shardwise
+
+    engine = engine or shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
+    out: dict[str, Any] = {}
+    for cls in (Derived, NeverInitialized):
+        with engine.init_empty():
+            model = cls()
+        out[f"refused:{cls.__name__}"] = _refusal(lambda model=model: engine.prepare(model))
+    return out
 
 
 def _after_empty(gpt2: str) -> dict[str, Any]:
@@ -210,8 +219,18 @@ def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[
 
 
 def test_an_init_shardwise_cannot_replay_is_refused_by_name(runs: dict[str, Any]) -> None:
+    check_cannot_replay(runs["ranks"])
+
+
+def test_planted_uninitialised_accepted_is_caught() -> None:
+    """`uninitialised_accepted`: a parameter nothing initializes is prepared as allocated; the
+    check wants its one-line refusal."""
+    caught(check_cannot_replay, spawn(planted(_cannot_replay, "uninitialised_accepted"), 2))
+
+
+def check_cannot_replay(ranks: list[dict[str, Any]]) -> None:
     for cls, needle in (("Derived", "Derived.b "), ("NeverInitialized", "NeverInitialized.w ")):
-        lines = [r[f"refused:{cls}"] for r in runs["ranks"]]
+        lines = [r[f"refused:{cls}"] for r in ranks]
         assert lines[0] is not None and all(x == lines[0] for x in lines), lines
         assert "\n" not in lines[0] and needle in lines[0] and "init_weights()" in lines[0], lines[0]
 
