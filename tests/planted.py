@@ -345,6 +345,19 @@ def _uninitialised_accepted() -> None:
     _patch(InitRecipe, "problem", problem)
 
 
+@fault("checkpoint_first_block_only", row="activation checkpointing (`tests/test_equivalence.py",
+       test="tests/test_wrap.py::test_planted_checkpoint_first_block_only_is_caught")
+def _checkpoint_first_block_only() -> None:
+    """Activation checkpointing wraps the first block it is given and stops (a loop that returns
+    early): the numbers are right, the other blocks keep all their activations."""
+    from shardwise import strategies
+
+    def first_only(blocks: Any, *args: Any, **kwargs: Any) -> None:
+        first_only.__wrapped__(list(blocks)[:1], *args, **kwargs)  # type: ignore[attr-defined]
+
+    _patch(strategies, "apply_activation_checkpointing", first_only)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from torch import nn
 
 from shardwise import ConfigError
@@ -64,6 +65,16 @@ def _saved_bytes(model: nn.Module) -> int:
 
 
 def test_activation_checkpointing_keeps_fewer_activations_and_same_grads() -> None:
+    check_fewer_activations()
+
+
+def test_planted_checkpoint_first_block_only_is_caught() -> None:
+    """`checkpoint_first_block_only`: one block checkpointed; the saved bytes stay above half."""
+    with planted_here("checkpoint_first_block_only"):
+        caught(check_fewer_activations)
+
+
+def check_fewer_activations() -> None:
     from shardwise.strategies import apply_activation_checkpointing
 
     plain, ckpt = W.build("tiny"), W.build("tiny")
