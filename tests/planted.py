@@ -358,6 +358,15 @@ def _checkpoint_first_block_only() -> None:
     _patch(strategies, "apply_activation_checkpointing", first_only)
 
 
+@fault("compile_skipped", row="compiled blocks (`tests/test_compile.py`)",
+       test="tests/test_compile.py::test_planted_compile_skipped_is_caught")
+def _compile_skipped() -> None:
+    """`compile: true` taken and never applied: the blocks run eager, with eager's numbers."""
+    from shardwise.strategies import steps
+
+    _patch(steps, "apply_compile", lambda *args, **kwargs: None)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

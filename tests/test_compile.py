@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted_here
 from safetensors import safe_open
 from spawn import spawn
 from torch import nn
@@ -162,7 +163,18 @@ def _branchy_engine(**kw: Any) -> tuple[Any, nn.Module, nn.Module]:
 
 
 def test_graph_break_is_reported_once_and_compiled_around(caplog: pytest.LogCaptureFixture) -> None:
-    _, model, eager = _branchy_engine()
+    check_graph_break(caplog)
+
+
+def test_planted_compile_skipped_is_caught(caplog: pytest.LogCaptureFixture) -> None:
+    """`compile_skipped`: compile never applied; no block is compiled and no break reported."""
+    with planted_here("compile_skipped"):
+        caught(check_graph_break, caplog)
+
+
+def check_graph_break(caplog: pytest.LogCaptureFixture) -> None:
+    engine, model, eager = _branchy_engine()
+    assert _compiled_blocks(engine.unwrap_model(model)) == [True, True]
     ids = W.Tokens(4).data
     with caplog.at_level(logging.WARNING, logger="shardwise"):
         out = [model(ids) for _ in range(3)]
