@@ -367,6 +367,16 @@ def _compile_skipped() -> None:
     _patch(steps, "apply_compile", lambda *args, **kwargs: None)
 
 
+@fault("scheduler_not_restored", row="the checkpointing script",
+       test="tests/test_accelerate_scripts.py::test_planted_scheduler_not_restored_is_caught")
+def _scheduler_not_restored() -> None:
+    """load_state brings back weights, optimizer, sampler and RNG but not the LR scheduler: a
+    resumed OneCycleLR starts its schedule over."""
+    from shardwise.engine.optim import PreparedScheduler
+
+    _patch(PreparedScheduler, "load_state_dict", lambda self, state_dict: None)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from spawn import GLOO_ABORT, kill_tree
@@ -123,25 +124,54 @@ def test_classifier_script_gives_accelerates_numbers(tmp_path: Path) -> None:
         assert names == ["checkpoint_0", "checkpoint_1"]
 
 
-def test_checkpointing_script_gives_accelerates_numbers_and_resumes_as_accelerate(tmp_path: Path) -> None:
+CHECKPOINTING = HERE / "checkpoint_resume.py"
+
+
+def _checkpointing_run(tmp: Path, path: Path, label: str, config: str | None, *extra: str,
+                       env: dict[str, str] | None = None) -> dict:
+    return _run(path, tmp, label, config, "--output_dir", str(tmp / f"{label}_ckpt"),
+                "--checkpointing_steps", "21", *extra, reference=path == CHECKPOINTING, env=env)
+
+
+@pytest.fixture(scope="module")
+def checkpointing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Accelerate's straight and resumed runs of checkpoint_resume.py, and shardwise's straight ddp
+    run, whose step_21 checkpoint the resumed runs below start from."""
+    tmp = tmp_path_factory.mktemp("checkpointing")
+    ref = _checkpointing_run(tmp, CHECKPOINTING, "acc", None)
+    ref_resumed = _checkpointing_run(tmp, CHECKPOINTING, "acc_resumed", None, "--resume_from_checkpoint",
+                                     str(tmp / "acc_ckpt" / "step_21"))
+    ours = _swapped("checkpoint_resume.py", tmp)
+    got = _checkpointing_run(tmp, ours, "ddp", "strategy: ddp\n")
+    return {"tmp": tmp, "ours": ours, "ref": ref, "ref_resumed": ref_resumed, "got": got}
+
+
+def _resumed_into_zero3(runs: dict[str, Any], label: str, env: dict[str, str] | None = None) -> dict:
+    return _checkpointing_run(runs["tmp"], runs["ours"], label, "strategy: zero3\n",
+                              "--resume_from_checkpoint", str(runs["tmp"] / "ddp_ckpt" / "step_21"), env=env)
+
+
+def test_checkpointing_script_gives_accelerates_numbers_and_resumes_as_accelerate(
+        checkpointing: dict[str, Any]) -> None:
     """The straight run equals Accelerate's. A run resumed from step 21 (mid-epoch, on an
     accumulation boundary; the script skips the seen batches with skip_first_batches), from a ddp
     checkpoint into zero3, equals Accelerate's resumed run: the weights, optimizer, scheduler,
     sampler epoch and RNG come back, and the resumed pass draws its iterator seed again, as
     Accelerate's does (so with dropout neither equals its uninterrupted run; `Engine` does)."""
-    script = HERE / "checkpoint_resume.py"
-    ours = _swapped("checkpoint_resume.py", tmp_path)
+    check_checkpointing(checkpointing, _resumed_into_zero3(checkpointing, "zero3_resumed"))
 
-    def run(path: Path, label: str, config: str | None, *extra: str) -> dict:
-        return _run(path, tmp_path, label, config, "--output_dir", str(tmp_path / f"{label}_ckpt"),
-                    "--checkpointing_steps", "21", *extra, reference=path == script)
 
-    ref = run(script, "acc", None)
-    ref_resumed = run(script, "acc_resumed", None, "--resume_from_checkpoint",
-                      str(tmp_path / "acc_ckpt" / "step_21"))
-    got = run(ours, "ddp", "strategy: ddp\n")
-    resumed = run(ours, "zero3_resumed", "strategy: zero3\n", "--resume_from_checkpoint",
-                  str(tmp_path / "ddp_ckpt" / "step_21"))
+def test_planted_scheduler_not_restored_is_caught(checkpointing: dict[str, Any]) -> None:
+    """`scheduler_not_restored`: the resumed run's OneCycleLR starts over; the check's learning
+    rates (and losses) differ from Accelerate's resumed run."""
+    from planted import caught, fault_env
+
+    resumed = _resumed_into_zero3(checkpointing, "planted", env=fault_env("scheduler_not_restored"))
+    caught(check_checkpointing, checkpointing, resumed)
+
+
+def check_checkpointing(runs: dict[str, Any], resumed: dict) -> None:
+    ref, ref_resumed, got = runs["ref"], runs["ref_resumed"], runs["got"]
     assert len(ref["losses"]) == 45 and resumed["losses"][0][0] == 22
     assert (ref_resumed["lrs"] == pytest.approx(ref["lrs"][21:])
             and ref_resumed["losses"] != ref["losses"][21:])
