@@ -116,7 +116,8 @@ def caught(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
 def _patch(owner: Any, name: str, replacement: Callable[..., Any]) -> None:
     """Replace `owner.name` for the rest of this (worker) process."""
     old = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
-    replacement.__wrapped__ = getattr(owner, name)  # type: ignore[attr-defined]
+    with contextlib.suppress(AttributeError):  # (a property takes no attributes)
+        replacement.__wrapped__ = getattr(owner, name)  # type: ignore[attr-defined]
     if _UNDO:
         _UNDO[-1].append((owner, name, old))
     setattr(owner, name, replacement)
@@ -375,6 +376,16 @@ def _scheduler_not_restored() -> None:
     from shardwise.engine.optim import PreparedScheduler
 
     _patch(PreparedScheduler, "load_state_dict", lambda self, state_dict: None)
+
+
+@fault("loader_end_sticky", row="Accelerate's rules where a script meets them",
+       test="tests/test_accelerate_scripts.py::test_planted_loader_end_sticky_is_caught")
+def _loader_end_sticky() -> None:
+    """A loop that ran to its end is not noted: the loader stays active at its end, so
+    `gradient_state.end_of_dataloader` stays True after the loop (Accelerate's says False there)."""
+    from shardwise.engine.loop_state import LoaderTracker
+
+    _patch(LoaderTracker, "ended", lambda self, loader: None)
 
 
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",

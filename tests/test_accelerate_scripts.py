@@ -188,7 +188,26 @@ def check_checkpointing(runs: dict[str, Any], resumed: dict) -> None:
     assert {m["seen"] for m in ref["metrics"]} == {45}  # duplicates of the padded last batch dropped
 
 
-def test_drop_in_rules_script_gives_accelerates_numbers(tmp_path: Path) -> None:
+DROP_IN = HERE / "drop_in_rules.py"
+
+
+def _drop_in_run(tmp: Path, path: Path, label: str, config: str | None, *extra: str,
+                 env: dict[str, str] | None = None) -> dict:
+    return _run(path, tmp, label, config, "--output_dir", str(tmp / f"{label}_ckpt"), *extra,
+                reference=path == DROP_IN, env=env)
+
+
+@pytest.fixture(scope="module")
+def drop_in(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Accelerate's straight and resumed runs of drop_in_rules.py, and the script swapped."""
+    tmp = tmp_path_factory.mktemp("drop_in")
+    ref = _drop_in_run(tmp, DROP_IN, "acc", None)
+    ref_resumed = _drop_in_run(tmp, DROP_IN, "acc_resumed", None, "--resume_from_checkpoint",
+                               str(tmp / "acc_ckpt" / "e1_b5_s8"))
+    return {"tmp": tmp, "ours": _swapped("drop_in_rules.py", tmp), "ref": ref, "ref_resumed": ref_resumed}
+
+
+def test_drop_in_rules_script_gives_accelerates_numbers(drop_in: dict[str, Any]) -> None:
     """drop_in_rules.py (find_executable_batch_size, an early `break`, predictions gathered after
     the loop, sync_each_batch, save_state + load_state + skip_first_batches) under Accelerate and
     under ddp and zero3: a re-prepare after free_memory keeps the launched strategy; a pass left
@@ -196,32 +215,39 @@ def test_drop_in_rules_script_gives_accelerates_numbers(tmp_path: Path) -> None:
     epochs' orders equal); after a loop ends, gradient_state is no longer at its end and a gather
     keeps every item; every micro-step's gradients are already the same on every process; and a
     run resumed mid-epoch (ddp checkpoint into zero3) equals Accelerate's resumed run."""
-    script = HERE / "drop_in_rules.py"
-    ours = _swapped("drop_in_rules.py", tmp_path)
-
-    def run(path: Path, label: str, config: str | None, *extra: str) -> dict:
-        return _run(path, tmp_path, label, config, "--output_dir", str(tmp_path / f"{label}_ckpt"), *extra,
-                    reference=path == script)
-
-    resume = ("--resume_from_checkpoint",)
-    ref = run(script, "acc", None)
-    ref_resumed = run(script, "acc_resumed", None, *resume, str(tmp_path / "acc_ckpt" / "e1_b5_s8"))
-    got = {s: run(ours, s, f"strategy: {s}\n") for s in ("ddp", "zero3")}
-    got["zero3_resumed"] = run(ours, "zero3_resumed", "strategy: zero3\n", *resume,
-                               str(tmp_path / "ddp_ckpt" / "e1_b5_s8"))
+    tmp, ours, ref, ref_resumed = drop_in["tmp"], drop_in["ours"], drop_in["ref"], drop_in["ref_resumed"]
+    got = {s: _drop_in_run(tmp, ours, s, f"strategy: {s}\n") for s in ("ddp", "zero3")}
+    got["zero3_resumed"] = _drop_in_run(tmp, ours, "zero3_resumed", "strategy: zero3\n",
+                                        "--resume_from_checkpoint", str(tmp / "ddp_ckpt" / "e1_b5_s8"))
     assert ref["tried"] == [9, 8] and ref["gathered"] == [48, 48, 48] and ref["end_after_loop"] == [False] * 3
     assert ref_resumed["losses"][0][0] == 9 and len(ref_resumed["losses"]) == len(ref["losses"]) - 8
-    for label, tol in (("ddp", 1e-5), ("zero3", 1e-4), ("zero3_resumed", 1e-4)):
-        a, b = got[label], (ref_resumed if label.endswith("resumed") else ref)
-        assert a["types"] == ["MULTI_CPU" if label == "ddp" else "FSDP"] * 2, label  # not re-planned
-        for key in ("tried", "end_after_loop", "gathered"):
-            assert a[key] == b[key], (label, key)
-        assert [s for s, _ in a["losses"]] == [s for s, _ in b["losses"]], label
-        for key, flat in (("losses", lambda r: [x for _, xs in r["losses"] for x in xs]),
-                          ("grads", lambda r: [x for xs in r["grads"] for x in xs])):
-            assert flat(a) == pytest.approx(flat(b), rel=tol), (label, key)
-        assert all(len(set(xs)) == 1 for xs in a["grads"]), label  # synced off the boundary too
-        assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1 / 48), label
+    for label in ("ddp", "zero3", "zero3_resumed"):
+        check_drop_in(drop_in, label, got[label])
+
+
+def test_planted_loader_end_sticky_is_caught(drop_in: dict[str, Any]) -> None:
+    """`loader_end_sticky`: gradient_state stays at its loader's end after the loop; the check
+    wants Accelerate's False after each loop (and its gathered counts)."""
+    from planted import caught, fault_env
+
+    got = _drop_in_run(drop_in["tmp"], drop_in["ours"], "planted", "strategy: zero3\n",
+                       env=fault_env("loader_end_sticky"))
+    caught(check_drop_in, drop_in, "zero3", got)
+
+
+def check_drop_in(runs: dict[str, Any], label: str, a: dict) -> None:
+    """One run of the swapped script against Accelerate's (its resumed run for a resumed one)."""
+    tol = 1e-5 if label == "ddp" else 1e-4
+    b = runs["ref_resumed"] if label.endswith("resumed") else runs["ref"]
+    assert a["types"] == ["MULTI_CPU" if label == "ddp" else "FSDP"] * 2, label  # not re-planned
+    for key in ("tried", "end_after_loop", "gathered"):
+        assert a[key] == b[key], (label, key)
+    assert [s for s, _ in a["losses"]] == [s for s, _ in b["losses"]], label
+    for key, flat in (("losses", lambda r: [x for _, xs in r["losses"] for x in xs]),
+                      ("grads", lambda r: [x for xs in r["grads"] for x in xs])):
+        assert flat(a) == pytest.approx(flat(b), rel=tol), (label, key)
+    assert all(len(set(xs)) == 1 for xs in a["grads"]), label  # synced off the boundary too
+    assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1 / 48), label
 
 
 # -- the harness's own verdicts, with faults planted (tests/planted.py) --------------------------
