@@ -359,7 +359,7 @@ def _checkpoint_first_block_only() -> None:
     _patch(strategies, "apply_activation_checkpointing", first_only)
 
 
-@fault("compile_skipped", row="compiled blocks (`tests/test_compile.py`)",
+@fault("compile_skipped", row="compiled blocks (`tests/test_compile.py`",
        test="tests/test_compile.py::test_planted_compile_skipped_is_caught")
 def _compile_skipped() -> None:
     """`compile: true` taken and never applied: the blocks run eager, with eager's numbers."""
