@@ -388,6 +388,140 @@ def _loader_end_sticky() -> None:
     _patch(LoaderTracker, "ended", lambda self, loader: None)
 
 
+@fault("host_step_unfused", row="fused host step",
+       test="tests/test_single_process.py::test_planted_host_step_unfused_is_caught")
+def _host_step_unfused() -> None:
+    """The host optimizer step no longer selects torch's fused CPU kernel: the user's class runs
+    its own per-tensor loop (the same update, several times slower)."""
+    from shardwise.strategies import host_step
+
+    _patch(host_step, "fused_overrides", lambda optimizer, **kwargs: {})
+
+
+@fault("tensor_checksum_unchecked", row="`shardwise export` of a corrupted checkpoint",
+       test="tests/test_data_safety.py::test_planted_tensor_checksum_unchecked_is_caught")
+def _tensor_checksum_unchecked() -> None:
+    """Verifying an export compares the checksum a safetensors file records with itself, never
+    hashing its tensors: flipped bytes in the weights pass."""
+    from shardwise.weights import export
+
+    def unchecked(path: Any) -> tuple[Any, Any]:
+        recorded, _ = unchecked.__wrapped__(path)  # type: ignore[attr-defined]
+        return recorded, recorded
+
+    _patch(export, "safetensors_checksum", unchecked)
+
+
+@fault("deepspeed_group_accepted", row="DeepSpeed and hybrid (`tests/test_deepspeed_hybrid.py`",
+       test="tests/test_deepspeed_hybrid.py::test_planted_deepspeed_group_accepted_is_caught")
+def _deepspeed_group_accepted() -> None:
+    """shard_group_size below the world accepted on backend deepspeed: DeepSpeed (no MiCS since
+    0.19) shards over every process, not the group asked for."""
+    from shardwise.strategies.deepspeed import setup
+
+    _patch(setup, "check_shard_group", lambda *args, **kwargs: None)
+
+
+@fault("empty_buffers_replaced", row="empty init (`tests/test_big_models.py`",
+       test="tests/test_big_models.py::test_an_empty_build_that_replaces_its_buffers_is_caught")
+def _empty_buffers_replaced() -> None:
+    """An init_empty model's allocation replaces its real buffers too (as `to_empty` does), so a
+    buffer its constructor computed (rotary frequencies) is lost: here, left at zero."""
+    import torch
+
+    from shardwise.strategies import base
+
+    def allocate(model: Any, device: Any) -> None:
+        allocate.__wrapped__(model, device)  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for b in model.buffers():
+                b.zero_()
+
+    _patch(base, "allocate", allocate)
+
+
+@fault("export_clears_the_folder", row="a careless user (`tests/test_data_safety.py`",
+       test="tests/test_data_safety.py::test_planted_export_clears_the_folder_is_caught")
+def _export_clears_the_folder() -> None:
+    """save_model treats the folder as its own: every file it does not write is removed once the
+    new weights are in place (the user's tokenizer and results with them)."""
+    from shardwise.weights import export
+
+    def stale(folder: Any, writing: set[str], sharded: bool) -> list[Any]:
+        found = stale.__wrapped__(folder, writing, sharded)  # type: ignore[attr-defined]
+        listed = list(folder.iterdir()) if folder.is_dir() else []
+        others = [p for p in listed if p.is_file() and p.name not in writing]
+        return sorted(set(found) | set(others))
+
+    _patch(export, "_stale_files", stale)
+
+
+@fault("launch_drops_the_files_settings", row="`shardwise launch` from a YAML",
+       test="tests/test_launch.py::test_planted_launch_drops_the_files_settings_is_caught")
+def _launch_drops_the_files_settings() -> None:
+    """`shardwise launch` resolves the config but hands the workers one that holds only its launch
+    section: they run the defaults (ddp, no offload), with the same numbers."""
+    import importlib
+
+    from shardwise.config import EngineConfig
+
+    main = importlib.import_module("shardwise.cli.main")  # (the package's `main` is the function)
+
+    def write_yaml(cfg: Any, path: Any, **kwargs: Any) -> Any:
+        return write_yaml.__wrapped__(EngineConfig(launch=cfg.launch, cpu=cfg.cpu, seed=cfg.seed,  # type: ignore[attr-defined]
+                                                   grad_accum_steps=cfg.grad_accum_steps), path, **kwargs)
+
+    _patch(main, "write_yaml", write_yaml)
+
+
+@fault("auto_schedule_counts_every_process", row="the two tutorial DeepSpeed JSONs",
+       test="tests/test_launch.py::test_planted_auto_schedule_counts_every_process_is_caught")
+def _auto_schedule_counts_every_process() -> None:
+    """A schedule built from the config ("auto" total steps) counts the whole dataset's batches
+    (both processes' at 2), not this process's optimizer steps."""
+    from shardwise.engine import engine
+
+    def build_scheduler(cfg: Any, optimizer: Any, steps: int | None) -> Any:
+        return build_scheduler.__wrapped__(cfg, optimizer, None if steps is None else 2 * steps)  # type: ignore[attr-defined]
+
+    _patch(engine, "build_scheduler", build_scheduler)
+
+
+@fault("zip_failure_in_torchs_words", row="a full disk (`tests/test_run_lock.py`)",
+       test="tests/test_run_lock.py::test_planted_zip_failure_in_torchs_words_is_caught")
+def _zip_failure_in_torchs_words() -> None:
+    """A write failure without an errno (torch's zip writer on a full disk) is said in torch's own
+    words ("unexpected pos"), not as the full disk it is."""
+    from shardwise.checkpoint import storage
+
+    def os_error_line(path: Any, action: str, err: BaseException, needed: int | None = None) -> str:
+        if not isinstance(err, OSError):
+            return f"{path}: could not {action}: {err}"
+        return os_error_line.__wrapped__(path, action, err, needed)  # type: ignore[attr-defined,no-any-return]
+
+    _patch(storage, "os_error_line", os_error_line)
+
+
+@fault("launcher_variables_unread", row="Accelerate's launcher (`tests/test_accelerate_plugins.py`",
+       test="tests/test_accelerate_plugins.py::test_planted_launcher_variables_unread_is_caught")
+def _launcher_variables_unread() -> None:
+    """The variables Accelerate's launcher exports (ACCELERATE_USE_FSDP, FSDP_*, ...) are not
+    read: a script started by `accelerate launch --config_file X.yaml` trains with the defaults."""
+    from shardwise.accelerate import plugins
+
+    _patch(plugins, "_launcher_plugins", lambda kwargs: [])
+
+
+@fault("traces_of_one_name", row="the same patterns as a script written for Accelerate",
+       test="tests/test_accelerate_extras.py::test_planted_traces_of_one_name_is_caught")
+def _traces_of_one_name() -> None:
+    """Every process writes its profiler trace under one name (profile_0.json): the last writer
+    wins and the other process's trace is lost."""
+    from shardwise.accelerate import extras
+
+    _patch(extras, "PROFILE_PATTERN", "profile_0.json")  # type: ignore[arg-type]
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

@@ -169,28 +169,57 @@ def test_logging_dir_of_project_configuration_holds_the_runs(tmp_path: Path) -> 
     assert not list(tmp_path.rglob("logs"))
 
 
-def test_by_feature_extras_script_gives_accelerates_numbers_and_layout(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def extras_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """by_feature_extras.py under Accelerate itself: its folder and results."""
+    from test_accelerate_scripts import HERE, _run
+
+    tmp = tmp_path_factory.mktemp("extras")
+    ref = _run(HERE / "by_feature_extras.py", tmp, "accelerate", None, reference=True)
+    assert ref["event_dirs"] == ["extras"] and ref["traces"] == ["profile_0.json", "profile_1.json"]
+    assert ref["epoch"] == [[0, 0.0], [1, 1.0], [2, 2.0], [3, 3.0]]
+    return tmp, ref
+
+
+def test_by_feature_extras_script_gives_accelerates_numbers_and_layout(
+        extras_reference: tuple[Path, dict[str, Any]]) -> None:
     """tests/accelerate_scripts/by_feature_extras.py (tracking, profiler, schedule_free,
     autoregressive accumulation with model.no_sync, get_logger) under Accelerate itself, and with
     only its import changed under ddp and zero3, 2 processes each."""
-    from test_accelerate_scripts import HERE, _run, _swapped
+    from test_accelerate_scripts import _run, _swapped
 
+    tmp_path, ref = extras_reference
     ours = _swapped("by_feature_extras.py", tmp_path)
-    ref = _run(HERE / "by_feature_extras.py", tmp_path, "accelerate", None, reference=True)
-    assert ref["event_dirs"] == ["extras"] and ref["traces"] == ["profile_0.json", "profile_1.json"]
-    assert ref["epoch"] == [[0, 0.0], [1, 1.0], [2, 2.0], [3, 3.0]]
-    for strategy, tol in (("ddp", 1e-5), ("zero3", 1e-4)):
-        got = _run(ours, tmp_path, strategy, f"strategy: {strategy}\n")
-        worst = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
-        assert worst <= tol, f"{strategy}: losses differ from Accelerate's by {worst:.2e}"
-        assert got["train_weights"] == pytest.approx(ref["train_weights"], rel=tol)
-        assert got["eval_weights"] == pytest.approx(ref["eval_weights"], rel=tol)
-        for key in ("active", "active_after", "traces", "event_dirs", "epoch"):
-            assert got[key] == ref[key], (strategy, key)
-        for rank in (0, 1):
-            logged = json.loads((tmp_path / strategy / f"log_{rank}.json").read_text())
-            assert logged == json.loads((tmp_path / "accelerate" / f"log_{rank}.json").read_text())
+    for strategy in ("ddp", "zero3"):
+        check_by_feature(tmp_path, strategy, ref, _run(ours, tmp_path, strategy, f"strategy: {strategy}\n"))
     assert json.loads((tmp_path / "accelerate" / "log_1.json").read_text()) == ["[RANK 1] everyone 1"]
+
+
+def test_planted_traces_of_one_name_is_caught(extras_reference: tuple[Path, dict[str, Any]]) -> None:
+    """`traces_of_one_name`: every process writes its profiler trace as profile_0.json; the
+    check wants Accelerate's one file per process."""
+    from planted import caught, fault_env
+    from test_accelerate_scripts import _run, _swapped
+
+    tmp_path, ref = extras_reference
+    ours = _swapped("by_feature_extras.py", tmp_path)
+    got = _run(ours, tmp_path, "planted", "strategy: zero3\n", env=fault_env("traces_of_one_name"))
+    caught(check_by_feature, tmp_path, "planted", ref, got)
+
+
+def check_by_feature(tmp_path: Path, strategy: str, ref: dict[str, Any], got: dict[str, Any]) -> None:
+    """One run of the swapped script against Accelerate's: losses, weight sums, the loader flags,
+    the trace and event files, the tracked points, each process's logger lines."""
+    tol = 1e-5 if strategy == "ddp" else 1e-4
+    worst = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    assert worst <= tol, f"{strategy}: losses differ from Accelerate's by {worst:.2e}"
+    assert got["train_weights"] == pytest.approx(ref["train_weights"], rel=tol)
+    assert got["eval_weights"] == pytest.approx(ref["eval_weights"], rel=tol)
+    for key in ("active", "active_after", "traces", "event_dirs", "epoch"):
+        assert got[key] == ref[key], (strategy, key)
+    for rank in (0, 1):
+        logged = json.loads((tmp_path / strategy / f"log_{rank}.json").read_text())
+        assert logged == json.loads((tmp_path / "accelerate" / f"log_{rank}.json").read_text())
 
 
 def test_parallelism_config_becomes_the_parallelism_section() -> None:

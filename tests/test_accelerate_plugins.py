@@ -157,7 +157,7 @@ COMMON_YAML = ("compute_environment: LOCAL_MACHINE\nmixed_precision: 'no'\nnum_m
                "num_processes: 2\nuse_cpu: true\n")
 
 
-def _launched(cmd: list[str], out: Path) -> dict[str, Any]:
+def _launched(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """The script's results under a launcher: it must exit 0 within 300 s and say it finished."""
     import os
     import subprocess
@@ -165,7 +165,8 @@ def _launched(cmd: list[str], out: Path) -> dict[str, Any]:
 
     from spawn import kill_tree
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {**(os.environ if env is None else env), "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
     env.pop("SHARDWISE_CONFIG", None)
     proc = subprocess.Popen([sys.executable, "-m", *cmd, str(SCRIPT), str(out)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -189,12 +190,33 @@ def test_accelerate_launch_config_file_trains_as_shardwise_launch(engine: str, t
     file; both train what one process trains."""
     if engine == "deepspeed":
         pytest.importorskip("deepspeed")
-    text, want = LAUNCH_YAMLS[engine]
+    check_launchers_agree(engine, *_both_launchers(engine, tmp_path))
+
+
+def test_planted_launcher_variables_unread_is_caught(tmp_path: Path) -> None:
+    """`launcher_variables_unread`: under `accelerate launch` the FSDP variables are not read; the
+    run trains with shardwise's defaults, which the check of its settings refuses."""
+    from planted import caught, fault_env
+
+    caught(check_launchers_agree, "fsdp",
+           *_both_launchers("fsdp", tmp_path, fault_env("launcher_variables_unread")))
+
+
+def _both_launchers(engine: str, tmp_path: Path, env: dict[str, str] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The script under `shardwise launch --config X.yaml`, then under Accelerate's launcher with
+    the same file (`env`: its environment)."""
+    text, _ = LAUNCH_YAMLS[engine]
     config = tmp_path / f"{engine}.yaml"
     config.write_text(COMMON_YAML + text)
     ours = _launched(["shardwise", "launch", "--config", str(config)], tmp_path / "shardwise.json")
     theirs = _launched(["accelerate.commands.launch", "--config_file", str(config)],
-                       tmp_path / "accelerate.json")
+                       tmp_path / "accelerate.json", env)
+    return ours, theirs
+
+
+def check_launchers_agree(engine: str, ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    _, want = LAUNCH_YAMLS[engine]
     assert theirs["settings"] == ours["settings"], (theirs["settings"], ours["settings"])
     for key, value in want.items():
         assert ours["settings"][key] == value, (key, ours["settings"])

@@ -166,20 +166,27 @@ def check_normal_build(inits: dict, name: str, strategies: list[str]) -> None:
             assert [k for k in want if not torch.equal(got[k], want[k])] == [], (world, strategy, name)
 
 
-def _planted_gpt2() -> dict[tuple[str, str], Init]:
+def _planted_gpt2(name: str = "gpt2") -> dict[tuple[str, str], Init]:
     import shardwise
 
     engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
     torch.manual_seed(1234)
     with engine.init_empty():  # (as the real test builds it)
-        model = W.build("gpt2")
+        model = W.build("gpt2") if name == "gpt2" else WithRotary()
     model = engine.prepare(model)
-    return {("zero3", "gpt2"): Init(_gathered(engine, model))}
+    return {("zero3", name): Init(_gathered(engine, model))}
 
 
 def test_an_empty_build_that_skips_the_recorded_init_is_caught() -> None:
     ranks = spawn(planted(_planted_gpt2, "recipes_not_replayed"), 2)
     caught(check_normal_build, {2: ranks}, "gpt2", ["zero3"])
+
+
+def test_an_empty_build_that_replaces_its_buffers_is_caught() -> None:
+    """`empty_buffers_replaced`: the computed rotary buffer lost at allocation; the normal-build
+    check (buffers included) fails."""
+    ranks = spawn(planted(_planted_gpt2, "empty_buffers_replaced"), 2, "rotary")
+    caught(check_normal_build, {2: ranks}, "rotary", ["zero3"])
 
 
 # -- loading pretrained weights ------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
-from planted import caught, planted
+from planted import caught, planted, planted_here
 from spawn import spawn
 
 USER_FILES = {"tokenizer.json": '{"vocab": "mine"}', "results.txt": "accuracy 0.91\n"}
@@ -55,6 +55,37 @@ def _flip(path: Path, n: int = 16) -> None:
     path.write_bytes(bytes(data))
 
 
+def _hugging_face_pattern(engine: Any, model: Any) -> dict[str, Any]:
+    """The tokenizer and results written first into `outputs/`, then save_model three times (one
+    file, split, one file again): the listings, the user's files as read back, the weights."""
+    out: dict[str, Any] = {}
+    if engine.is_main_process:
+        Path("outputs").mkdir()
+        for name, text in USER_FILES.items():
+            (Path("outputs") / name).write_text(text)
+    engine.wait_for_everyone()
+    engine.save_model(model, "outputs")
+    out["after_save_model"] = sorted(os.listdir("outputs"))
+    engine.save_model(model, "outputs", max_shard_size="40KB")  # another split: our single file goes
+    out["after_split"] = sorted(os.listdir("outputs"))
+    engine.save_model(model, "outputs")  # one file again: our shards and index go
+    out["after_one_file_again"] = sorted(os.listdir("outputs"))
+    out["user_files"] = {n: (Path("outputs") / n).read_text() if (Path("outputs") / n).exists() else None
+                         for n in USER_FILES}
+    out["weights"] = engine.get_state_dict(model)
+    return out
+
+
+def _hugging_face_pattern_only(folder: str) -> dict[str, Any]:
+    import shardwise
+
+    (Path(folder) / "run").mkdir(parents=True, exist_ok=True)
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
+    os.chdir(Path(folder) / "run")
+    model, _ = W.one_step(engine, "gpt2")
+    return _hugging_face_pattern(engine, model)
+
+
 def careless_user(backend: str, folder: str) -> dict[str, Any]:
     """Every case of the data-safety issue, on an engine of `backend`; observations to assert."""
     import shardwise
@@ -76,19 +107,7 @@ def careless_user(backend: str, folder: str) -> dict[str, Any]:
     model, _opt = W.one_step(engine, "gpt2")
 
     # 1. the Hugging Face pattern: the tokenizer and results first, the weights after
-    if main:
-        Path("outputs").mkdir()
-        for name, text in USER_FILES.items():
-            (Path("outputs") / name).write_text(text)
-    engine.wait_for_everyone()
-    engine.save_model(model, "outputs")
-    out["after_save_model"] = sorted(os.listdir("outputs"))
-    engine.save_model(model, "outputs", max_shard_size="40KB")  # another split: our single file goes
-    out["after_split"] = sorted(os.listdir("outputs"))
-    engine.save_model(model, "outputs")  # one file again: our shards and index go
-    out["after_one_file_again"] = sorted(os.listdir("outputs"))
-    out["user_files"] = {n: (Path("outputs") / n).read_text() for n in USER_FILES}
-    out["weights"] = engine.get_state_dict(model)
+    out.update(_hugging_face_pattern(engine, model))
 
     # 2. a model.safetensors shardwise did not write would shadow new shards: refused
     if main:
@@ -242,6 +261,13 @@ def careless(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, A
     return spawn(careless_user, 2, "torch", str(folder)), folder
 
 
+def test_planted_export_clears_the_folder_is_caught(tmp_path: Path) -> None:
+    """`export_clears_the_folder`: save_model removes every file it does not write; the user's
+    tokenizer and results are gone, which the scenario's check refuses."""
+    runs = spawn(planted(_hugging_face_pattern_only, "export_clears_the_folder"), 2, str(tmp_path))
+    caught(_save_model_keeps_the_users_files, runs, tmp_path)
+
+
 @pytest.mark.parametrize("scenario", list(CARELESS))
 def test_careless_user_loses_nothing(careless: tuple[list[dict[str, Any]], Path], scenario: str) -> None:
     CARELESS[scenario](*careless)
@@ -270,12 +296,24 @@ def test_export_refuses_a_corrupted_checkpoint_and_keeps_user_files(
 @pytest.mark.parametrize("where", ["model.safetensors", "config.json", "shard"])
 def test_verify_finds_flipped_bytes_in_an_export(careless: tuple[list[dict[str, Any]], Path], tmp_path: Path,
                                                  where: str) -> None:
+    check_flipped_bytes_found(careless[1], tmp_path, where)
+
+
+def test_planted_tensor_checksum_unchecked_is_caught(careless: tuple[list[dict[str, Any]], Path],
+                                                     tmp_path: Path) -> None:
+    """`tensor_checksum_unchecked`: verify reads the recorded checksum and never hashes the
+    tensors; a flipped byte in model.safetensors goes unnoticed."""
+    with planted_here("tensor_checksum_unchecked"):
+        caught(check_flipped_bytes_found, careless[1], tmp_path, "model.safetensors")
+
+
+def check_flipped_bytes_found(folder: Path, tmp_path: Path, where: str) -> None:
     from shardwise import cli
     from shardwise.checkpoint.sharded import CheckpointError, verify
 
     out = tmp_path / "exported"
     split = where == "shard"
-    assert cli.main(["export", str(careless[1] / "run" / "ckpt"), str(out),
+    assert cli.main(["export", str(folder / "run" / "ckpt"), str(out),
                      *(["--max-shard-size", "40KB"] * split)]) == 0
     assert len(verify(out)) >= 2
     victim = min(out.glob("model-*.safetensors")) if split else out / where

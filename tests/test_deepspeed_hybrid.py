@@ -15,6 +15,7 @@ import importlib.util
 from typing import Any
 
 import pytest
+from planted import caught, planted_here
 from spawn import spawn
 
 from shardwise.config import ConfigError, EngineConfig
@@ -27,9 +28,22 @@ REFUSAL = ("is not supported by backend='deepspeed': DeepSpeed 0.19 removed MiCS
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("group", [2, "node"])
 def test_a_group_below_the_world_is_refused_on_deepspeed(strategy: str, group: int | str) -> None:
+    check_group_refused(strategy, group)
+
+
+def test_planted_deepspeed_group_accepted_is_caught() -> None:
+    """`deepspeed_group_accepted`: a group below the world goes to DeepSpeed, which would shard
+    over every process (a silent full sharding); the refusal check fails."""
+    with planted_here("deepspeed_group_accepted"):
+        caught(check_group_refused, "zero3", 2)
+
+
+def check_group_refused(strategy: str, group: int | str) -> None:
+    from shardwise.strategies.deepspeed import setup
+
     cfg = EngineConfig(backend="deepspeed", strategy=strategy, shard_group_size=group)
     with pytest.raises(ConfigError) as err:
-        check_shard_group(cfg.sharding, world_size=4, local_world_size=2)  # 2 nodes of 2
+        setup.check_shard_group(cfg.sharding, world_size=4, local_world_size=2)  # 2 nodes of 2
     assert str(err.value) == f"shard_group_size={group!r} (groups of 2 of 4 processes) {REFUSAL}"
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import workloads as W
 import yaml
-from planted import caught, planted_here
+from planted import caught, fault_env, planted_here
 from spawn import GLOO_ABORT, free_port, run_command, wait_for_launchers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +33,9 @@ def shardwise_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "shardwise", *args]
 
 
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+def _run(cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str]:
+    env = {**(os.environ if env is None else env), "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("SHARDWISE_CONFIG", None)
     return run_command(cmd, cwd=ROOT, env=env, timeout=timeout)
 
@@ -52,13 +53,27 @@ def reference() -> W.Trained:
 def test_each_strategy_from_yaml_matches_the_reference(
     settings: dict, reference: dict, tmp_path: Path
 ) -> None:
+    check_yaml_launch(settings, reference, _launched_from_yaml(settings, tmp_path))
+
+
+def test_planted_launch_drops_the_files_settings_is_caught(reference: dict, tmp_path: Path) -> None:
+    """`launch_drops_the_files_settings`: the workers get a config without the YAML's keys (the
+    defaults: ddp, no offload); the numbers are the same, the check of what ran is not."""
+    res = _launched_from_yaml(STRATEGIES[0], tmp_path, env=fault_env("launch_drops_the_files_settings"))
+    caught(check_yaml_launch, STRATEGIES[0], reference, res)
+
+
+def _launched_from_yaml(settings: dict, tmp_path: Path, env: dict[str, str] | None = None) -> W.Launched:
     cfg = tmp_path / "shardwise.yaml"
     cfg.write_text(yaml.safe_dump({**settings, "grad_accum_steps": 2, "cpu": True, "seed": W.SEED,
                                   "launch": {"num_processes": 2}}))
     out = tmp_path / "result.pt"
-    proc = _run(shardwise_cmd("launch", "--config", str(cfg), str(TRAIN), "--out", str(out)))
+    proc = _run(shardwise_cmd("launch", "--config", str(cfg), str(TRAIN), "--out", str(out)), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = _result(out)
+    return _result(out)
+
+
+def check_yaml_launch(settings: dict, reference: dict, res: W.Launched) -> None:
     assert res.world == 2 and res.config["strategy"] == settings["strategy"]
     assert res.config["offload"] == settings.get("offload", "none")
     assert W.close(res.losses, reference.losses) < 1e-5
@@ -114,13 +129,30 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_p
 def test_tutorial_deepspeed_json_runs_with_autos_filled(
     name: str, extra: list[str], precision: str, tmp_path: Path
 ) -> None:
+    check_tutorial_json(extra, precision, *_tutorial_run(name, extra, tmp_path))
+
+
+def test_planted_auto_schedule_counts_every_process_is_caught(tmp_path: Path) -> None:
+    """`auto_schedule_counts_every_process`: WarmupDecayLR's auto total counts the whole dataset's
+    batches, not this process's steps; the learning rates decay half as fast."""
+    env = fault_env("auto_schedule_counts_every_process")
+    proc, res = _tutorial_run("tutorial_zero2.json", [], tmp_path, env=env)
+    caught(check_tutorial_json, [], "fp16", proc, res)
+
+
+def _tutorial_run(name: str, extra: list[str], tmp_path: Path, env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.CompletedProcess[str], W.Launched]:
     out = tmp_path / "result.pt"
     ds = Path(__file__).parent / "fixtures" / "deepspeed" / name
     proc = _run(shardwise_cmd("launch", "--deepspeed", str(ds), "--nproc-per-node", "2", "--cpu", *extra,
-                              str(TRAIN), "--config-optimizer", "--out", str(out)))
+                              str(TRAIN), "--config-optimizer", "--out", str(out)), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, _result(out)
+
+
+def check_tutorial_json(extra: list[str], precision: str, proc: subprocess.CompletedProcess[str],
+                        res: W.Launched) -> None:
     assert "have no effect here" in proc.stderr  # unsupported keys, listed once
-    res = _result(out)
     cfg = res.config
     assert cfg["precision"] == precision and cfg["max_grad_norm"] == 1.0
     assert cfg["backend"] == ("deepspeed" if "--backend" in extra else "torch")

@@ -285,6 +285,17 @@ def check_takeover_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_disk_full_says_no_space_left_with_the_bytes_needed(tmp_path: Path) -> None:
     """ENOSPC from the kernel (/dev/full), and torch's zip writer's failure (which carries no
     errno), both said as the OS would, with the path and the bytes needed."""
+    check_disk_full_lines(tmp_path)
+
+
+def test_planted_zip_failure_in_torchs_words_is_caught(tmp_path: Path) -> None:
+    """`zip_failure_in_torchs_words`: torch's errno-less zip-writer failure passed on as it is
+    ("unexpected pos"); the check wants the disk named full, with the bytes needed."""
+    with planted_here("zip_failure_in_torchs_words"):
+        caught(check_disk_full_lines, tmp_path)
+
+
+def check_disk_full_lines(tmp_path: Path) -> None:
     import shutil
 
     from shardwise.checkpoint.storage import os_error_line, write_torch

@@ -117,6 +117,16 @@ class _Kernels:
 ])
 def test_the_host_step_runs_torchs_fused_kernel(strategy: str, offload: str, optimizer: str,
                                                 kernel: str) -> None:
+    check_fused_host_step(strategy, offload, optimizer, kernel)
+
+
+def test_planted_host_step_unfused_is_caught() -> None:
+    """`host_step_unfused`: the host step keeps the optimizer's own loop; no fused kernel ran."""
+    with planted_here("host_step_unfused"):
+        caught(check_fused_host_step, "zero2", "optimizer", "AdamW", "aten::_fused_adamw_")
+
+
+def check_fused_host_step(strategy: str, offload: str, optimizer: str, kernel: str) -> None:
     """The fused host step row: an offloaded optimizer step dispatches torch's fused CPU kernel for
     the user's class (seen as the aten op that ran), and no per-tensor loop of the unfused path."""
     engine = shardwise.Engine(strategy=strategy, offload=offload, cpu=True)
@@ -128,7 +138,7 @@ def test_the_host_step_runs_torchs_fused_kernel(strategy: str, offload: str, opt
     kernels = _Kernels()
     with kernels.mode:
         opt.step()
+    engine.free_memory()
     assert kernel in kernels.names, sorted(kernels.names)
     unfused = {"aten::_foreach_lerp_", "aten::lerp_", "aten::addcdiv_"}  # AdamW's loop and foreach paths
     assert not unfused & kernels.names, sorted(unfused & kernels.names)
-    engine.free_memory()
