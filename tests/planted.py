@@ -522,6 +522,39 @@ def _traces_of_one_name() -> None:
     _patch(extras, "PROFILE_PATTERN", "profile_0.json")  # type: ignore[arg-type]
 
 
+@fault("total_limit_over_every_checkpoint", row="`ProjectConfiguration(automatic_checkpoint_naming=True",
+       test="tests/test_run_lock.py::test_planted_total_limit_over_every_checkpoint_is_caught")
+def _total_limit_over_every_checkpoint() -> None:
+    """total_limit counts every `checkpoint_<i>` in the folder, an earlier run's too (Accelerate's
+    rule), and drops the oldest of them."""
+    from shardwise.checkpoint import naming
+
+    def saved(self: Any, target: Any) -> list[Any]:
+        self.project.iteration = naming.checkpoint_index(target) + 1
+        found, limit = naming.numbered_checkpoints(self.root), self.project.total_limit
+        return found[:-limit] if limit and len(found) > limit else []
+
+    _patch(naming.NumberedFolders, "saved", saved)
+
+
+@fault("split_group_unchecked", row="a model split by transformers (`tests/test_parallel_dims.py`",
+       test="tests/test_parallel_dims.py::test_planted_split_group_unchecked_is_caught")
+def _split_group_unchecked() -> None:
+    """A model that arrives split (DTensor parameters) is kept whatever group it is split over:
+    one split over other processes than the run's tp group trains on a layout the run lacks."""
+    from shardwise.strategies import steps
+
+    def split_already(model: Any, dims: Any) -> bool:
+        try:
+            return split_already.__wrapped__(model, dims)  # type: ignore[attr-defined,no-any-return]
+        except Exception as err:
+            if "arrived split over processes" in str(err):
+                return True
+            raise
+
+    _patch(steps, "_split_already", split_already)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:

@@ -163,3 +163,56 @@ def test_dp2_x_tp2_loops_sized_by_the_data_parallel_size_match_one_process() -> 
         sizes = run["accelerate"]["sizes"]
         assert sizes == (2, 2, ["dp_shard"], 2, 2, rank % 2, rank // 2), sizes
         _check(run["accelerate"], ref, ranks[0]["accelerate"]["state"])
+
+
+# -- a model that arrives split or sharded ----------------------------------------------------------
+ARRIVED = {  # case -> the one line's start
+    "split over another group": "ConfigError: prepare: this model arrived split over processes [0, 1]",
+    "sharded by FSDP already": "ConfigError: prepare: this model is sharded already by FSDP",
+}
+
+
+def _arrived() -> dict[str, str]:
+    """A Llama split by torch's tensor-parallel styles over both processes (as transformers'
+    tp_plan="auto" splits it) prepared by a run without tensor parallelism, and one sharded by
+    fully_shard before prepare: what each prepare raised, as "Type: message"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED)
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, str] = {}
+    for case in ARRIVED:
+        model = W.build("llama")
+        if case == "split over another group":
+            plan = {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+            parallelize_module(model.model.layers[0].mlp, mesh, plan)
+        else:
+            fully_shard(model, mesh=mesh)
+        try:
+            engine.prepare(model)
+            out[case] = "no error"
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            out[case] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def check_arrived(ranks: list[dict[str, str]]) -> None:
+    """Each case refused on both processes, the same one line, starting with its words."""
+    for case, start in ARRIVED.items():
+        said = [r[case] for r in ranks]
+        assert said[0].startswith(start), (case, said[0])
+        assert "\n" not in said[0] and said[0] == said[1], (case, said)
+
+
+def test_a_model_split_over_another_group_or_sharded_already_is_refused_in_one_line() -> None:
+    check_arrived(spawn(_arrived, 2))
+
+
+def test_planted_split_group_unchecked_is_caught() -> None:
+    """`split_group_unchecked`: a model split over another group than the run's tp group is kept
+    as it is (it would train on a layout the run does not have); the refusal check fails."""
+    caught(check_arrived, spawn(planted(_arrived, "split_group_unchecked"), 2))

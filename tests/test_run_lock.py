@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
-from planted import caught, planted_here
+from planted import caught, planted, planted_here
 from spawn import run_command, spawn
 
 LOCK = ".shardwise.lock"
@@ -383,7 +383,17 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 def test_automatic_checkpoint_naming_keeps_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
-    out = spawn(_two_runs_in_one_project, 2, str(tmp_path), timeout=300)[0]
+    check_project_naming(spawn(_two_runs_in_one_project, 2, str(tmp_path), timeout=300)[0], tmp_path)
+
+
+def test_planted_total_limit_over_every_checkpoint_is_caught(tmp_path: Path) -> None:
+    """`total_limit_over_every_checkpoint`: total_limit counts the earlier run's checkpoints too
+    (Accelerate's rule) and removes them; the check wants them untouched."""
+    run = planted(_two_runs_in_one_project, "total_limit_over_every_checkpoint")
+    caught(check_project_naming, spawn(run, 2, str(tmp_path), timeout=300)[0], tmp_path)
+
+
+def check_project_naming(out: dict[str, Any], tmp_path: Path) -> None:
     # the new run wrote checkpoint_3..6; total_limit removed its own checkpoint_3, kept its
     # checkpoint_4 (a user's file in it), never touched the earlier run's 0..2
     assert out["listing"] == [LOCK, "checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_4",

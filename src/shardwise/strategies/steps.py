@@ -123,10 +123,11 @@ def _split_already(model: nn.Module, dims: ParallelDims) -> bool:
     ranks = sorted(int(r) for r in mesh.mesh.reshape(-1).tolist())
     rank = dist.get_rank() if dist.is_initialized() else 0
     ours = sorted(dims.group_of("tp", rank))
-    if mesh.ndim != 1 or ranks != ours:
+    if mesh.ndim != 1 or ranks != ours:  # (said alike on every process: the first tp group, not its own)
         raise ConfigError(f"prepare: this model arrived split over processes {ranks} (its parameters are "
                           f"DTensors, e.g. from_pretrained(tp_plan='auto')), but this run's tensor-parallel "
-                          f"group is {ours} (tensor_parallel_size={dims.tp}): set tensor_parallel_size "
+                          f"groups are {dims.tp} consecutive process(es) ({dims.group_of('tp', 0)}, ...; "
+                          f"tensor_parallel_size={dims.tp}): set tensor_parallel_size "
                           f"(ParallelismConfig(tp_size=...)) to the split's size")
     log.info("prepare: the model arrived split by its own plan over tp group %s: kept as it is", ours)
     return True
