@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import workloads as W
@@ -139,3 +141,59 @@ def test_a_word_for_a_number_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
     err = capsys.readouterr().err
     assert code.value.code == 2 and err.count("\n") == 1
     assert "argument --num-processes: 'two' is not a whole number (e.g. 2)" in err
+
+
+class _Held:
+    """An output class torch's pytree does not know (FSDP2 cannot find the tensors inside)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class _HeldOutput(nn.Module):
+    """Two sharded blocks and a head on the root: the root's parameters are needed in backward."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(8, 8)
+        self.as_dict = as_dict
+
+    def forward(self, x: torch.Tensor) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return {"logits": logits} if self.as_dict else _Held(logits)
+
+
+def test_an_output_fsdp_cannot_look_into_is_refused_at_its_forward() -> None:
+    """zero3: a forward returning an object torch's pytree does not know, its tensors inside, is
+    refused in one line at that forward (before: backward crashed in torch with "setStorage ...
+    storage of size 0"); the same forward under no_grad (no backward) and a dict output train."""
+    for as_dict in (False, True):
+        engine = shardwise.Engine(strategy="zero3", cpu=True, wrap=(_Block,))
+        torch.manual_seed(0)
+        model = _HeldOutput(as_dict)
+        model, opt = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            model(x)  # evaluation: nothing to refuse
+        if as_dict:
+            engine.backward(model(x)["logits"].sum())
+            opt.step()
+        else:
+            with pytest.raises(ConfigError) as err:
+                model(x)
+            said = W.one_line(err.value)
+            assert said.startswith("_HeldOutput.forward returned _Held, whose tensors FSDP cannot find "
+                                   "(_Held.logits needs a gradient)"), said
+        engine.free_memory()

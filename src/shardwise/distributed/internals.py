@@ -145,6 +145,13 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     return torch_tree_map(fn, tree)
 
 
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of `tree` as torch's pytree sees them (FSDP2 finds a forward's output tensors so)."""
+    from torch.utils._pytree import tree_leaves as torch_tree_leaves
+
+    return list(torch_tree_leaves(tree))
+
+
 def no_grad_trunc_normal() -> Callable[..., torch.Tensor]:
     """`torch.nn.init._no_grad_trunc_normal_`, the function `trunc_normal_` calls (it returns
     early on a meta tensor, so an init recorder must know its code object)."""

@@ -48,7 +48,10 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config.tree import ConfigError, ShardingSection, offload_spec
-from ..distributed.internals import FSDPReduceScatter as ReduceScatter  # None before torch 2.8
+from ..distributed.internals import (
+    FSDPReduceScatter as ReduceScatter,  # None before torch 2.8
+    tree_leaves,
+)
 from ..distributed.mesh import mesh_groups
 from ..distributed.world import DistInfo
 from ..weights.adapters import is_peft_model, unwrapped
@@ -91,6 +94,7 @@ def apply_fsdp(
             offload_policy=offload_policy,
             ignored_params=experts,
         )
+    model.register_forward_hook(_output_in_sight)
     reduce_scatter = gloo_reduce_scatter(mesh)
     if reduce_scatter is not None:
         for unit in units:
@@ -101,6 +105,42 @@ def apply_fsdp(
         # group, then dist.all_reduce across groups); gloo: SUM on both, one division by W after
         for unit in units:
             cast(FSDPModule, unit).set_force_sum_reduction_for_comms(True)
+
+
+def _output_in_sight(module: nn.Module, _args: Any, out: Any) -> None:
+    """FSDP2 finds a forward's output tensors through torch's pytree (tensors, tuples, lists,
+    dicts, namedtuples, transformers' ModelOutput) and hooks the root's backward there: its
+    parameters gathered again, its gradients reduced. An output whose every tensor that needs a
+    gradient sits inside another object is out of its sight, and its backward would run on freed
+    parameters (torch's "setStorage ... storage of size 0"): refused at that forward, in one line,
+    the same on every process."""
+    if isinstance(out, torch.Tensor) or not torch.is_grad_enabled():
+        return
+    leaves = tree_leaves(out)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        return
+    hidden = next((path for leaf in leaves for path in _grad_tensors(leaf, type(leaf).__name__, 3)), None)
+    if hidden is not None:
+        cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))  # the user's class
+        raise ConfigError(
+            f"{cls.__name__}.forward returned {type(out).__name__}, whose tensors FSDP cannot find "
+            f"({hidden} needs a gradient): sharded backward would run on freed parameters; return a tensor, "
+            "tuple, list, dict or namedtuple (or a transformers ModelOutput) holding them")
+
+
+def _grad_tensors(obj: Any, path: str, depth: int) -> Iterator[str]:
+    """Paths (`Out.logits`) of tensors needing a gradient in `obj`'s attributes, `depth` deep."""
+    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
+        return
+    items = getattr(obj, "__dict__", None)
+    if not isinstance(items, dict):
+        return
+    for name, value in items.items():
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                yield f"{path}.{name}"
+        else:
+            yield from _grad_tensors(value, f"{path}.{name}", depth - 1)
 
 
 def gloo_reduce_scatter(mesh: DeviceMesh) -> ReduceScatter | None:
