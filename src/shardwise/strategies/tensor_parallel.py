@@ -286,8 +286,13 @@ def trial_sequence_shapes(model: nn.Module, plan: dict[str, str], tp: int, batch
     no collective), with the shape checks the cuts make, so the refusal comes at prepare, not at
     the first forward. `batch` is called as a script calls it: a mapping as keywords, a tensor as
     the argument, a tuple's first item. A model or batch that cannot run on the meta device is
-    left to those checks at its first forward (they refuse the same line there)."""
-    layout = _sequence_layout(model, _matches(plan, model))
+    left to those checks at its first forward (they refuse the same line there). The plan's own
+    refusals come first, in `apply_tensor_parallel`'s order (no plan: left to it)."""
+    if not plan:
+        return
+    modules = _matches(plan, model)
+    _check_ties(model, modules)
+    layout = _sequence_layout(model, modules)
     try:
         ghost = _meta_copy(model)
     except Exception:  # noqa: BLE001 - an attribute deepcopy cannot take: the first forward checks
