@@ -271,6 +271,9 @@ def test_the_trial_batch_reads_the_first_samples_and_leaves_the_generators_and_s
     assert first_samples(iterable) is None  # reading it may consume it: no trial
 
 
+META = torch.device("meta")  # the trial's batch: the loader's samples moved to the meta device
+
+
 def test_the_trial_forward_refuses_a_pooled_mlp_and_leaves_the_model_unsplit() -> None:
     class Block(nn.Module):
         def __init__(self, pooled: bool = True) -> None:
@@ -287,11 +290,12 @@ def test_the_trial_forward_refuses_a_pooled_mlp_and_leaves_the_model_unsplit() -
     plan = {"0.*.0": "colwise", "0.*.1": "rowwise"}
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ConfigError) as refused:
-        trial_sequence_shapes(model, plan, 2, (torch.randn(2, 4, 8), torch.randn(2)))
+        trial_sequence_shapes(model, plan, 2, (torch.randn(2, 4, 8, device=META),
+                                               torch.randn(2, device=META)))
     said = W.one_line(refused.value)
     assert said.startswith("sequence_parallel: 0.mlp gets hidden states of shape (2, 8)"), said
     assert all(torch.equal(v, weights[k]) and v.device.type == "cpu" for k, v in model.state_dict().items())
     assert not model[0]._forward_pre_hooks and not model[0].mlp._forward_pre_hooks  # the copy's hooks only
     with pytest.raises(ConfigError, match="sequence length 5 does not divide by tensor_parallel_size=2"):
-        trial_sequence_shapes(model, plan, 2, torch.randn(2, 5, 8))
-    trial_sequence_shapes(nn.Sequential(Block(pooled=False)), plan, 2, torch.randn(2, 4, 8))  # passes
+        trial_sequence_shapes(model, plan, 2, torch.randn(2, 5, 8, device=META))
+    trial_sequence_shapes(nn.Sequential(Block(pooled=False)), plan, 2, torch.randn(2, 4, 8, device=META))

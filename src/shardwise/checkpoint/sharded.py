@@ -38,6 +38,7 @@ and any checkpoint loads as hybrid (tests/test_hybrid_resume.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import json
 import logging
@@ -46,7 +47,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -109,7 +110,8 @@ log = logging.getLogger("shardwise")
 
 __all__ = [
     "FORMAT", "META", "VERSION", "CheckpointError", "Parts", "SaveReport", "check_models", "full_model_state",
-    "load", "mark_latest", "newest", "read_meta", "resolve", "save", "step_dirs", "verify", "verify_files",
+    "kept_rng", "load", "mark_latest", "newest", "read_meta", "resolve", "save", "step_dirs", "verify",
+    "verify_files",
 ]
 
 
@@ -153,6 +155,17 @@ AFTER_HOOKS = ".after_hooks.pt"  # rng/rank<r>.after_hooks.pt: the generator sta
 def rng_state() -> dict[str, Any]:
     """This process's generator states (python, numpy, torch, CUDA), as a checkpoint holds them."""
     return _rng_state()
+
+
+@contextlib.contextmanager
+def kept_rng() -> Iterator[None]:
+    """Every generator (python, numpy, torch, CUDA) after the block as it was before it: for work
+    that must not change what a run draws (a plan, a trial read of a dataset's samples)."""
+    state = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(state)
 
 
 def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:

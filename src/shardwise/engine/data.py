@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -26,6 +25,8 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
 )
+
+from ..checkpoint.sharded import kept_rng
 
 _END = object()
 
@@ -238,26 +239,11 @@ def first_samples(loader: Any, most: int = 2) -> Any | None:
     count = min(most, len(dataset), getattr(loader, "batch_size", None) or most)
     if collate is None or count == 0:
         return None
-    state = random.getstate(), _numpy_state()
-    with torch.random.fork_rng(devices=[]):
+    with kept_rng():
         try:
             return collate([dataset[i] for i in range(count)])
         except Exception:  # noqa: BLE001 - not readable by position: the trial is skipped
             return None
-        finally:
-            random.setstate(state[0])
-            _numpy_state(state[1])
-
-
-def _numpy_state(state: Any = None) -> Any:
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    if state is None:
-        return np.random.get_state()
-    np.random.set_state(state)
-    return None
 
 
 class PreparedDataLoader(DataLoader[Any]):

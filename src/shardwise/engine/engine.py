@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -48,7 +49,7 @@ from ..strategies.steps import model_parallel_trial
 from ..weights.adapters import attach_full_weights
 from ..weights.ema import PreparedEMA, adopt_at_first_step, bind, shard
 from . import boundary
-from .data import PreparedDataLoader, first_samples
+from .data import PreparedDataLoader, first_samples, move_to_device
 from .items import per_item
 from .loop_rules import LoopRules
 from .loop_state import LoaderTracker, checkpoint_parts, config_from_code, kind_of, restore_loop_state
@@ -252,14 +253,20 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     @staticmethod
     def _trial(session: Session, models: list[nn.Module], loaders: list[Any]) -> None:
         """What only a forward shows, refused before any model is changed: each model run on the
-        meta device with the first DataLoader's first samples (`steps.model_parallel_trial`)."""
-        batch = first_samples(loaders[0]) if loaders and models else None
-        if batch is None:
+        meta device with the first DataLoader's first samples (`steps.model_parallel_trial`; read
+        only when a model's steps need them, once)."""
+        if not loaders:
             return
+
+        @functools.cache
+        def samples() -> Any:
+            batch = first_samples(loaders[0])
+            return None if batch is None else move_to_device(batch, torch.device("meta"))
+
         strategy = session.strategy
         for model in models:
             if "tp" not in strategy.own_steps:
-                model_parallel_trial(model, strategy.dims, strategy.cfg, batch)
+                model_parallel_trial(model, strategy.dims, strategy.cfg, samples)
 
     def _prepare_loader(self, loader: Any) -> PreparedDataLoader:
         """This process's share of `loader`, split and ordered by the rules (`shardwise.engine.data`)."""

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import random
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,7 +46,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 __all__ = [
     "DispatchMode", "current_fake_mode", "even_routing", "fake_copy", "fake_ddp", "fake_mode", "fake_world",
     "is_fake",
-    "kept_rng", "no_ddp_shape_check", "overload_packet", "patched", "process_group_ranks", "real_mesh_slices",
+    "no_ddp_shape_check", "overload_packet", "patched", "process_group_ranks", "real_mesh_slices",
     "storage_key",
     "tree_leaves", "tree_map",
 ]
@@ -236,18 +234,6 @@ def unpacked_sequences() -> Iterator[None]:
 
     with patched(masking_utils, "find_packed_sequence_indices", unpacked):
         yield
-
-
-@contextlib.contextmanager
-def kept_rng() -> Iterator[None]:
-    """Engine() seeds every generator; a plan made inside a training script must not."""
-    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    try:
-        yield
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.set_rng_state(state[2])
 
 
 @contextlib.contextmanager

@@ -60,6 +60,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..checkpoint.sharded import kept_rng
 from ..config.files import make_config
 from ..config.tree import OffloadSpec
 from ..distributed.internals import is_sharded, local_tensor
@@ -74,7 +75,6 @@ from .fakes import (
     fake_ddp,
     fake_mode,
     fake_world,
-    kept_rng,
     no_ddp_shape_check,
     patched,
     real_mesh_slices,
@@ -271,7 +271,7 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
                       expert_parallel_size=cand.expert_parallel_size,
                       **({} if job.tile_tokens is None else
                          {"tiled_mlp": True, "tiled_loss": True, "tile_tokens": job.tile_tokens}))
-    stack.enter_context(kept_rng())
+    stack.enter_context(kept_rng())  # Engine() seeds every generator; a plan inside a script must not
     stack.enter_context(fake_world(job.world_size))
     info = init_distributed(force_cpu=True)
     if cand.tensor_parallel_size > 1:  # the tp ranks lie within a node: the node's processes

@@ -130,7 +130,7 @@ def _output_in_sight(module: nn.Module, _args: Any, out: Any) -> None:
 
 def _grad_tensors(obj: Any, path: str, depth: int) -> Iterator[str]:
     """Paths (`Out.logits`) of tensors needing a gradient in `obj`'s attributes, `depth` deep."""
-    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
+    if depth == 0 or isinstance(obj, nn.Module):  # (str, int, None...: no __dict__ below)
         return
     items = getattr(obj, "__dict__", None)
     if not isinstance(items, dict):

@@ -83,15 +83,19 @@ def model_parallel_step(model: nn.Module, dims: ParallelDims, sharding: Sharding
                               sequence_parallel=sharding.sequence_parallel)
 
 
-def model_parallel_trial(model: nn.Module, dims: ParallelDims, sharding: ShardingSection, batch: Any) -> None:
+def model_parallel_trial(model: nn.Module, dims: ParallelDims, sharding: ShardingSection,
+                         samples: Callable[[], Any]) -> None:
     """Before step 1 changes `model`: under sequence parallelism, run its forward on the meta
-    device with `batch` (the DataLoader's first samples) and refuse in one line a planned layer
-    that would get no sequence to split (`tensor_parallel.trial_sequence_shapes`)."""
+    device with `samples()` (the DataLoader's first samples, on the meta device; None: none to
+    read, and then no trial) and refuse in one line a planned layer that would get no sequence to
+    split (`tensor_parallel.trial_sequence_shapes`). Nothing is read for a run without it."""
     if dims.tp == 1 or not sharding.sequence_parallel or sharding.parallelize is not None:
         return
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return  # split already: step 1 leaves it as it is
-    trial_sequence_shapes(model, model_plan(model, sharding.tensor_parallel_plan), dims.tp, batch)
+    batch = samples()
+    if batch is not None:
+        trial_sequence_shapes(model, model_plan(model, sharding.tensor_parallel_plan), dims.tp, batch)
 
 
 def resolve_parallelize(value: str | Callable[..., Any] | None) -> Callable[..., Any] | None:

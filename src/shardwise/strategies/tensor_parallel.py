@@ -284,9 +284,10 @@ def trial_sequence_shapes(model: nn.Module, plan: dict[str, str], tp: int, batch
     """Refuse, before `model` is changed, a model whose planned blocks or sublayers would get no
     sequence to split: its forward on `batch` run on a meta-device copy (no memory, no compute,
     no collective), with the shape checks the cuts make, so the refusal comes at prepare, not at
-    the first forward. `batch` is called as a script calls it: a mapping as keywords, a tensor as
-    the argument, a tuple's first item. A model or batch that cannot run on the meta device is
-    left to those checks at its first forward (they refuse the same line there). The plan's own
+    the first forward. `batch` (its tensors on the meta device) is called as a script calls it: a
+    mapping as keywords, a tensor as the argument, a tuple's first item. A model that cannot run
+    on the meta device is left to those checks at its first forward (they refuse the same line
+    there). The plan's own
     refusals come first, in `apply_tensor_parallel`'s order (no plan: left to it)."""
     if not plan:
         return
@@ -297,18 +298,21 @@ def trial_sequence_shapes(model: nn.Module, plan: dict[str, str], tp: int, batch
         ghost = _meta_copy(model)
     except Exception:  # noqa: BLE001 - an attribute deepcopy cannot take: the first forward checks
         return
-    length = _applied_length(tp)
+
+    def length(x: torch.Tensor) -> torch.Tensor:  # (the first block's split: `_chunk`)
+        _check_length(x, tp)
+        return x
+
     ghost.get_submodule(layout.blocks[0]).register_forward_pre_hook(_on_hidden(length, layout.blocks[0]),
                                                                     with_kwargs=True)
     for name in layout.sublayers:
         ghost.get_submodule(name).register_forward_pre_hook(_on_hidden(lambda x: x, name), with_kwargs=True)
-    meta = _to_meta(batch)
     try:
         with torch.no_grad():
-            if isinstance(meta, dict):
-                ghost(**meta)
+            if isinstance(batch, Mapping):
+                ghost(**batch)
             else:
-                ghost(meta[0] if isinstance(meta, (list, tuple)) else meta)
+                ghost(batch[0] if isinstance(batch, (list, tuple)) else batch)
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 - not runnable on meta (data-dependent code): checked at first forward
@@ -325,28 +329,8 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _to_meta(batch: Any) -> Any:
-    if torch.is_tensor(batch):
-        return torch.empty_like(batch, device="meta")
-    if isinstance(batch, Mapping):
-        return {k: _to_meta(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return [_to_meta(v) for v in batch]
-    return batch
-
-
 def _applied(fn: type[torch.autograd.Function], group: dist.ProcessGroup) -> Callable[[torch.Tensor], Any]:
     return lambda x: fn.apply(x, group)
-
-
-def _applied_length(tp: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The first block's check of the trial: the sequence divides by tp (as `_chunk` says)."""
-    def check(x: torch.Tensor) -> torch.Tensor:
-        if x.size(1) % tp:
-            raise ConfigError(f"sequence_parallel: the sequence length {x.size(1)} does not divide by "
-                              f"tensor_parallel_size={tp}; pad the batches to a multiple of it")
-        return x
-    return check
 
 
 def _on_hidden(fn: Callable[[torch.Tensor], Any], name: str) -> Any:
@@ -379,12 +363,17 @@ def _gather_output(group: dist.ProcessGroup) -> Any:
     return hook
 
 
+def _check_length(x: torch.Tensor, tp: int) -> None:
+    """The sequence (dimension 1) must split into `tp` equal parts."""
+    if x.size(1) % tp:
+        raise ConfigError(f"sequence_parallel: the sequence length {x.size(1)} does not divide by "
+                          f"tensor_parallel_size={tp}; pad the batches to a multiple of it")
+
+
 def _chunk(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's part of `x`'s sequence (dimension 1)."""
     size = dist.get_world_size(group)
-    if x.size(1) % size:
-        raise ConfigError(f"sequence_parallel: the sequence length {x.size(1)} does not divide by "
-                          f"tensor_parallel_size={size}; pad the batches to a multiple of it")
+    _check_length(x, size)
     return x.chunk(size, dim=1)[dist.get_rank(group)].contiguous()
 
 
@@ -398,9 +387,7 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum over the tp ranks of `x`, this rank's part of the sequence only."""
     size = dist.get_world_size(group)
-    if x.size(1) % size:
-        raise ConfigError(f"sequence_parallel: the sequence length {x.size(1)} does not divide by "
-                          f"tensor_parallel_size={size}; pad the batches to a multiple of it")
+    _check_length(x, size)
     parts = [c.contiguous() for c in x.chunk(size, dim=1)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
