@@ -165,12 +165,8 @@ def with_expert_parallel(dense: CommVolume, experts: CommVolume, exchanged: floa
     the parameters outside the experts (`dense`) and of the experts over their ranks
     (`experts`), plus all-to-alls whose full buffers total `exchanged` bytes (a rank sends
     (ep-1)/ep of each), across nodes when the ep group spans them."""
-    intra, inter = dict(dense.intra), dict(dense.inter)
-    for part, scope in ((experts.intra, intra), (experts.inter, inter)):
-        for kind, nbytes in part.items():
-            scope[kind] = scope.get(kind, 0.0) + nbytes
     sent = ring_bytes("all_to_all", exchanged, ep)
-    if sent:
-        scope = inter if crosses_nodes else intra
-        scope["all_to_all"] = scope.get("all_to_all", 0.0) + sent
-    return CommVolume(intra=intra, inter=inter)
+    if not sent:
+        return dense + experts
+    exchange = {"all_to_all": sent}
+    return dense + experts + CommVolume(**({"inter": exchange} if crosses_nodes else {"intra": exchange}))
