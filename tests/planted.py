@@ -231,9 +231,9 @@ def _sequence_trial_skipped() -> None:
 def _tp_batch_counts_processes() -> None:
     """The global batch counted per process again under tensor parallelism (the probe's finding):
     a tp group's processes, which take one batch, counted as data-parallel ranks."""
-    from shardwise.config import tree
+    from shardwise.config import batch
 
-    _patch(tree, "_data_parallel", lambda cfg, world: (world, f"{world} processes"))
+    _patch(batch, "_data_parallel", lambda cfg, world: (world, f"{world} processes"))
 
 
 @fault("field_docs_dropped", row="the docs (`tests/test_docs.py`",

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..config.batch import check_train_batch
 from ..config.docs import field_docs
 from ..config.files import build, load_layers, merge, read_file, to_yaml, write_yaml
-from ..config.tree import ConfigError, EngineConfig, LaunchConfig, ParallelismConfig, check_train_batch
+from ..config.tree import ConfigError, EngineConfig, LaunchConfig, ParallelismConfig
 from .env import environment, run_env
 from .plan import add_plan_parser, run_plan
 from .scheduler import Scheduler, derive, detect, slurm_script

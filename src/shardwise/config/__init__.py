@@ -2,6 +2,8 @@
 files and layering (`files`), translators of foreign formats (`translate`: a DeepSpeed JSON, an
 Accelerate YAML) and the generated reference (`docs`: `python -m shardwise.config.docs`)."""
 
+from .batch import check_train_batch as check_train_batch, resolve_grad_accum as resolve_grad_accum
+from .parallelism import resolve_shard_group as resolve_shard_group
 from .tree import (
     AUTO as AUTO,
     BACKEND_TABLE as BACKEND_TABLE,
@@ -34,11 +36,8 @@ from .tree import (
     StrategySpec as StrategySpec,
     backend_spec as backend_spec,
     check_strategy as check_strategy,
-    check_train_batch as check_train_batch,
     is_auto as is_auto,
     offload_spec as offload_spec,
     plan_choices as plan_choices,
-    resolve_grad_accum as resolve_grad_accum,
-    resolve_shard_group as resolve_shard_group,
     strategy_spec as strategy_spec,
 )

@@ -201,4 +201,17 @@ def data_parallel_size(section: ParallelismConfig, tensor_parallel_size: int, wo
 
 
 __all__ = ["DIMS", "ConfigError", "ParallelismConfig", "ParallelismError", "Sizes", "as_section", "check_tp",
-           "data_parallel_size", "resolve_sizes", "tensor_parallel"]
+           "data_parallel_size", "resolve_shard_group", "resolve_sizes", "tensor_parallel"]
+
+
+def resolve_shard_group(value: int | str | None, world_size: int, local_world_size: int) -> int:
+    """The processes per sharding group for `shard_group_size=value` in a world of `world_size`
+    (`local_world_size` per node); refused in one line when it does not divide the world."""
+    group = world_size if value is None else local_world_size if value == "node" else int(value)
+    if group < 1 or world_size % group:
+        said = f"{value!r} ({group} processes per node)" if value == "node" else repr(value)
+        raise ConfigError(
+            f"shard_group_size={said} does not divide the {world_size} processes of this run into "
+            f"equal groups; choose a divisor of {world_size} (e.g. the processes per node) or None"
+        )
+    return group

@@ -18,7 +18,6 @@ from .parallelism import (
     ConfigError as ConfigError,
     ParallelismConfig as ParallelismConfig,
     as_section,
-    data_parallel_size,
     tensor_parallel,
 )
 
@@ -753,67 +752,3 @@ def _check_compile(cfg: EngineConfig) -> None:
     if cfg.compile_mode not in (None, "default") and cfg.compile_backend != "inductor":
         raise ConfigError(f"compile_mode={cfg.compile_mode!r} is an inductor setting; drop compile_mode or "
                           f"use compile_backend: inductor (it is {cfg.compile_backend!r})")
-
-
-def _data_parallel(cfg: EngineConfig, world: int) -> tuple[int, str]:
-    """The data-parallel ranks of `world` processes (the processes of one tensor-parallel group
-    see the same batch), and how to say it."""
-    dp = data_parallel_size(cfg.parallelism, cfg.tensor_parallel_size, world)
-    if dp == world:
-        return world, f"{world} processes"
-    per = f"tensor_parallel_size {world // dp}" if cfg.parallelism.cp == 1 else f"cp x tp {world // dp}"
-    return dp, f"{dp} data-parallel ranks ({world} processes / {per})"
-
-
-def check_train_batch(cfg: EngineConfig, micro_batch: int, world: int) -> None:
-    """A `train_batch_size` the config states must equal micro x grad_accum_steps x data-parallel
-    ranks (`world` processes over tensor_parallel_size)."""
-    total = cfg.train_batch_size
-    if isinstance(total, int) and not isinstance(total, bool):
-        dp, said = _data_parallel(cfg, world)
-        actual = micro_batch * cfg.grad_accum_steps * dp
-        if actual != total:
-            raise ConfigError(
-                f"train_batch_size={total} but micro_batch_size {micro_batch} x "
-                f"grad_accum_steps {cfg.grad_accum_steps} x {said} = {actual}"
-            )
-
-
-def resolve_shard_group(value: int | str | None, world_size: int, local_world_size: int) -> int:
-    """The processes per sharding group for `shard_group_size=value` in a world of `world_size`
-    (`local_world_size` per node); refused in one line when it does not divide the world."""
-    group = world_size if value is None else local_world_size if value == "node" else int(value)
-    if group < 1 or world_size % group:
-        said = f"{value!r} ({group} processes per node)" if value == "node" else repr(value)
-        raise ConfigError(
-            f"shard_group_size={said} does not divide the {world_size} processes of this run into "
-            f"equal groups; choose a divisor of {world_size} (e.g. the processes per node) or None"
-        )
-    return group
-
-
-def resolve_grad_accum(cfg: EngineConfig, micro_batch: int, world: int) -> int:
-    """The accumulation steps that keep the global batch (`train_batch_size`, when given) at
-    this world size: the config's where it is consistent; recomputed when the run has another
-    number of processes than the config was written for (an elastic restart); a config
-    inconsistent at its own world size, or a global batch no whole number of micro-batches
-    reaches, is refused. A batch counts once per data-parallel rank: the `world` processes over
-    tensor_parallel_size (a tp group's processes take the same batch)."""
-    total = cfg.train_batch_size
-    dp, said = _data_parallel(cfg, world)
-    if (
-        not isinstance(total, int)
-        or isinstance(total, bool)
-        or micro_batch * cfg.grad_accum_steps * dp == total
-    ):
-        return cfg.grad_accum_steps
-    written_for = cfg.launch.num_processes * cfg.launch.num_nodes
-    if world == written_for:
-        check_train_batch(cfg, micro_batch, world)
-    if total % (micro_batch * dp):
-        raise ConfigError(
-            f"train_batch_size={total} cannot be kept at {said} x micro-batch {micro_batch}: "
-            f"{total} is not a multiple of {micro_batch * dp}; change the number of processes or the "
-            "DataLoader's batch_size"
-        )
-    return total // (micro_batch * dp)

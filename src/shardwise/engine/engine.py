@@ -32,8 +32,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ..checkpoint import run_record
 from ..checkpoint.manager import CheckpointManager
+from ..config.batch import resolve_grad_accum
 from ..config.parallelism import data_parallel_size
-from ..config.tree import EngineConfig, is_auto, resolve_grad_accum
+from ..config.tree import EngineConfig, is_auto
 from ..distributed.collectives import check_reduction, gather_one, map_tensors, reduce_one, whole
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import init_distributed, leave_process_groups, new_background_group

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config.tree import ConfigError, EngineConfig, offload_spec, resolve_shard_group
+from ..config.parallelism import resolve_shard_group
+from ..config.tree import ConfigError, EngineConfig, offload_spec
 from ..distributed.world import DistInfo
 
 log = logging.getLogger("shardwise")

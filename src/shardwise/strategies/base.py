@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.parallelism import DIMS, resolve_sizes
-from ..config.tree import ConfigError, ShardingSection, resolve_shard_group
+from ..config.parallelism import DIMS, resolve_shard_group, resolve_sizes
+from ..config.tree import ConfigError, ShardingSection
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from ...config.parallelism import resolve_shard_group
 from ...config.tree import (
     STRATEGY_TABLE,
     ConfigError,
     ShardingSection,
     check_strategy,
     offload_spec,
-    resolve_shard_group,
 )
 
 # Keys of a user's DeepSpeed JSON `zero_optimization` section that tune DeepSpeed itself and pass
