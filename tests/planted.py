@@ -1344,3 +1344,92 @@ def _ring_own_block_only() -> None:
     from shardwise.strategies import attention
 
     _patch(attention._Ring, "source", lambda self, step: self.rank)
+
+
+# -- the package's shape, bad checkpoints, the tests of the tests (in process) -------------------
+@fault("lazy_engine_import", row="the package's shape (`tests/test_layering.py`)",
+       test="tests/test_layering.py::test_planted_lazy_engine_import_is_caught")
+def _lazy_engine_import() -> None:
+    """A function of the checkpoint package imports the Engine inside its body (the usual quick
+    fix for a circular import): the source is read as if `checkpoint/sharded.py` ended with it."""
+    from pathlib import Path as _Path
+
+    def read_text(self: _Path, *args: Any, **kwargs: Any) -> str:
+        text: str = read_text.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+        if self.as_posix().endswith("shardwise/checkpoint/sharded.py"):
+            text += "\n\ndef _engine():\n    from ..engine.engine import Engine\n\n    return Engine\n"
+        return text
+
+    _patch(_Path, "read_text", read_text)
+
+
+@fault("engine_state_unpickled", row="13 bad checkpoints",
+       test="tests/test_checkpoint.py::test_planted_engine_state_unpickled_is_caught")
+def _engine_state_unpickled() -> None:
+    """The checkpoint's small files (engine.pt, the RNG states) read with full pickle loading, as
+    torch.load did before weights_only became its default: code stored in them runs."""
+    import torch
+
+    from shardwise.checkpoint import sharded
+
+    _patch(sharded, "load_safe", lambda path: torch.load(path, weights_only=False, map_location="cpu"))
+
+
+@fault("caught_accepts_a_pass", row="the tests of the tests",
+       test="tests/unit/test_unit_planted.py::test_planted_caught_accepts_a_pass_is_caught")
+def _caught_accepts_a_pass() -> None:
+    """`caught` returns quietly when the guarantee's check passes under its fault, so every planted
+    test would pass whatever its check found."""
+    import sys
+
+    def accepts(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+        try:
+            check(*args, **kwargs)
+        except (AssertionError, pytest.fail.Exception) as err:
+            return str(err)
+        return ""
+
+    _patch(sys.modules[__name__], "caught", accepts)
+
+
+# -- launched examples and scripts ------------------------------------------------------------------
+@fault("optimizer_bound_by_name", row="`examples/dpo.py` under `shardwise launch`",
+       test="tests/test_examples.py::test_planted_optimizer_bound_by_name_is_caught")
+def _optimizer_bound_by_name() -> None:
+    """An optimizer made before `prepare` is rebound to the prepared parameters by name, taken from
+    the first prepared model that has the name: DPO's frozen reference (a copy of the policy,
+    prepared first) is handed the policy's optimizer, so the policy never moves."""
+    from shardwise.engine import session as S
+
+    current: list[Any] = []
+
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        current[:] = [self]
+        return prepare.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+
+    def rebind(optimizer: Any, new_param: Callable[[Any], Any], rebind_state: Any) -> None:
+        named = [dict(current[0].strategy.unwrap(m).named_parameters()) for m in current[0].models]
+
+        def by_name(p: Any) -> Any:
+            q = new_param(p)
+            name = next(n for params in named for n, r in params.items() if r is q)
+            return next(params[name] for params in named if name in params)
+
+        rebind.__wrapped__(optimizer, by_name, rebind_state)  # type: ignore[attr-defined]
+
+    _patch(S.Session, "prepare", prepare)
+    _patch(S, "rebind_optimizer", rebind)
+
+
+@fault("joins_share_keys", row="several Engines one after another in one process",
+       test="tests/test_launch.py::test_planted_joins_share_keys_is_caught")
+def _joins_share_keys() -> None:
+    """Every join of a process group within a process uses the store keys of the first (the join
+    count never moves): a later Engine's rendezvous can read the previous group's addresses."""
+    from shardwise.distributed import world
+
+    def join_store(*args: Any, **kwargs: Any) -> Any:
+        world._JOINS[0] = 0
+        return join_store.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+
+    _patch(world, "_join_store", join_store)

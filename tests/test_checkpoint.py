@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
-from planted import caught, planted
+from planted import caught, planted, planted_here
 from spawn import spawn
 
 N = 24  # samples: 6 global batches of 4 per epoch, so step 4 is mid-epoch and step 8 in epoch 1
@@ -326,6 +326,13 @@ def _tamper(folder: Path, case: str) -> Any:
     elif case == "pickled code in engine state":
         torch.save({"x": Evil()}, folder / "engine.pt")
         rewrite_meta()
+    elif case == "loop state of another kind":
+        torch.save({"x": 1}, folder / "engine.pt")  # weights-only loadable, checksums rewritten
+        rewrite_meta()
+    elif case == "loop state of another run":  # a scheduler the model's run never prepared
+        state = torch.load(folder / "engine.pt", weights_only=True)
+        torch.save({**state, "schedulers": [*state["schedulers"], {"last_epoch": 3}]}, folder / "engine.pt")
+        rewrite_meta()
     elif case == "world size metadata":
         meta["world_size"] = 3
         meta_path.write_text(json.dumps(meta))
@@ -351,6 +358,10 @@ BAD = {
     "flipped bytes in the index": "does not match its recorded SHA-256",
     "pickled code in the index": "posix.system is not allowed in a checkpoint index",
     "pickled code in engine state": "unreadable with weights-only loading",
+    "loop state of another kind": "engine.pt: the loop state lacks micro_step, step, skipped_steps, scaler "
+                                  "(+3 more) (not a shardwise loop state)",
+    "loop state of another run": "engine.pt: holds 1 schedulers, 0 prepared now: prepare the same "
+                                 "schedulers as the run that saved it before load_state",
     "world size metadata": "says world size 3 but holds the states of 1 process(es)",
     "no meta.json (unfinished save)": "no meta.json: not a shardwise checkpoint, or a save that "
                                       "never finished",
@@ -361,6 +372,22 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_checkpoint_is_refused_with_one_line(case: str, good: Path, tmp_path: Path) -> None:
+    check_bad_checkpoint_refused(case, good, tmp_path)
+
+
+def test_planted_engine_state_unpickled_is_caught(good: Path, tmp_path: Path) -> None:
+    """`engine_state_unpickled`: the small files read with full pickle loading; the code stored
+    in engine.pt runs and the checkpoint loads, which the refusal check fails."""
+    pwned = Path("/tmp/shardwise-pwned")
+    try:
+        with planted_here("engine_state_unpickled"):
+            caught(check_bad_checkpoint_refused, "pickled code in engine state", good, tmp_path)
+        assert pwned.exists()  # the stored code ran: the fault is what the row guards against
+    finally:
+        pwned.unlink(missing_ok=True)
+
+
+def check_bad_checkpoint_refused(case: str, good: Path, tmp_path: Path) -> None:
     import shardwise
     from shardwise.checkpoint.sharded import CheckpointError
 

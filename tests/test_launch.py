@@ -252,19 +252,20 @@ def test_a_stop_signal_line_says_what_was_saved() -> None:
     assert describe_stop(signal.SIGINT, 0, saved[:1]).startswith("stopped by SIGINT; nothing could be saved")
 
 
-def _own_launcher(cmd: list[str], world: int) -> tuple[list[int | None], list[str]]:
+def _own_launcher(cmd: list[str], world: int, timeout: float = 120,
+                  env: dict[str, str] | None = None) -> tuple[list[int | None], list[str]]:
     """`cmd` on `world` processes started the way a scheduler's own launcher (srun) does: each
     with RANK, WORLD_SIZE and MASTER_ADDR/PORT set, no torchrun agent (rank 0 serves the store)."""
     port = str(free_port())
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "PYTHONWARNINGS": "ignore"}
-        env.pop("SHARDWISE_CONFIG", None)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        worker = {**(os.environ if env is None else env), "RANK": str(rank), "WORLD_SIZE": str(world),
+                  "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": port, "PYTHONWARNINGS": "ignore"}
+        worker.pop("SHARDWISE_CONFIG", None)
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=worker, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    return wait_for_launchers(procs, timeout=120)
+    return wait_for_launchers(procs, timeout=timeout)
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "own"])
@@ -277,12 +278,28 @@ def test_engines_one_after_another_in_one_process_each_match_the_reference(
     under a launcher whose rank 0 serves the store; each run matches one plain process."""
     out = tmp_path / "runs.pt"
     script = [str(SCRIPTS / "engines_in_a_row.py"), "--out", str(out)]
+    start = time.monotonic()
     if launcher == "torchrun":
         proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                      *script], timeout=120)
         codes, outs = [proc.returncode], [proc.stdout + proc.stderr]
     else:
         codes, outs = _own_launcher([sys.executable, *script], world=2)
+    print(f"4 engines in a row under {launcher}: {time.monotonic() - start:.1f} s")
+    check_engines_in_a_row(codes, outs, out, reference)
+
+
+def test_planted_joins_share_keys_is_caught(reference: W.Trained, tmp_path: Path) -> None:
+    """`joins_share_keys`: every join within a process reads the first join's rendezvous keys; a
+    later Engine's join waits on the previous group's addresses (under the own launcher, given
+    25 s where the four runs take about 5), which the check fails."""
+    out = tmp_path / "runs.pt"
+    codes, outs = _own_launcher([sys.executable, str(SCRIPTS / "engines_in_a_row.py"), "--out", str(out)],
+                                world=2, timeout=25, env=fault_env("joins_share_keys"))
+    caught(check_engines_in_a_row, codes, outs, out, reference)
+
+
+def check_engines_in_a_row(codes: list[int | None], outs: list[str], out: Path, reference: W.Trained) -> None:
     assert set(codes) == {0}, "\n".join(o[-3000:] for o in outs)
     runs = torch.load(out, weights_only=False)
     assert len(runs) == 4

@@ -14,6 +14,8 @@ import ast
 import re
 from pathlib import Path
 
+from planted import caught, planted_here
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 PACKAGE = "shardwise"
 
@@ -82,6 +84,10 @@ def _parents(module: str) -> set[str]:
 
 
 def test_no_import_circle() -> None:
+    check_no_import_circle()
+
+
+def check_no_import_circle() -> None:
     graph = import_graph()
     # package initialisers: shardwise/__init__ is the public API (it imports the engine), and a
     # subpackage's __init__ re-exports its modules; neither is a dependency of theirs
@@ -184,6 +190,18 @@ def test_the_package_circle_finder_finds_one() -> None:
 
 
 def test_nothing_below_the_engine_imports_it() -> None:
+    check_nothing_below_the_engine_imports_it()
+
+
+def test_planted_lazy_engine_import_is_caught() -> None:
+    """`lazy_engine_import`: a function-level import of the Engine in the checkpoint package
+    (hidden from a module-level reading); the circle check and the importers check both fail."""
+    with planted_here("lazy_engine_import"):
+        assert "shardwise.checkpoint.sharded -> shardwise.engine.engine" in caught(check_no_import_circle)
+        assert "shardwise.checkpoint.sharded" in caught(check_nothing_below_the_engine_imports_it)
+
+
+def check_nothing_below_the_engine_imports_it() -> None:
     graph = import_graph()
     importers = sorted(m for m, ts in graph.items() if "shardwise.engine.engine" in ts)
     # the public API, the engine package's own re-export, and the Accelerate-named class

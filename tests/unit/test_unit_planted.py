@@ -30,6 +30,18 @@ def test_every_fault_names_a_row_and_a_test_that_plants_it() -> None:
 
 
 def test_caught_refuses_a_check_that_passes() -> None:
+    check_caught_refuses_a_pass()
+
+
+def test_planted_caught_accepts_a_pass_is_caught() -> None:
+    """`caught_accepts_a_pass`: `caught` no longer fails on a check that passes; the check of
+    `caught` itself fails (run by the real `caught`, taken before the fault)."""
+    caught = planted.caught
+    with planted.planted_here("caught_accepts_a_pass"):
+        assert "went unnoticed" not in caught(check_caught_refuses_a_pass)
+
+
+def check_caught_refuses_a_pass() -> None:
     def passes() -> None:
         pass
 

@@ -196,6 +196,25 @@ def check_models(meta: dict[str, Any], models: list[dict[str, Any]], folder: Pat
             raise CheckpointError(f"{folder}: model {i} does not match the checkpoint: {'; '.join(parts)}")
 
 
+# read by `restore_loop_state` with `.get` (checkpoints from before they were saved lack them)
+_OPTIONAL_LOOP_KEYS = ("grad_accum_steps", "world_size")
+
+
+def check_loop_state(saved: Any, now: dict[str, Any], path: Path) -> None:
+    """A checkpoint's loop state must fit this run before anything is loaded: every key the
+    loop restores, and one entry per scheduler, DataLoader and registered object prepared now."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: holds a {type(saved).__name__}, not a loop state")
+    missing = [k for k in now if k not in saved and k not in _OPTIONAL_LOOP_KEYS]
+    if missing:
+        raise CheckpointError(f"{path}: the loop state lacks {_few(missing)} (not a shardwise loop state)")
+    for key, objs in now.items():
+        if isinstance(objs, list) and (not isinstance(saved[key], list) or len(saved[key]) != len(objs)):
+            held = len(saved[key]) if isinstance(saved[key], list) else type(saved[key]).__name__
+            raise CheckpointError(f"{path}: holds {held} {key}, {len(objs)} prepared now: prepare the "
+                                  f"same {key} as the run that saved it before load_state")
+
+
 def _few(items: list[str]) -> str:
     return ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
 

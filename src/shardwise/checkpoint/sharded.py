@@ -72,6 +72,7 @@ from .files import (
     OURS,
     VERSION,
     SafeReader,
+    check_loop_state,
     check_models,
     first_failure,
     full_model_state,
@@ -500,7 +501,7 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     check_models(meta, metas, folder)
     # the small files first (every process, then agreed): one that cannot be read refuses the
     # checkpoint before a single weight has moved
-    loop_state, rng = _read_small_files(folder, parts.rank)
+    loop_state, rng = _read_small_files(folder, parts.rank, parts.loop_state)
     state = _describable(templates)
     try:
         dcp.load(state, storage_reader=SafeReader(str(folder)))
@@ -518,14 +519,16 @@ def load(parts: Parts, folder: Path) -> dict[str, Any]:
     return loop_state
 
 
-def _read_small_files(folder: Path, rank: int) -> tuple[dict[str, Any], Any]:
+def _read_small_files(folder: Path, rank: int, now: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """The loop state (engine.pt) and this rank's RNG state, read with weights-only loading; an
-    unreadable one raises the same CheckpointError on every process."""
+    unreadable one, or a loop state that is not of this run's shape (`now`), raises the same
+    CheckpointError on every process."""
     rank_file = folder / "rng" / f"rank{rank}.pt"
     after_hooks = rank_file.with_name(f"rank{rank}{AFTER_HOOKS}")
     error, loop_state, rng = None, {}, None
     try:
         loop_state = cast(dict[str, Any], load_safe(folder / "engine.pt"))
+        check_loop_state(loop_state, now, folder / "engine.pt")
         if after_hooks.is_file():  # the state once the save hooks ran (`save_rng_after_hooks`)
             rng = load_safe(after_hooks)
         elif rank_file.is_file():  # at a larger world size, new ranks keep their own seeds

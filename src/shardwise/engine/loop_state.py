@@ -161,10 +161,8 @@ def restore_loop_state(state: dict[str, Any], path: Path, session: Session, load
     before = [(loader.iteration, loader.epoch) for loader in loaders]
     counts: dict[str, list[Any]] = {"schedulers": session.schedulers, "loaders": loaders,
                                      "registered": registered}
-    for key, objs in counts.items():
-        if len(state[key]) != len(objs):
-            raise CheckpointError(f"{path}: holds {len(state[key])} {key}, {len(objs)} prepared now")
-        for obj, sd in zip(objs, state[key]):
+    for key, objs in counts.items():  # (their counts checked before the weights loaded)
+        for obj, sd in zip(objs, state[key], strict=True):
             obj.load_state_dict(sd)
     if not loader_positions:
         for loader, (iteration, epoch) in zip(loaders, before):
