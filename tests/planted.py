@@ -41,18 +41,21 @@ SITE = Path(__file__).parent / "planted_site"
 @dataclass(frozen=True, slots=True)
 class Fault:
     name: str
-    row: str  # the guarantees.md row (its first cell, or a unique part of it) the fault breaks
-    test: str  # tests/<file>.py::<test> that plants it and asserts the row's check fails
+    rows: tuple[str, ...]  # the guarantees.md rows (the first cell, or a unique part) the fault breaks
+    test: str  # tests/<file>.py::<test> that plants it and asserts each row's check fails
     apply: Callable[[], None]
 
 
 FAULTS: dict[str, Fault] = {}
 
 
-def fault(name: str, *, row: str, test: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+def fault(name: str, *, row: str | tuple[str, ...],
+          test: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Register a fault. Several rows: one regression that breaks each of their promises, their
+    checks all run on the same planted workers (one spawn for the lot)."""
     def register(apply: Callable[[], None]) -> Callable[[], None]:
         assert name not in FAULTS, f"fault {name!r} registered twice"
-        FAULTS[name] = Fault(name, row, test, apply)
+        FAULTS[name] = Fault(name, (row,) if isinstance(row, str) else row, test, apply)
         return apply
 
     return register
@@ -1433,3 +1436,115 @@ def _joins_share_keys() -> None:
         return join_store.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
     _patch(world, "_join_store", join_store)
+
+
+@fault("autotp_row_split_unread", row="DeepSpeed's AutoTP",
+       test="tests/test_deepspeed_tp.py::test_planted_autotp_row_split_unread_is_caught")
+def _autotp_row_split_unread() -> None:
+    """The layers AutoTP splits along their input (o_proj, down_proj: DeepSpeed's LinearAllreduce)
+    not read as split, as a new AutoTP layer class would be: each rank's part taken for the whole
+    weight when the weights are gathered, saved or loaded."""
+    from shardwise.strategies.deepspeed import internals
+
+    def column_splits_only(module: Any) -> Any:
+        found = column_splits_only.__wrapped__(module)  # type: ignore[attr-defined]
+        return {k: split for k, split in found.items() if split.dim == 0}
+
+    _patch(internals, "autotp_splits", column_splits_only)
+
+
+@fault("deepspeed_loss_undivided", row="same config on `backend=\"torch\"` and",
+       test="tests/test_deepspeed.py::test_a_deepspeed_loss_left_undivided_is_caught")
+def _deepspeed_loss_undivided() -> None:
+    """backend deepspeed: each micro-batch's loss reaches backward undivided by grad_accum_steps
+    (2 in the check's runs; DeepSpeed's own accumulation count is 1): its gradients are twice
+    the torch engine's (AdamW's steps hardly change; the clipped norms do)."""
+    from shardwise.strategies.deepspeed.strategy import DeepSpeedStrategy
+
+    def backward(self: Any, loss: Any, **kwargs: Any) -> None:
+        backward.__wrapped__(self, loss * 2, **kwargs)  # type: ignore[attr-defined]
+
+    _patch(DeepSpeedStrategy, "backward", backward)
+
+
+@fault("deepspeed_optimizer_state_fresh", row="two models (AdamW; SGD made after prepare)",
+       test="tests/test_deepspeed.py::test_optimizer_state_started_afresh_at_each_step_is_caught")
+def _deepspeed_optimizer_state_fresh() -> None:
+    """backend deepspeed: each step starts from an empty optimizer state (SGD's momentum buffers,
+    AdamW's moments), as if DeepSpeed were handed a fresh copy of the user's optimizer each time."""
+    from shardwise.strategies.deepspeed.runner import DeepSpeedRunner
+
+    def step(self: Any) -> None:
+        self.optimizer.state.clear()
+        step.__wrapped__(self)  # type: ignore[attr-defined]
+
+    _patch(DeepSpeedRunner, "step", step)
+
+
+@fault("first_replica_loads_alone", row="hybrid checkpoints (`tests/test_hybrid_resume.py`)",
+       test="tests/test_hybrid_resume.py::test_planted_first_replica_loads_alone_is_caught")
+def _first_replica_loads_alone() -> None:
+    """A hybrid load puts the weights into the first replica group only (as a load over the first
+    group's shard mesh would); the other groups keep the weights they started with, and the
+    next steps average gradients of two different models."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.checkpoint import manager
+
+    def load(parts: Any, folder: Any) -> Any:
+        dims = parts.strategy.dims
+        params = [p for m in parts.models for p in m.parameters()]
+        kept = [p.detach().clone() for p in params] if dist.get_rank() >= dims.dp_shard else None
+        out = load.__wrapped__(parts, folder)  # type: ignore[attr-defined]
+        if kept is not None and dims.dp_replicate > 1:
+            with torch.no_grad():
+                for p, k in zip(params, kept):
+                    p.copy_(k)
+        return out
+
+    _patch(manager.sharded, "load", load)
+
+
+# -- clusters: schedulers, preemption, crashes -------------------------------------------------------
+@fault("requeue_skipped", row="a preempted SLURM job",
+       test="tests/test_clusters.py::test_planted_requeue_skipped_is_caught")
+def _requeue_skipped() -> None:
+    """After a preempted SLURM job's workers saved and exited, its launcher exits with their status
+    and never asks `scontrol requeue`: the job ends there, its checkpoint never resumed."""
+    from shardwise.cli import launch
+
+    _patch(launch, "requeue_slurm", lambda job, code: code)
+
+
+@fault("node_rank_by_arrival", row="SLURM and Kubernetes (`tests/test_clusters.py",
+       test="tests/test_clusters.py::test_planted_node_rank_by_arrival_is_caught")
+def _node_rank_by_arrival() -> None:
+    """The launcher no longer asks for torchrun's static rendezvous under a scheduler: c10d numbers
+    the nodes by their arrival, so the node the scheduler calls 0 may hold global ranks 2 and 3."""
+    import dataclasses
+    import importlib
+
+    main = importlib.import_module("shardwise.cli.main")  # (the package exports its function `main`)
+
+    def detect(environ: Any) -> Any:
+        found = detect.__wrapped__(environ)  # type: ignore[attr-defined]
+        if found is None:
+            return None
+        return dataclasses.replace(found, found=tuple(f for f in found.found if f.field != "rdzv_backend"))
+
+    _patch(main, "detect", detect)
+
+
+@fault("slurm_restart_unread", row="a crashed SLURM job requeued on another host",
+       test="tests/test_cluster_crash.py::test_planted_slurm_restart_unread_is_caught")
+def _slurm_restart_unread() -> None:
+    """The run lock reads SLURM's job id but not its restart count (SLURM_RESTART_COUNT): a requeued
+    job is not known as a later attempt of the crashed one, whose lock it then cannot take over
+    from another host until the lease runs out."""
+    from shardwise.checkpoint import runlock
+
+    def slurm() -> tuple[str, int]:
+        return slurm.__wrapped__()[0], 0  # type: ignore[attr-defined]
+
+    _patch(runlock, "_slurm", slurm)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import workloads as W
 import yaml
+from planted import caught, fault_env
 from spawn import wait_for_launchers
 from test_clusters import (
     _RENAME,
@@ -64,14 +65,16 @@ def _config(folder: Path, **extra: Any) -> None:
 
 
 def _launch(folder: Path, job: int, restart: int = 0, *, fault: str = "",
-            elsewhere: bool = False) -> list[subprocess.Popen[str]]:
+            elsewhere: bool = False, planted_fault: str | None = None) -> list[subprocess.Popen[str]]:
     """Node 0's and node 1's launchers of SLURM job `job` (restart count `restart`), each in a
     session of its own; `elsewhere`: each on the host name `requeued-node`, written to
-    <folder>/host<node>."""
+    <folder>/host<node>. (`fault`: the script's own, tests/scripts/resilient.py; `planted_fault`:
+    one of tests/planted.py, planted in the launchers and workers.)"""
     procs = []
     for node in (0, 1):
         env = _base_env(**_scheduler_env("slurm", node, job, 0), SLURM_RESTART_COUNT=str(restart),
                         SHARDWISE_TEST_FAULT=fault)
+        env = fault_env(planted_fault, env) if planted_fault else env
         cmd = [sys.executable, "-m", "shardwise", "launch", str(RESILIENT), str(folder)]
         if elsewhere:
             rename = f'{_RENAME} && hostname > "{folder / f"host{node}"}" && exec "$@"'
@@ -81,9 +84,10 @@ def _launch(folder: Path, job: int, restart: int = 0, *, fault: str = "",
     return procs
 
 
-def _job(folder: Path, job: int, restart: int = 0, *,
-         elsewhere: bool = False) -> tuple[list[int | None], str]:
-    codes, outs = wait_for_launchers(_launch(folder, job, restart, elsewhere=elsewhere), LAUNCH_TIMEOUT_S)
+def _job(folder: Path, job: int, restart: int = 0, *, elsewhere: bool = False,
+         planted_fault: str | None = None) -> tuple[list[int | None], str]:
+    codes, outs = wait_for_launchers(_launch(folder, job, restart, elsewhere=elsewhere,
+                                             planted_fault=planted_fault), LAUNCH_TIMEOUT_S)
     if elsewhere:
         hosts = {(folder / f"host{node}").read_text().strip() for node in (0, 1)}
         assert hosts == {"requeued-node"} and socket.gethostname() != "requeued-node", hosts
@@ -139,6 +143,33 @@ def _check_bit_identical(folder: Path, straight: Path) -> None:
     assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
 
 
+def check_requeue_takes_over(codes: list[int | None], out: str, lock: Path, held: dict[str, Any], job: int,
+                             step: int) -> None:
+    """The requeued job took the dead attempt's lock over, said so once, and resumed at `step`."""
+    errors = [ln for ln in out.splitlines() if "Error: " in ln and not ln.startswith("shardwise launch:")]
+    assert codes == [0, 0], f"exit codes {codes}: {errors[0] if errors else ''}\n{out[-4000:]}"
+    holder = f"host {held['host']}, pid {held['pid']}, started {held['started']}"
+    took = _took_over(out)  # said once, by process 0, in one line
+    assert len(took) == 1 and took[0].endswith(
+        f"{lock}: took over the run lock from a run that is no longer alive ({holder}): "
+        f"a later attempt of SLURM job {job} (restart 1; the lock's: 0)"), took or out[-4000:]
+    assert f"attempt 0: starting at step {step}" in out, out[-4000:]
+    assert not lock.exists()
+
+
+def test_planted_slurm_restart_unread_is_caught(tmp_path: Path) -> None:
+    """`slurm_restart_unread`: the lock no longer reads SLURM's restart count, so the requeued job
+    on another host is not known as a later attempt of the crashed one; refused under the lease."""
+    _check_can_rename_host()
+    job, crashed = _slurm_job_id(), tmp_path / "crashed"
+    _config(crashed)
+    step = _crash(crashed, job)
+    lock = crashed / "checkpoints" / LOCK
+    held = json.loads(lock.read_text())
+    codes, out = _job(crashed, job, restart=1, elsewhere=True, planted_fault="slurm_restart_unread")
+    caught(check_requeue_takes_over, codes, out, lock, held, job, step)
+
+
 def _took_over(out: str) -> list[str]:
     return [ln for ln in out.splitlines() if "took over the run lock" in ln]
 
@@ -162,14 +193,8 @@ def test_a_crashed_slurm_job_requeued_on_another_host_takes_over_its_lock(tmp_pa
 
     # the requeue: same job, next restart count, another host; no hand work
     codes, out = _job(crashed, job, restart=1, elsewhere=True)
-    assert codes == [0, 0], out[-4000:]
+    check_requeue_takes_over(codes, out, lock, held, job, step)
     holder = f"host {held['host']}, pid {held['pid']}, started {held['started']}"
-    took = _took_over(out)  # said once, by process 0, in one line
-    assert len(took) == 1 and took[0].endswith(
-        f"{lock}: took over the run lock from a run that is no longer alive ({holder}): "
-        f"a later attempt of SLURM job {job} (restart 1; the lock's: 0)"), took or out[-4000:]
-    assert f"attempt 0: starting at step {step}" in out, out[-4000:]
-    assert not lock.exists()
     _check_bit_identical(crashed, straight)
     print(f"crashed after step 5 (newest checkpoint step {step}), requeued on 'requeued-node': took over, "
           f"bit-identical ({time.monotonic() - t0:.0f} s)")

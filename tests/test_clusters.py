@@ -36,6 +36,7 @@ import pytest
 import torch
 import workloads as W
 import yaml
+from planted import caught, fault_env
 from spawn import free_port, launch_twice_at_most, run_command, wait_for_launchers
 
 HERE = Path(__file__).resolve().parent
@@ -80,7 +81,8 @@ def _scheduler_env(kind: str, node: int, job: int, port: int) -> dict[str, str]:
             "WORLD_SIZE": "4", "RANK": str(node), "PET_NPROC_PER_NODE": "2"}
 
 
-def _two_nodes(kind: str, folder: Path, first: int = 0) -> tuple[list[int | None], list[str]]:
+def _two_nodes(kind: str, folder: Path, first: int = 0,
+               fault: str | None = None) -> tuple[list[int | None], list[str]]:
     """Two launchers, each with only the scheduler's variables, the config file and the script;
     node `first`'s started 2 s before the other's (its agent first at the rendezvous, with the
     lower pid: c10d would make it global rank 0). Codes and outputs in node order."""
@@ -91,6 +93,7 @@ def _two_nodes(kind: str, folder: Path, first: int = 0) -> tuple[list[int | None
     procs: dict[int, subprocess.Popen[str]] = {}
     for node in (first, 1 - first):
         env = _base_env(**_scheduler_env(kind, node, job, port), **{NODE_TAG: str(node)})
+        env = fault_env(fault, env) if fault else env
         procs[node] = subprocess.Popen([sys.executable, "-m", "shardwise", "launch", str(MULTINODE), "--out",
                                         str(folder)], cwd=folder, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -106,7 +109,22 @@ def test_two_nodes_from_the_schedulers_variables_match_one_process(kind: str, fi
     ranks 0 and 1 (where the progress lines, the report and the main process's files are)."""
     codes, outs = launch_twice_at_most(lambda: _two_nodes(kind, tmp_path, first), f"{kind} two nodes",
                                        lambda: any(tmp_path.glob("rank*.pt")))
+    check_scheduled_nodes(kind, codes, outs, tmp_path)
+
+
+def test_planted_node_rank_by_arrival_is_caught(tmp_path: Path) -> None:
+    """`node_rank_by_arrival`: the launcher leaves the rendezvous to c10d, which numbers the nodes
+    by arrival; node 1, started first, holds global rank 0, which the check fails."""
+    codes, outs = launch_twice_at_most(lambda: _two_nodes("slurm", tmp_path, 1, "node_rank_by_arrival"),
+                                       "slurm two nodes", lambda: any(tmp_path.glob("rank*.pt")))
+    caught(check_scheduled_nodes, "slurm", codes, outs, tmp_path)
+
+
+def check_scheduled_nodes(kind: str, codes: list[int | None], outs: list[str], tmp_path: Path) -> None:
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    nodes = [r.node for r in results]  # rank r's node
+    assert nodes == [0, 0, 1, 1], f"global ranks 0-3 ran on nodes {nodes}"
     said = [next(ln for ln in o.splitlines() if ln.startswith("shardwise launch: ")) for o in outs]
     for node, line in enumerate(said):  # one line: what it found, what it runs
         if kind == "slurm":
@@ -119,8 +137,6 @@ def test_two_nodes_from_the_schedulers_variables_match_one_process(kind: str, fi
                                    f"node rank {node} (RANK), rendezvous host localhost (MASTER_ADDR)"), line
         assert f"running torchrun --nproc-per-node 2 --nnodes 2 --node-rank {node} " in line, line
         assert "rendezvous static (" in line and "node rank kept)" in line, line  # not c10d's arrival order
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    assert [r.node for r in results] == [0, 0, 1, 1], [r.node for r in results]  # rank r's node
     assert all(r.world == 4 and r.local_world_size == 2 for r in results)
     print(f"{kind}: 2 nodes x 2 from the scheduler's variables: {check_run(results)}")
 
@@ -176,6 +192,49 @@ def _config(folder: Path) -> None:
         "cpu": True, "seed": W.SEED, "strategy": "zero3", "checkpoint_dir": str(folder / "checkpoints")}))
 
 
+def _preempt(folder: Path, env: dict[str, str]) -> tuple[int, str]:
+    """The job's launch, then SIGTERM to every process of the job step at once (SLURM's time-limit
+    signal, scancel) after its third step; the launcher's exit status and its stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise", "launch", str(RESILIENT), str(folder)],
+                            env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    losses = folder / "losses.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (losses.is_file()
+                                               and len(losses.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    found = subprocess.run(["pgrep", "-f", f"{RESILIENT} {folder}"], check=False, capture_output=True,
+                           text=True)
+    workers = [int(pid) for pid in found.stdout.split() if int(pid) != proc.pid]
+    assert len(workers) == 2, found.stdout
+    for pid in [proc.pid, *workers]:
+        os.kill(pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def check_preempted(folder: Path, job: int, code: int, err: str, log: Path) -> int:
+    """Stopped with its checkpoint saved, the job requeued once, the lock released; the step saved."""
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    steps = sorted(int(p.name.split("_")[1]) for p in (folder / "checkpoints").glob("step_*"))
+    saved = steps[-1]
+    assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err, err[-3000:]
+    assert f"shardwise launch: requeued SLURM job {job} (scontrol requeue {job})" in err, \
+        f"no requeue said: {err[-3000:]}"
+    assert log.is_file() and log.read_text() == f"requeue {job}\n"  # once, by node 0's launcher
+    assert not (folder / "checkpoints" / ".shardwise.lock").exists()  # released by the exit 75 too
+    return saved
+
+
+def test_planted_requeue_skipped_is_caught(tmp_path: Path) -> None:
+    """`requeue_skipped`: the launcher of a preempted SLURM job exits without `scontrol requeue`;
+    the preemption check fails (the job would end there, its checkpoint never resumed)."""
+    job, bin_dir = _slurm_job_id(), _fake_scontrol(tmp_path)
+    _config(tmp_path / "preempted")
+    env = fault_env("requeue_skipped", _job_env(job, bin_dir, "slow:0.4"))
+    code, err = _preempt(tmp_path / "preempted", env)
+    caught(check_preempted, tmp_path / "preempted", job, code, err, tmp_path / "scontrol.log")
+
+
 def test_a_preempted_slurm_job_requeues_and_resumes_elsewhere_bit_identical(tmp_path: Path) -> None:
     job = _slurm_job_id()
     bin_dir = _fake_scontrol(tmp_path)
@@ -191,29 +250,8 @@ def test_a_preempted_slurm_job_requeues_and_resumes_elsewhere_bit_identical(tmp_
            "(SLURM_CPUS_ON_NODE); running torchrun --nproc-per-node 2 --standalone" in ref.stderr
     assert not (straight / "checkpoints" / lock).exists() and not log.exists()
 
-    # preemption: SIGTERM to every process of the job step at once (SLURM's time-limit signal, scancel)
-    proc = subprocess.Popen([sys.executable, "-m", "shardwise", "launch", str(RESILIENT), str(preempted)],
-                            env=_job_env(job, bin_dir, "slow:0.4"), cwd=preempted, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    losses = preempted / "losses.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (losses.is_file()
-                                               and len(losses.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
-    found = subprocess.run(["pgrep", "-f", f"{RESILIENT} {preempted}"], check=False, capture_output=True,
-                           text=True)
-    workers = [int(pid) for pid in found.stdout.split() if int(pid) != proc.pid]
-    assert len(workers) == 2, found.stdout
-    for pid in [proc.pid, *workers]:
-        os.kill(pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    steps = sorted(int(p.name.split("_")[1]) for p in (preempted / "checkpoints").glob("step_*"))
-    saved = steps[-1]
-    assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err, err[-3000:]
-    assert f"shardwise launch: requeued SLURM job {job} (scontrol requeue {job})" in err, err[-3000:]
-    assert log.read_text() == f"requeue {job}\n"  # once, by node 0's launcher
-    assert not (preempted / "checkpoints" / lock).exists()  # released by the exit 75 too
+    code, err = _preempt(preempted, _job_env(job, bin_dir, "slow:0.4"))
+    saved = check_preempted(preempted, job, code, err, log)
 
     # the requeued job: the same environment and command, on another node (another host name)
     _check_can_rename_host()

@@ -267,12 +267,16 @@ def check_config_clip(run: W.Trained, ref: W.Trained) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_torch_and_deepspeed_engines_agree(runs: dict, precision: str) -> None:
     torch_run, ds_run = runs[("engines", "torch", precision)], runs[("engines", "deepspeed", precision)]
+    check_engines_agree(torch_run, ds_run, precision)
+    if precision == "bf16":  # bf16 really computed in bf16: it differs from fp32
+        assert W.close(runs[("engines", "deepspeed", "fp32")].losses, ds_run.losses) > 1e-6
+
+
+def check_engines_agree(torch_run: W.Trained, ds_run: W.Trained, precision: str) -> None:
     tol = 1e-5 if precision == "fp32" else 2e-2
     assert W.is_finite(ds_run.losses) and len(ds_run.losses) == 4
     assert W.close(torch_run.losses, ds_run.losses) < tol
     assert W.close(torch_run.norms, ds_run.norms) < tol * max(torch_run.norms)
-    if precision == "bf16":  # bf16 really computed in bf16: it differs from fp32
-        assert W.close(runs[("engines", "deepspeed", "fp32")].losses, ds_run.losses) > 1e-6
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
@@ -281,8 +285,18 @@ def test_a_clip_bound_lasts_one_step(runs: dict, strategy: str) -> None:
 
 
 def test_two_models_each_with_its_optimizer(runs: dict) -> None:
+    check_two_models(runs["two_models"])
+
+
+def test_optimizer_state_started_afresh_at_each_step_is_caught() -> None:
+    """`deepspeed_optimizer_state_fresh`: SGD's momentum and AdamW's moments lost at every step;
+    both models' weights leave the reference's."""
+    caught(check_two_models, spawn(planted(_two_models, "deepspeed_optimizer_state_fresh"), 2, "deepspeed",
+                                   "zero3", timeout=1200)[0])
+
+
+def check_two_models(run: TwoModels) -> None:
     ref = _two_models_reference(2)
-    run = runs["two_models"]
     assert run.types == ["AdamW", "SGD"]  # the user's classes, never swapped
     assert W.max_diff(run.a, ref.a) < 2e-5
     assert W.max_diff(run.b, ref.b) < 2e-5
@@ -471,6 +485,18 @@ def test_a_clip_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:
     """The script's clip_grad_norm_ returns the right norm, and DeepSpeed's step never clips."""
     run = spawn(planted(_planted_zero2, "deepspeed_clip_unset"), 2, timeout=1200)[0]
     caught(check_matches, run, refs["tiny"], "tiny")
+
+
+def _engines_fp32() -> list[W.Trained]:
+    return [W.train_engine("tiny", {"cpu": True, "backend": backend, "strategy": "zero3"},
+                           batch=2, accum=2, steps=2, clip=CLIP) for backend in ("torch", "deepspeed")]
+
+
+def test_a_deepspeed_loss_left_undivided_is_caught() -> None:
+    """`deepspeed_loss_undivided`: the DeepSpeed engine's gradients twice the torch engine's on the
+    same config; the engines' check (the fp32 pair) fails on the clipped norms."""
+    on_torch, on_deepspeed = spawn(planted(_engines_fp32, "deepspeed_loss_undivided"), 2, timeout=1200)[0]
+    caught(check_engines_agree, on_torch, on_deepspeed, "fp32")
 
 
 def test_a_config_bound_never_handed_to_deepspeed_is_caught(refs: dict) -> None:

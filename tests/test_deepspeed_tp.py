@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 from test_tensor_parallel import STEPS, Moved, TPRun, _planned, _prepared, _reference, _train, tp_share
 
@@ -86,6 +87,24 @@ def two(folder: Path) -> list[dict[str, Any]]:  # (see _two)
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_autotp_matches_one_process(two: list[dict[str, Any]], case: str) -> None:
+    check_autotp_matches(two, case)
+
+
+def _zero2_alone() -> dict[str, Any]:
+    import shardwise
+
+    engine = shardwise.Engine(backend="deepspeed", strategy="zero2", cpu=True, seed=W.SEED,
+                              tensor_parallel_size=2)
+    return {"zero2": _train(engine, dp=1).sent()}
+
+
+def test_planted_autotp_row_split_unread_is_caught() -> None:
+    """`autotp_row_split_unread`: the input-split layers' parts taken for whole weights; the
+    gathered weights no longer match one process's (the tp 2 zero2 case alone)."""
+    caught(check_autotp_matches, spawn(planted(_zero2_alone, "autotp_row_split_unread"), 2), "zero2")
+
+
+def check_autotp_matches(two: list[dict[str, Any]], case: str) -> None:
     ref = _reference(dp=1)
     for rank in two:
         run = rank[case]

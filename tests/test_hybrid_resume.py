@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 import workloads as W
+from planted import caught, planted
 from spawn import spawn
 
 N, G = 24, 4  # samples, global batch: 6 steps per epoch; step 4 is mid-epoch
@@ -229,8 +230,11 @@ def test_every_resume_continues_as_the_uninterrupted_run(matrix: dict) -> None:
 
 
 def test_hybrid_resumed_as_the_same_hybrid_is_bit_exact(matrix: dict) -> None:
-    first, second, straight = matrix["hybrid zero3@4"], matrix["same"], matrix["straight"]
-    assert first.losses + second.losses == straight.losses
+    check_same_hybrid(matrix["hybrid zero3@4"], matrix["same"], matrix["straight"])
+
+
+def check_same_hybrid(first: W.Checkpointed, second: W.Checkpointed, straight: W.Checkpointed) -> None:
+    assert first.losses + second.losses == straight.losses, (first.losses + second.losses, straight.losses)
     assert W.max_diff(second.state, straight.state) == 0.0
 
 
@@ -239,13 +243,8 @@ def test_each_shard_is_written_once(matrix: dict) -> None:
     group writes a shard another already wrote (and zero1's whole optimizer tensors, which every
     process holds, are written by one process each)."""
     root = matrix["folder"]
-    model = W.build("tiny")
-    params = sum(p.numel() for p in model.parameters())
-    # fp32 weights + exp_avg + exp_avg_sq, and one fp32 `step` per parameter tensor
-    expected = 3 * 4 * params + 4 * len(list(model.parameters()))
-    totals = {name: _tensor_bytes(root / name)[0]
-              for name in [*SOURCES, "zero3@4", "zero3@2", "ddp@1"]}
-    assert set(totals.values()) == {expected}, totals
+    totals = check_tensor_bytes(root, [*SOURCES, "zero3@4", "zero3@2", "ddp@1"])
+    expected = _expected_bytes()
     groups = {n: json.loads((root / n / "meta.json").read_text())["shard_group_size"] for n in totals}
     assert groups == {**dict.fromkeys(SOURCES, 2), "zero3@4": 4, "zero3@2": 2, "ddp@1": 1}, groups
     on_disk = {name: sum(f.stat().st_size for f in (root / name).glob("*.distcp")) for name in totals}
@@ -254,6 +253,33 @@ def test_each_shard_is_written_once(matrix: dict) -> None:
     per_file = _tensor_bytes(root / "hybrid zero3@4")[1]
     print(f"tensor bytes: {totals} (expected {expected}); on disk: {on_disk}; hybrid per file: {per_file}")
     assert len(per_file) == 4 and max(per_file.values()) < 0.4 * sum(per_file.values()), per_file
+
+
+def _expected_bytes() -> int:
+    model = W.build("tiny")
+    params = sum(p.numel() for p in model.parameters())
+    # fp32 weights + exp_avg + exp_avg_sq, and one fp32 `step` per parameter tensor
+    return 3 * 4 * params + 4 * len(list(model.parameters()))
+
+
+def check_tensor_bytes(root: Path, names: list[str]) -> dict[str, int]:
+    """Each checkpoint's tensor bytes, which must be the model's and AdamW's state once."""
+    totals = {name: _tensor_bytes(root / name)[0] for name in names}
+    assert set(totals.values()) == {_expected_bytes()}, totals
+    return totals
+
+
+def test_planted_first_replica_loads_alone_is_caught(tmp_path: Path) -> None:
+    """`first_replica_loads_alone`: a hybrid zero3 checkpoint (4 processes, groups of 2) loaded
+    into the first replica group only; the resumed run leaves the uninterrupted one."""
+    first, second, straight = spawn(planted(_at_4_same, "first_replica_loads_alone"), 4, str(tmp_path),
+                                    timeout=900)[0]
+    caught(check_same_hybrid, first, second, straight)
+
+
+def _at_4_same(folder: str) -> tuple[W.Checkpointed, W.Checkpointed, W.Checkpointed]:
+    first = _train(HYBRID["zero3"], 4, save=f"{folder}/hybrid zero3@4")
+    return first, _train(HYBRID["zero3"], 4, load=f"{folder}/hybrid zero3@4"), _train(HYBRID["zero3"], 8)
 
 
 def test_hybrid_save_time_is_that_of_full_sharding(matrix: dict) -> None:
