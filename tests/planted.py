@@ -838,6 +838,8 @@ def _overflow_verdict_local() -> None:
     _patch(DynamicLossScaler, "unscale_and_check", unscale_and_check)
 
 
+@fault("script_metrics_keep_repeats", row="transformers' `run_*_no_trainer.py` pattern",
+       test="tests/test_no_trainer_scripts.py::test_planted_script_metrics_keep_repeats_is_caught")
 @fault("metrics_keep_repeats", row="`gather_for_metrics` on 13 samples",
        test="tests/test_engine.py::test_gather_for_metrics_keeping_the_repeats_is_caught")
 def _metrics_keep_repeats() -> None:
@@ -1548,3 +1550,57 @@ def _slurm_restart_unread() -> None:
         return slurm.__wrapped__()[0], 0  # type: ignore[attr-defined]
 
     _patch(runlock, "_slurm", slurm)
+
+
+@fault("divide_by_local_processes", row="two `shardwise launch --num-nodes 2 --node-rank {0,1}`",
+       test="tests/test_launch.py::test_planted_divide_by_local_processes_is_caught")
+def _divide_by_local_processes() -> None:
+    """The gradient average divides by the processes of one node (LOCAL_WORLD_SIZE), not of the
+    world: across nodes the gradients are summed (planted as the loss scaled by world / local
+    processes: gloo has no pre-multiplied reduce for FSDP's own divide factor): at 2 nodes of 1
+    process, twice the gradients."""
+    import os
+
+    from shardwise.strategies.base import Strategy
+
+    def backward(self: Any, loss: Any, **kwargs: Any) -> None:
+        nodes = int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        backward.__wrapped__(self, loss * nodes, **kwargs)  # type: ignore[attr-defined]
+
+    _patch(Strategy, "backward", backward)
+
+
+@fault("repeat_signal_exits", row="failures (`tests/test_resilience.py`, under `shardwise launch`)",
+       test="tests/test_resilience.py::test_planted_repeat_signal_exits_is_caught")
+def _repeat_signal_exits() -> None:
+    """A worker that gets a second stop signal while it saves exits at once (the "press Ctrl-C
+    again to force" pattern): the scheduler's SIGTERM and the launcher's forwarded one cut the
+    checkpoint short."""
+    import os
+
+    from shardwise.runtime import supervision
+
+    def on_signal(self: Any, signum: int, frame: Any) -> None:
+        if self.preempted and os.getpid() == self.pid:
+            os._exit(128 + signum)
+        on_signal.__wrapped__(self, signum, frame)  # type: ignore[attr-defined]
+
+    _patch(supervision._Process, "_on_signal", on_signal)
+
+
+@fault("resume_counts_processes", row="faults under N-D layouts",
+       test="tests/test_resilience_nd.py::test_planted_resume_counts_processes_is_caught")
+def _resume_counts_processes() -> None:
+    """A resumed DataLoader's position (in samples over the data-parallel ranks) rescaled to the
+    processes, as if every process read its own batch: under tensor parallelism, whose ranks
+    share their batch, the resumed epoch starts too far on (under data parallelism alone, right)."""
+    import os
+
+    from shardwise.engine.data import PreparedDataLoader
+
+    def load_state_dict(self: Any, state: Any) -> None:
+        ranks = self.total_batch_size // self.per_process_batch  # the data-parallel ranks
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        load_state_dict.__wrapped__(self, {**state, "samples": state["samples"] * processes // ranks})  # type: ignore[attr-defined]
+
+    _patch(PreparedDataLoader, "load_state_dict", load_state_dict)

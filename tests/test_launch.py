@@ -82,10 +82,11 @@ def check_yaml_launch(settings: dict, reference: dict, res: W.Launched) -> None:
     assert W.max_diff(res.state, reference.state) < 2e-5
 
 
-def _two_nodes(out: Path) -> tuple[list[int | None], list[str]]:
+def _two_nodes(out: Path, fault: str | None = None) -> tuple[list[int | None], list[str]]:
     port = str(free_port())
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("SHARDWISE_CONFIG", None)
+    env = fault_env(fault, env) if fault else env
     procs = [
         subprocess.Popen(
             shardwise_cmd(
@@ -106,6 +107,17 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(reference: dict, tmp_p
     codes, outs = _two_nodes(tmp_path)
     if codes != [0, 0] and any(GLOO_ABORT in o for o in outs):  # see spawn.GLOO_ABORT
         codes, outs = _two_nodes(tmp_path)
+    check_two_nodes(codes, outs, tmp_path, reference)
+
+
+def test_planted_divide_by_local_processes_is_caught(reference: dict, tmp_path: Path) -> None:
+    """`divide_by_local_processes`: gradients divided by the processes of a node, not of the
+    world; the two nodes' gradients are summed (caught by the losses, 0.92 apart relative)."""
+    codes, outs = _two_nodes(tmp_path, "divide_by_local_processes")
+    caught(check_two_nodes, codes, outs, tmp_path, reference)
+
+
+def check_two_nodes(codes: list[int | None], outs: list[str], tmp_path: Path, reference: Any) -> None:
     assert codes == [0, 0], "\n".join(o[-2000:] for o in outs)
     (written,) = list(tmp_path.glob("node*.pt"))  # only global rank 0 writes
     res = _result(written)

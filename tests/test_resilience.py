@@ -32,7 +32,7 @@ import pytest
 import torch
 import workloads as W
 import yaml
-from planted import caught, planted_here
+from planted import caught, fault_env, planted_here
 from spawn import GLOO_ABORT, spawn
 
 SCRIPT = Path(__file__).parent / "scripts" / "resilient.py"
@@ -61,13 +61,15 @@ def _env(fault: str = "") -> dict[str, str]:
     return env
 
 
-def _run(config: Path, folder: Path, *flags: str, fault: str = "",
-         timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """A launch; once more if gloo aborted while connecting (an infrastructure flake, see spawn)."""
+def _run(config: Path, folder: Path, *flags: str, fault: str = "", timeout: float = 300,
+         planted_fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    """A launch; once more if gloo aborted while connecting (an infrastructure flake, see spawn).
+    (`fault`: the script's own, tests/scripts/resilient.py; `planted_fault`: tests/planted.py's.)"""
     folder.mkdir(parents=True, exist_ok=True)
+    env = fault_env(planted_fault, _env(fault)) if planted_fault else _env(fault)
     for _ in range(2):
         proc = subprocess.run(_command(config, folder, *flags), check=False, capture_output=True, text=True,
-                              env=_env(fault), timeout=timeout, cwd=folder)
+                              env=env, timeout=timeout, cwd=folder)
         if not (proc.returncode != 0 and GLOO_ABORT in proc.stderr and "starting at step" not in proc.stdout):
             return proc
     return proc
@@ -81,9 +83,11 @@ def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _start_slow(config: Path, folder: Path, *, steps: int) -> subprocess.Popen[str]:
+def _start_slow(config: Path, folder: Path, *, steps: int,
+                planted_fault: str | None = None) -> subprocess.Popen[str]:
     """The script launched slowed down (0.4 s a step), once it has logged `steps` losses."""
-    proc = subprocess.Popen(_command(config, folder), env=_env("slow:0.4"), cwd=folder,
+    env = fault_env(planted_fault, _env("slow:0.4")) if planted_fault else _env("slow:0.4")
+    proc = subprocess.Popen(_command(config, folder), env=env, cwd=folder,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     losses = folder / "losses.jsonl"
     deadline = time.monotonic() + 120
@@ -125,7 +129,14 @@ def test_sigkilled_worker_costs_at_most_the_checkpoint_interval(
 def _stop(folder: Path, config: Path, how: str) -> tuple[int, subprocess.CompletedProcess[str] | None]:
     """Launch slowed down, signal it after 3 steps as `how` says, check what the stop left; return
     the step it saved and the finished relaunch."""
-    proc = _start_slow(config, folder, steps=3)
+    saved = check_stop(folder, how, *_signalled(folder, config, how))
+    return saved, (_run(config, folder) if how != "sigint twice" else None)  # (the same resume as SIGTERM's)
+
+
+def _signalled(folder: Path, config: Path, how: str,
+               planted_fault: str | None = None) -> tuple[int, str]:
+    """Launched slowed down and signalled after 3 steps as `how` says: the exit status, stderr."""
+    proc = _start_slow(config, folder, steps=3, planted_fault=planted_fault)
     found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {folder}"], check=False, capture_output=True, text=True)
     workers = [int(pid) for pid in found.stdout.split() if int(pid) != proc.pid]
     assert len(workers) == 2, found.stdout
@@ -138,20 +149,36 @@ def _stop(folder: Path, config: Path, how: str) -> tuple[int, subprocess.Complet
         time.sleep(0.3)
         proc.send_signal(sig)
     _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 128 + sig, err[-3000:]
+    return proc.returncode, err
+
+
+def check_stop(folder: Path, how: str, code: int, err: str) -> int:
+    """What a stop by signals left: the exit status, the checkpoint, the lines; the step saved."""
+    sig = signal.SIGINT if how == "sigint twice" else signal.SIGTERM
+    assert code == 128 + sig, f"exit status {code}: {err[-3000:]}"
     steps = sorted(int(p.name.split("_")[1]) for p in (folder / "checkpoints").glob("step_*"))
     # the signal came after step 3; every process stops at the second boundary after it
-    assert steps and steps[-1] in (3, 4, 5), (steps, err[-3000:])
+    assert steps and steps[-1] in (3, 4, 5), f"checkpoints at steps {steps}: {err[-3000:]}"
     saved = steps[-1]
-    assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err  # the worker's line
-    assert "; exit code 75" in err and "forcefully exiting" not in err  # none was SIGKILLed
+    assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err, \
+        f"no worker's stop line: {err[-3000:]}"
+    assert "; exit code 75" in err and "forcefully exiting" not in err, f"a worker SIGKILLed: {err[-3000:]}"
     name = sig.name + (" (and 1 more signal(s), ignored while the workers saved)" if how != "everyone"
                        else "")
     assert (f"shardwise launch: stopped by {name}; "
             f"the workers saved {folder / 'checkpoints' / f'step_{saved}'} "
             f"(step {saved}) in ") in err, err[-3000:]
     assert f"and exited 75; the same command resumes from step {saved}" in err
-    return saved, (_run(config, folder) if how != "sigint twice" else None)  # (the same resume as SIGTERM's)
+    return saved
+
+
+def test_planted_repeat_signal_exits_is_caught(tmp_path: Path) -> None:
+    """`repeat_signal_exits`: a worker's second stop signal (SIGTERM to every process: the
+    scheduler's and the launcher's forwarded one) ends it at once; the stop check fails."""
+    folder = tmp_path / "everyone"
+    folder.mkdir()
+    code, err = _signalled(folder, _config(folder, strategy="zero3"), "everyone", "repeat_signal_exits")
+    caught(check_stop, folder, "everyone", code, err)
 
 
 def test_preemption_signals_to_every_process_and_repeated_lose_no_step(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from planted import caught
 from test_resilience import SCRIPT, _config, _identical, _result, _run, _start_slow
 
 LAYOUTS = {
@@ -108,6 +109,35 @@ def _every_loss(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "losses.jsonl").read_text().splitlines()]
 
 
+def check_every_loss(faulted: Path, ref_losses: dict[int, float], ref_state: dict[str, Any]) -> list[Any]:
+    """Every loss any attempt logged, and the final weights, bit for bit the uninterrupted run's."""
+    rows = _every_loss(faulted)
+    assert {r["step"] for r in rows} == set(range(1, 9))
+    wrong = [(r["step"], r["loss"], ref_losses[r["step"]]) for r in rows
+             if r["loss"] != ref_losses[r["step"]]]
+    assert not wrong, f"(step, loss, the uninterrupted run's): {wrong}"  # bit for bit (fp32)
+    losses, state = _result(faulted)
+    assert losses == ref_losses and _identical(state, ref_state)
+    return rows
+
+
+def test_planted_resume_counts_processes_is_caught(tmp_path: Path) -> None:
+    """`resume_counts_processes`: a resumed DataLoader's position scaled from the data-parallel
+    ranks to the processes (under tp 2, twice as far); tp 2 with sequence parallelism stopped by
+    SIGTERM and resumed: the resumed steps' losses leave the uninterrupted run's."""
+    settings = LAYOUTS["tp2_sp_zero3"]
+    straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+    straight.mkdir()
+    faulted.mkdir()
+    ref = _run(_config(straight, checkpoint_every_steps=2, **settings), straight)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    config = _config(faulted, checkpoint_every_steps=2, **settings)
+    _sigterm_everyone(config, faulted, 2)
+    run = _run(config, faulted, planted_fault="resume_counts_processes", timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    caught(check_every_loss, faulted, *_result(straight))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_n_d_layouts_survive_sigterm_a_full_disk_a_lost_write_and_a_killed_worker(layout: str,
                                                                                   tmp_path: Path) -> None:
@@ -134,13 +164,7 @@ def test_n_d_layouts_survive_sigterm_a_full_disk_a_lost_write_and_a_killed_worke
     assert "attempt 1: starting at step 6" in log, log[-3000:]
     assert "the worker group was restarted (1 restart(s) so far)" in log
 
-    rows = _every_loss(faulted)
-    assert {r["step"] for r in rows} == set(range(1, 9))
-    wrong = [(r["step"], r["loss"], ref_losses[r["step"]]) for r in rows
-             if r["loss"] != ref_losses[r["step"]]]
-    assert not wrong, wrong  # every attempt's every step, bit for bit (fp32)
-    losses, state = _result(faulted)
-    assert losses == ref_losses and _identical(state, ref_state)
+    rows = check_every_loss(faulted, ref_losses, ref_state)
     print(f"{layout}: SIGTERM saved step {saved}, the full disk and the lost write kept step {previous}, the "
           "killed worker's "
           f"restart resumed step 6: {len(rows)} losses and the final weights bit-identical "

@@ -30,6 +30,35 @@ def test_every_fault_names_a_row_and_a_test_that_plants_it() -> None:
         assert "caught(" in body, f"{f.name}: {f.test} never asserts that the check fails (caught)"
 
 
+def promise_rows(text: str) -> list[str]:
+    """The rows of guarantees.md's tables: each `| ... |` line but the headers (a line followed by
+    the |---| separator) and the separators."""
+    lines = text.splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.startswith("| ") or set(line.strip()) <= set("|- "):
+            continue
+        if i + 1 < len(lines) and set(lines[i + 1].strip()) <= set("|- ") and lines[i + 1].strip():
+            continue  # a header
+        rows.append(line)
+    return rows
+
+
+def test_every_guarantee_row_has_a_planted_fault() -> None:
+    """Each promise keeps a test shown to fail on a planted fault: a row no fault names is one
+    whose test nobody has seen fail."""
+    rows = promise_rows((ROOT / "docs" / "guarantees.md").read_text())
+    assert len(rows) > 90
+    names = [row for f in planted.FAULTS.values() for row in f.rows]
+    bare = [r[:100] for r in rows if not any(name in r for name in names)]
+    assert not bare, f"{len(bare)} guarantee row(s) without a planted fault: {bare}"
+
+
+def test_promise_rows_skip_headers_and_separators() -> None:
+    table = "| a | b |\n|---|---|\n| one | 1 |\n| two | 2 |\n\ntext\n| c |\n|---|\n| three |\n"
+    assert promise_rows(table) == ["| one | 1 |", "| two | 2 |", "| three |"]
+
+
 def test_caught_refuses_a_check_that_passes() -> None:
     check_caught_refuses_a_pass()
 
