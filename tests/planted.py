@@ -1368,7 +1368,7 @@ def _lazy_engine_import() -> None:
     _patch(_Path, "read_text", read_text)
 
 
-@fault("engine_state_unpickled", row="13 bad checkpoints",
+@fault("engine_state_unpickled", row="15 bad checkpoints",
        test="tests/test_checkpoint.py::test_planted_engine_state_unpickled_is_caught")
 def _engine_state_unpickled() -> None:
     """The checkpoint's small files (engine.pt, the RNG states) read with full pickle loading, as

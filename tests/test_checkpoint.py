@@ -294,8 +294,23 @@ class Evil:
         return (os.system, ("touch /tmp/shardwise-pwned",))
 
 
+def _not_a_checkpoint(folder: Path, case: str) -> None:
+    """The checkpoint's path holding something else: a file, or what save_model writes."""
+    from safetensors.torch import save_file
+
+    shutil.rmtree(folder)
+    if case == "a file, not a folder":
+        folder.write_text("step 100\n")
+    else:
+        folder.mkdir()
+        save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+
+
 def _tamper(folder: Path, case: str) -> Any:
     """Break a copy of a good checkpoint; return the model to load it into."""
+    if case in ("a file, not a folder", "a save_model export"):
+        _not_a_checkpoint(folder, case)
+        return W.build("tiny")
     meta_path = folder / "meta.json"
     meta = json.loads(meta_path.read_text())
     shard = next(folder.glob("*.distcp"))
@@ -358,6 +373,9 @@ BAD = {
     "flipped bytes in the index": "does not match its recorded SHA-256",
     "pickled code in the index": "posix.system is not allowed in a checkpoint index",
     "pickled code in engine state": "unreadable with weights-only loading",
+    "a file, not a folder": "ckpt: is a file, not a checkpoint folder (give the folder save_state wrote",
+    "a save_model export": "ckpt: holds model weights (a save_model export), not a training checkpoint: "
+                           "load them with engine.from_pretrained(cls, path)",
     "loop state of another kind": "engine.pt: the loop state lacks micro_step, step, skipped_steps, scaler "
                                   "(+3 more) (not a shardwise loop state)",
     "loop state of another run": "engine.pt: holds 1 schedulers, 0 prepared now: prepare the same "

@@ -103,6 +103,9 @@ def read_meta(folder: Path) -> dict[str, Any]:
     """Check a checkpoint folder before anything is loaded from it; return its metadata.
     (Sizes, the ranks' files and the index; `verify_files` checks the checksums.)"""
     folder = Path(folder)
+    if folder.is_file():
+        raise CheckpointError(f"{folder}: is a file, not a checkpoint folder (give the folder save_state "
+                              "wrote, e.g. checkpoints/step_100, or 'latest')")
     if not folder.is_dir():
         aside = folder.with_name(f".{folder.name}.previous")
         hint = (f" ({aside} holds the checkpoint a save was replacing when it stopped)"
@@ -110,6 +113,10 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{folder}: no such checkpoint folder{hint}")
     meta_path = folder / META
     if not meta_path.is_file():
+        if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
+            raise CheckpointError(f"{folder}: holds model weights (a save_model export), not a training "
+                                  "checkpoint: load them with engine.from_pretrained(cls, path) or the "
+                                  "model's own from_pretrained; load_state reads what save_state wrote")
         raise CheckpointError(f"{folder}: no {META}: not a shardwise checkpoint, or a save that never "
                               "finished")
     try:
