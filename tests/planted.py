@@ -1604,3 +1604,13 @@ def _resume_counts_processes() -> None:
         load_state_dict.__wrapped__(self, {**state, "samples": state["samples"] * processes // ranks})  # type: ignore[attr-defined]
 
     _patch(PreparedDataLoader, "load_state_dict", load_state_dict)
+
+
+@fault("real_script_scheduler_once", row="diffusers' real `train_unconditional.py`",
+       test="tests/test_real_clients.py::test_planted_real_script_scheduler_once_is_caught")
+def _real_script_scheduler_once() -> None:
+    """A prepared scheduler steps once per `scheduler.step()`, where Accelerate's steps it once per
+    process (a script sizes its schedule from the unsplit DataLoader)."""
+    from shardwise.engine.loop_rules import LoopRules
+
+    _patch(LoopRules, "scheduler_steps_per_call", lambda self, world: 1)

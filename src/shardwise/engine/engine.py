@@ -597,6 +597,10 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         """Write the last metrics record, close the trackers and leave the process group
         (call once, at the end of the script)."""
         step = self.step if self._session is not None else 0
+        # every process's last heartbeat: a call the main process then makes alone (a script's
+        # sampling under `if accelerator.is_main_process:`) is seen as alone at once, not after
+        # the arrival wait (`distributed.arrival`)
+        self._supervisor.heartbeat("ending the run")
         self._checkpoints.wait()  # a checkpoint being written (checkpoint_async) completes first
         policy = self.config.checkpoint_every_steps or self.config.checkpoint_every_seconds
         if policy and step > 0 and not self._checkpoints.has_saved(step):  # (resumed at its last step: saved)
