@@ -1496,13 +1496,14 @@ def _first_replica_loads_alone() -> None:
 
     def load(parts: Any, folder: Any) -> Any:
         dims = parts.strategy.dims
+        if dims.dp_replicate == 1 or dist.get_rank() < dims.dp_shard:  # (the first group: ranks 0..G-1)
+            return load.__wrapped__(parts, folder)  # type: ignore[attr-defined]
         params = [p for m in parts.models for p in m.parameters()]
-        kept = [p.detach().clone() for p in params] if dist.get_rank() >= dims.dp_shard else None
+        kept = [p.detach().clone() for p in params]
         out = load.__wrapped__(parts, folder)  # type: ignore[attr-defined]
-        if kept is not None and dims.dp_replicate > 1:
-            with torch.no_grad():
-                for p, k in zip(params, kept):
-                    p.copy_(k)
+        with torch.no_grad():
+            for p, k in zip(params, kept):
+                p.copy_(k)
         return out
 
     _patch(manager.sharded, "load", load)

@@ -20,13 +20,14 @@ HERE = Path(__file__).parent / "accelerate_scripts"
 IMPORT = "from accelerate import Accelerator\n"
 
 
-def _swapped(name: str, tmp: Path) -> Path:
-    """The script with its one import line changed, and nothing else."""
-    original = (HERE / name).read_text()
-    assert original.count(IMPORT) == 1
-    ours = tmp / name
-    ours.write_text(original.replace(IMPORT, "from shardwise import Accelerator\n"))
-    return ours
+def _swapped(name: str, tmp: Path, folder: Path = HERE, line: str = IMPORT,
+             ours: str = "from shardwise import Accelerator\n") -> Path:
+    """The script `folder/name` with its one import `line` changed (to `ours`), and nothing else."""
+    original = (folder / name).read_text()
+    assert original.count(line) == 1
+    swapped = tmp / name
+    swapped.write_text(original.replace(line, ours))
+    return swapped
 
 
 def _results(out: Path) -> dict | None:

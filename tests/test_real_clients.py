@@ -30,6 +30,7 @@ import pytest
 import torch
 from planted import caught, fault_env
 from spawn import run_command
+from test_accelerate_scripts import _swapped as swapped
 
 pytest.importorskip("datasets")  # the script's data loading; installed by `make test` (the test extra)
 pytest.importorskip("diffusers")
@@ -65,12 +66,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _swapped(tmp: Path) -> Path:
     """The script with its one import line changed, and nothing else."""
-    original = SCRIPT.read_text()
-    assert original.count(IMPORT) == 1
-    ours = tmp / "train_unconditional.py"
-    ours.write_text(original.replace(IMPORT, "from accelerate import InitProcessGroupKwargs\n"
-                                             "from shardwise import Accelerator\n"))
-    return ours
+    return swapped(SCRIPT.name, tmp, SCRIPT.parent, IMPORT,
+                   "from accelerate import InitProcessGroupKwargs\nfrom shardwise import Accelerator\n")
 
 
 def _run(script: Path, root: Path, label: str, config: str | None = None,

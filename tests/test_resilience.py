@@ -133,13 +133,13 @@ def _stop(folder: Path, config: Path, how: str) -> tuple[int, subprocess.Complet
     return saved, (_run(config, folder) if how != "sigint twice" else None)  # (the same resume as SIGTERM's)
 
 
-def _signalled(folder: Path, config: Path, how: str,
-               planted_fault: str | None = None) -> tuple[int, str]:
+def _signalled(folder: Path, config: Path, how: str, planted_fault: str | None = None, *,
+               processes: int = 2, timeout: float = 90) -> tuple[int, str]:
     """Launched slowed down and signalled after 3 steps as `how` says: the exit status, stderr."""
     proc = _start_slow(config, folder, steps=3, planted_fault=planted_fault)
     found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {folder}"], check=False, capture_output=True, text=True)
     workers = [int(pid) for pid in found.stdout.split() if int(pid) != proc.pid]
-    assert len(workers) == 2, found.stdout
+    assert len(workers) == processes, found.stdout
     sig = signal.SIGINT if how == "sigint twice" else signal.SIGTERM
     if how == "everyone":  # SLURM's scancel / preemption, Kubernetes: every process at once
         for pid in [proc.pid, *workers]:
@@ -148,7 +148,7 @@ def _signalled(folder: Path, config: Path, how: str,
         proc.send_signal(sig)
         time.sleep(0.3)
         proc.send_signal(sig)
-    _, err = proc.communicate(timeout=90)
+    _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err
 
 

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from planted import caught
-from test_resilience import SCRIPT, _config, _identical, _result, _run, _start_slow
+from test_resilience import _config, _identical, _result, _run, _signalled, check_stop
 
 LAYOUTS = {
     "dp2xtp2_zero3": {"strategy": "zero3", "tensor_parallel_size": 2, "launch": {"num_processes": 4}},
@@ -45,25 +43,10 @@ def _saved_steps(folder: Path) -> list[int]:
 
 
 def _sigterm_everyone(config: Path, folder: Path, processes: int) -> int:
-    """Launch slowed down, SIGTERM the launcher and every worker at once after step 3; the step
-    the workers saved."""
-    proc = _start_slow(config, folder, steps=3)
-    found = subprocess.run(["pgrep", "-f", f"{SCRIPT} {folder}"], check=False, capture_output=True, text=True)
-    workers = [int(pid) for pid in found.stdout.split() if int(pid) != proc.pid]
-    assert len(workers) == processes, found.stdout
-    for pid in [proc.pid, *workers]:
-        os.kill(pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    steps = _saved_steps(folder)
-    assert steps and steps[-1] in (3, 4, 5), (steps, err[-3000:])
-    saved = steps[-1]
-    assert f"stopped after step {saved} (SIGTERM) with its checkpoint saved in " in err, err[-3000:]
-    assert "; exit code 75" in err and "forcefully exiting" not in err  # none was SIGKILLed
-    path = folder / "checkpoints" / f"step_{saved}"
-    assert f"shardwise launch: stopped by SIGTERM; the workers saved {path} (step {saved}) in " in err, \
-        err[-3000:]
-    return saved
+    """Launch slowed down, SIGTERM the launcher and every worker at once after step 3; check what
+    the stop left (`test_resilience.check_stop`); the step the workers saved."""
+    return check_stop(folder, "everyone", *_signalled(folder, config, "everyone", processes=processes,
+                                                       timeout=120))
 
 
 def _disk_full(config: Path, folder: Path, processes: int, saved: int) -> int:

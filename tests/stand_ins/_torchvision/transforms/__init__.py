@@ -81,22 +81,20 @@ class CenterCrop:
     def __init__(self, size: int | Sequence[int]) -> None:
         self.size = (size, size) if isinstance(size, int) else tuple(size)
 
-    def __call__(self, img: Any) -> Any:
-        w, h = _size(img)
-        th, tw = self.size
-        return _crop(img, round((h - th) / 2.0), round((w - tw) / 2.0), th, tw)
-
-
-class RandomCrop:
-    def __init__(self, size: int | Sequence[int]) -> None:
-        self.size = (size, size) if isinstance(size, int) else tuple(size)
+    def corner(self, spare_h: int, spare_w: int) -> tuple[int, int]:
+        """(top, left) of the crop, given the rows and columns it leaves out."""
+        return round(spare_h / 2.0), round(spare_w / 2.0)
 
     def __call__(self, img: Any) -> Any:
         w, h = _size(img)
         th, tw = self.size
-        top = int(torch.randint(0, h - th + 1, size=(1,)).item())
-        left = int(torch.randint(0, w - tw + 1, size=(1,)).item())
-        return _crop(img, top, left, th, tw)
+        return _crop(img, *self.corner(h - th, w - tw), th, tw)
+
+
+class RandomCrop(CenterCrop):
+    def corner(self, spare_h: int, spare_w: int) -> tuple[int, int]:
+        top = int(torch.randint(0, spare_h + 1, size=(1,)).item())
+        return top, int(torch.randint(0, spare_w + 1, size=(1,)).item())
 
 
 class RandomHorizontalFlip:
