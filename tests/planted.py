@@ -1615,3 +1615,29 @@ def _real_script_scheduler_once() -> None:
     from shardwise.engine.loop_rules import LoopRules
 
     _patch(LoopRules, "scheduler_steps_per_call", lambda self, world: 1)
+
+
+@fault("lone_ema_not_replayed", row="diffusers' real `train_unconditional.py`",
+       test="tests/test_real_clients.py::test_planted_lone_ema_not_replayed_is_caught")
+def _lone_ema_not_replayed() -> None:
+    """The processes that serve the main process's lone calls after `wait_for_everyone()` run its
+    forwards and gathers but not its EMA `store` / `copy_to` / `restore`: their shards keep the
+    training weights while the main process's hold the EMA's."""
+    from shardwise.engine.lone import LoneCalls
+
+    _patch(LoneCalls, "_replay", lambda self, journal: None)
+
+
+@fault("lone_done_drops_journal", row="the main process's calls alone after `wait_for_everyone()`",
+       test="tests/test_lone_calls.py::test_planted_lone_done_drops_journal_is_caught")
+def _lone_done_drops_journal() -> None:
+    """The main process ends its service ("done") without the EMA calls made since its last
+    served call: the other process never replays the `restore`, so its shard keeps the EMA."""
+    from shardwise.engine.lone import LoneCalls
+
+    def send(self: Any, command: tuple[Any, ...]) -> None:
+        if command[0] == "done":
+            self.journal.clear()
+        send.__wrapped__(self, command)  # type: ignore[attr-defined]
+
+    _patch(LoneCalls, "_send", send)

@@ -348,10 +348,11 @@ class Accelerator(ProcessHelpers):
         for obj in out if isinstance(out, tuple) else (out,):
             if isinstance(obj, nn.Module) and isinstance(obj, FSDPModule) and self.num_processes > 1 \
                     and not hasattr(obj, "_shardwise_solo"):
+                # read by the engine's forward hook, before FSDP's all-gather, for a no-grad forward
+                # that no wait_for_everyone() rendezvous settled (`engine.lone`)
                 check = SoloForwardCheck(self.num_processes, self.is_main_process,
                                          self.config.collective_timeout_s, lambda: self.step,
-                                         self.engine.others_moved_on)  # before FSDP's all-gather
-                obj.register_forward_pre_hook(check, prepend=True)
+                                         self.engine.others_moved_on)
                 object.__setattr__(obj, "_shardwise_solo", check)
         return out
 
@@ -465,6 +466,7 @@ class Accelerator(ProcessHelpers):
         if self.num_processes == 1:
             return input_data
         parts: list[Any] = [None] * self.num_processes
+        self.engine.meet("gather_for_metrics")
         with self.engine.timeouts():
             dist.all_gather_object(parts, input_data)
         flat = [x for part in parts for x in (part if isinstance(part, list) else [part])]
@@ -500,6 +502,7 @@ class Accelerator(ProcessHelpers):
         Accelerate refuses); `total_limit` removes only checkpoints this process wrote and only
         while they hold nothing but the checkpoint (others stay, with one warning)."""
         pc = self.project_configuration
+        self.engine.meet("save_state")  # after wait_for_everyone(): the main process's call is known first
         together = self._save_together()
         # ddp: a world-of-one checkpoint
         alone = contextlib.nullcontext() if together else world_of_one(self.engine)

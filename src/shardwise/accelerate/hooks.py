@@ -90,10 +90,12 @@ class StateHooks:
 
 
 class SoloForwardCheck:
-    """A forward pre-hook on a sharded model: a forward run without autograd (sampling,
-    evaluation) first checks that every process is in it, since its parameter all-gathers
-    need them all; alone, it refuses in one line instead of waiting in the all-gather forever.
-    Training forwards (autograd on) run in lockstep by construction and pay nothing."""
+    """On a sharded model, called by the engine's forward hook: a forward run without autograd
+    (sampling, evaluation) that no `wait_for_everyone()` rendezvous settled (`engine.lone`: after
+    one, the others serve the main process's lone forwards) first checks that every process is
+    in it, since its parameter all-gathers need them all; alone, it refuses in one line instead
+    of waiting in the all-gather forever. Training forwards (autograd on) run in lockstep by
+    construction and never come here."""
 
     def __init__(self, world: int, is_main: bool, wait_s: float, step: Callable[[], int],
                  moved_on: Callable[[], bool]) -> None:
@@ -108,7 +110,8 @@ class SoloForwardCheck:
                                 self.moved_on):
             raise RuntimeError(
                 f"a forward of the sharded {type(module).__name__.removeprefix('FSDP')} ran on one process "
-                "alone: its parameters are sharded across processes and gathered by all of them; run it on "
-                "every process (e.g. sample on each and keep the main process's images), or use a full "
+                "alone: its parameters are sharded across processes and gathered by all of them; call "
+                "accelerator.wait_for_everyone() on every process first (the others then run its forwards "
+                "with it), run it on every process, or use a full "
                 "copy: `state = accelerator.get_state_dict(model)` on every process, then load it into an "
                 "unsharded model")

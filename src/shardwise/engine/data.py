@@ -267,6 +267,7 @@ class PreparedDataLoader(DataLoader[Any]):
         seedable: bool = False,
         on_end: Callable[[PreparedDataLoader], None] | None = None,
         resume_draws: bool = False,
+        on_pass: Callable[[], None] | None = None,
     ) -> None:
         if base.batch_size is None:
             raise TypeError(
@@ -284,6 +285,7 @@ class PreparedDataLoader(DataLoader[Any]):
         self.device = device
         self._on_batch = on_batch
         self._on_end = on_end  # called when a loop over the loader ran to its end
+        self._on_pass = on_pass  # called as a pass starts, before its order is agreed (a collective)
         self.resume_draws = resume_draws  # a resumed pass draws its iterator seed, as Accelerate's does
         self._epoch: int | None = None
         self._iteration = 0
@@ -390,6 +392,8 @@ class PreparedDataLoader(DataLoader[Any]):
 
     # yields batches, as DataLoader's iterator does
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if self._on_pass is not None:
+            self._on_pass()
         epoch = self._iteration if self._epoch is None else self._epoch
         start, self._resume_at = self._resume_at, 0
         detached, self._detached = self._detached, False

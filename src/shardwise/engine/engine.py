@@ -48,10 +48,11 @@ from ..strategies.frozen import check_inference_models, for_inference
 from ..strategies.precision import check_device_supports
 from ..strategies.steps import model_parallel_trial
 from ..weights.adapters import attach_full_weights
-from ..weights.ema import PreparedEMA, adopt_at_first_step, bind, shard
+from ..weights.ema import PreparedEMA, adopt_at_first_step, bind, journal_calls, shard
 from . import boundary
 from .data import PreparedDataLoader, first_samples, move_to_device
 from .items import per_item
+from .lone import LoneCalls
 from .loop_rules import LoopRules
 from .loop_state import LoaderTracker, checkpoint_parts, config_from_code, kind_of, restore_loop_state
 from .models import ModelVerbs
@@ -122,6 +123,10 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self.scheduler: PreparedScheduler | None = None  # built from config.scheduler, if any
         self._supervisor = Supervisor(cfg.supervision, cfg.checkpointing, self._info)  # preemption, timeouts
         self._observer = Observer(cfg.observation, self._info)  # metrics, trackers, progress
+        # the main process's calls alone after wait_for_everyone(), served by the others (`engine.lone`)
+        self._lone = LoneCalls(self._info, cfg.collective_timeout_s,
+                               lambda: self._session.models if self._session is not None else [],
+                               lambda: self._emas, self.unwrap_model, self._whole_weights)
         # a batch counts once per group of processes that take the same samples (the layout's)
         self._observer.meter.same_samples = lambda: dims.non_data_parallel if (dims := self._dims()) else 1
         # between two optimizer steps, in this order (`shardwise.engine.boundary`)
@@ -231,13 +236,14 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         prepared = session.prepare(of["model"], of["optimizer"], of["scheduler"])
         for model in of["model"]:  # the heartbeat that says who did not arrive if a collective hangs
             ready = prepared[id(model)]
-            ready.register_forward_pre_hook(self._forward_started, prepend=True)
+            ready.register_forward_pre_hook(self._forward_started, prepend=True, with_kwargs=True)
             # its own save_pretrained, called on every process, gathers through this engine
             attach_full_weights(self.unwrap_model(ready), self._full_weights(ready))
         for ema in of["ema"]:  # an EMA of a prepared model: its shadows take the model's layout
             self._adopt_ema(ema)
             prepared[id(ema)] = ema
         adopt_at_first_step(self._adopt_ema_of)  # ... and one built before prepare, never passed to it
+        journal_calls(self._lone.record)  # EMA calls the others replay when they serve a lone call
         for loader in of["dataloader"]:
             prepared[id(loader)] = self._prepare_loader(loader)
             self._loaders.loaders.append(prepared[id(loader)])
@@ -284,6 +290,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             on_batch=self._on_batch, seed=seed, tail=rules.tail, split_batches=rules.split_batches,
             seedable=rules.seedable_sampler, resume_draws=rules.resume_draws,
             on_end=self._loaders.ended if rules.restore_outer_loader else None,
+            on_pass=lambda: self._lone.common("a DataLoader pass"),
         )
 
     def _build_from_config(self, model: nn.Module, loader: PreparedDataLoader | None) -> None:
@@ -338,6 +345,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def _boundary(self) -> None:
         """Once per optimizer step, before the next one's work: observation, supervision, the
         compile watch (`shardwise.engine.boundary`). Every process gets here."""
+        self._lone.common("a step boundary")
         if self._session is not None and self._session.models:
             self._boundary_hooks.reach(self._session.step_state.optimizer_steps)
 
@@ -364,11 +372,17 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             extra["tokens_per_expert"] = load
         return self.memory_report(), extra
 
-    def _forward_started(self, module: nn.Module, args: Any) -> None:
+    def _forward_started(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         # a training forward (every process runs it) is a boundary too: a loop with neither a
         # prepared DataLoader nor accumulate() reaches it only here (a no-op when it was reached)
         if torch.is_grad_enabled():
             self._boundary()
+        elif self._lone.sharded(module):  # maybe the main process's alone: served by the others, or checked
+            name = f"a no-grad forward of model {self._lone.index(module)}"
+            if not self._lone.maybe_alone(name, lambda: self._lone.forward_command(module, args, kwargs)):
+                solo = getattr(module, "_shardwise_solo", None)  # the Accelerator's arrival check
+                if solo is not None:
+                    solo(module, args)
         self._supervisor.heartbeat("in its forward")
 
     def save_policy_checkpoints_with(self, save: Callable[[], Path]) -> None:
@@ -444,6 +458,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     # -- collectives ------------------------------------------------------------------------
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (in nested dicts/lists too) from every process along dim 0."""
+        self._lone.common("gather")
         dims = self._dims()
         keep = None if dims is None or dims.non_data_parallel == 1 else dims.leaders()
         with self._supervisor.timeouts():
@@ -463,6 +478,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         """Sum, mean, max or min of tensors across processes."""
         check_reduction(reduction)
+        self._lone.common("reduce")
         dims = self._dims()
         copies = 1 if dims is None else dims.non_data_parallel  # (processes taking the same samples)
         with self._supervisor.timeouts():
@@ -514,6 +530,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         `checkpoint_async`: the state is copied to host memory and this returns; the folder (and
         `latest`) appear once a writer thread has written it (`shardwise.checkpoint.background`).
         """
+        self._lone.common("save_state")
         with self._supervisor.timeouts():
             report = self._checkpoints.save(self._checkpoint_parts(), self.step,
                                             Path(output_dir) if output_dir is not None else None,
@@ -535,6 +552,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         optimizers, schedulers and DataLoaders first; the next batch is the one that would have
         come after the save.
         """
+        self._lone.common("load_state")
         with self._supervisor.timeouts():
             loaded = self._checkpoints.load(self._checkpoint_parts, input_dir)
         if loaded is None:
@@ -601,6 +619,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         # sampling under `if accelerator.is_main_process:`) is seen as alone at once, not after
         # the arrival wait (`distributed.arrival`)
         self._supervisor.heartbeat("ending the run")
+        self._lone.common("end_training")
         self._checkpoints.wait()  # a checkpoint being written (checkpoint_async) completes first
         policy = self.config.checkpoint_every_steps or self.config.checkpoint_every_seconds
         if policy and step > 0 and not self._checkpoints.has_saved(step):  # (resumed at its last step: saved)

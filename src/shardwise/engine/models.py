@@ -19,6 +19,7 @@ from ..weights.ema import PreparedEMA, shard, whole_on_main
 from ..weights.export import find_aliases
 from ..weights.loading import Pretrained, check_source
 from ..weights.materialize import init_empty
+from .lone import LoneCalls
 from .session import PRETRAINED, Session
 
 
@@ -29,6 +30,7 @@ class ModelVerbs:
     _pretrained_saves: dict[int, int]  # save_pretrained calls at the current step (arrival keys)
     noun: str  # what the user calls this object in messages: "engine" (or "accelerator")
     _emas: list[PreparedEMA]  # EMAs passed to prepare
+    _lone: LoneCalls  # the main process's calls alone after a barrier, served by the others
 
     @property
     def session(self) -> Session:
@@ -123,6 +125,11 @@ class ModelVerbs:
         """Full, unsharded weights as CPU tensors on the main process; `{}` on the others.
         Tied parameters are one tensor under each of their names, as in the model (so
         transformers' `save_pretrained` writes them once). A collective: call it on every process."""
+        self._lone.common("get_state_dict")
+        return self._whole_weights(model)
+
+    def _whole_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """`get_state_dict` inside a call (a save, a lone `save_pretrained` the others serve)."""
         state = self.session.strategy.full_state_dict(model)
         for alias, first in find_aliases(self.unwrap_model(model)).items():
             if first in state:
@@ -133,11 +140,14 @@ class ModelVerbs:
         """Where the prepared `model`'s own save_pretrained gets its weights (`adapters`)."""
 
         def together() -> bool:
+            index = self._lone.index(model)
+            if self._lone.maybe_alone(f"save_pretrained of model {index}", lambda: ("gather", index)):
+                return True  # after wait_for_everyone(): made together, or served by the others
             return arrived_together(self._pretrained_saves, "save_pretrained", self.step, self.num_processes,
                                     self.is_main_process, self.config.collective_timeout_s,
                                     self.others_moved_on)
 
-        return FullWeights(lambda: self.get_state_dict(model), together, self.noun, self.process_index)
+        return FullWeights(lambda: self._whole_weights(model), together, self.noun, self.process_index)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
                    max_shard_size: int | str = "5GB",
@@ -148,10 +158,11 @@ class ModelVerbs:
         merged full model. Only those files are written or replaced; each is staged beside the
         folder and renamed in, the top file last; checksums: `shardwise verify DIR`. A collective.
         """
+        self._lone.common("save_model")
         target = Path(save_directory)
         # checked (and agreed on) before the gather
         agree(save_problem(self.unwrap_model(model), target, merge_adapters, self.is_main_process))
-        state = self.get_state_dict(model)
+        state = self._whole_weights(model)
         problem = None
         if self.is_main_process:
             try:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..distributed.world import DistInfo
 from ..runtime.supervision import Supervisor
+from .lone import LoneCalls
 
 
 class ProcessVerbs:
@@ -20,6 +21,7 @@ class ProcessVerbs:
 
     _info: DistInfo
     _supervisor: Supervisor
+    _lone: LoneCalls
 
     @property
     def device(self) -> torch.device:
@@ -50,9 +52,11 @@ class ProcessVerbs:
             print(*args, **kwargs)
 
     def wait_for_everyone(self) -> None:
+        self._lone.common("wait_for_everyone")
         # moved on, for a call the main process makes alone
         self._supervisor.heartbeat("waiting for everyone")
         dist.barrier()
+        self._lone.after_barrier()  # the next call meets the main process's (`engine.lone`)
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
@@ -65,6 +69,12 @@ class ProcessVerbs:
     def timeouts(self) -> contextlib.AbstractContextManager[None]:
         """Inside, a collective that outlasts `collective_timeout_s` raises, naming who is late."""
         return self._supervisor.timeouts()
+
+    def meet(self, event: str) -> None:
+        """A collective every process makes now, issued by the caller itself (`event` names it):
+        after `wait_for_everyone()` it first meets the main process's next call, and serves it
+        when that is a call the main process makes alone (`engine.lone`)."""
+        self._lone.common(event)
 
     def others_moved_on(self) -> bool:
         """The other processes' heartbeats are ahead of this one's (it makes a call alone)."""

@@ -75,6 +75,7 @@ def bind(ema: Any, models: Sequence[nn.Module]) -> PreparedEMA:
 # per process, and such an EMA is handed, at its first step on sharded parameters, to the engine
 # that prepared them (`adopt_at_first_step`); module-level, as the class it wraps is
 _ADOPTERS: list[weakref.WeakMethod[Callable[[Any, list[torch.Tensor]], bool]]] = []
+_RECORDERS: list[weakref.WeakMethod[Callable[[Any, str, list[torch.Tensor]], None]]] = []
 _WRAPPED: set[type] = set()
 
 
@@ -85,6 +86,34 @@ def adopt_at_first_step(adopt: Callable[[Any, list[torch.Tensor]], bool]) -> Non
     be imported already (its scripts import EMAModel before `prepare`); nothing is imported here."""
     if not any(ref() == adopt for ref in _ADOPTERS):
         _ADOPTERS.append(weakref.WeakMethod(adopt))
+    _wrap_diffusers()
+
+
+def journal_calls(record: Callable[[Any, str, list[torch.Tensor]], None]) -> None:
+    """`record(ema, method, params)` (an engine's bound method) hears every `store`, `copy_to`
+    and `restore` of diffusers' EMAModel objects, before it runs (`engine.lone`: the main
+    process's calls, replayed by the processes that serve its lone calls)."""
+    if not any(ref() == record for ref in _RECORDERS):
+        _RECORDERS.append(weakref.WeakMethod(record))
+    _wrap_diffusers()
+
+
+def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def call(self: Any, parameters: Any) -> Any:
+        params = list(parameters)
+        for ref in list(_RECORDERS):
+            fn = ref()
+            if fn is not None:
+                fn(self, name, params)
+        return original(self, params)
+
+    return call
+
+
+def _wrap_diffusers() -> None:
+    """diffusers' EMAModel, once per process: `step` adopts (`adopt_at_first_step`), `store`,
+    `copy_to` and `restore` are heard (`journal_calls`)."""
     module = sys.modules.get("diffusers.training_utils")
     cls = getattr(module, "EMAModel", None)
     if cls is None or cls in _WRAPPED:
@@ -103,6 +132,8 @@ def adopt_at_first_step(adopt: Callable[[Any, list[torch.Tensor]], bool]) -> Non
         return original(self, params)
 
     cls.step = step
+    for name in ("store", "copy_to", "restore"):
+        setattr(cls, name, _recorded(name, getattr(cls, name)))
     _WRAPPED.add(cls)
 
 

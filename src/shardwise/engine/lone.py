@@ -1,0 +1,266 @@
+"""Calls the main process makes alone after `wait_for_everyone()`, served by the others.
+
+diffusers' `train_unconditional.py`, like many scripts written for Accelerate, ends each epoch
+with `accelerator.wait_for_everyone()` and then, under `if accelerator.is_main_process:`, swaps
+its EMA weights into the model, samples with it and saves it. On a model whose parameters are
+sharded across processes (zero3, hybrid) every forward all-gathers each layer from every
+process, and `save_pretrained` gathers the weights: alone, the main process would wait for the
+others forever. Here the others serve those calls.
+
+**The rendezvous.** After each `wait_for_everyone()` barrier, every process's next call of a
+kind that involves the others (its "event": a pass of a prepared DataLoader, a step boundary, a
+training forward, a no-grad forward or a `save_pretrained` of a sharded model, `gather`,
+`reduce`, `save_state`, `wait_for_everyone`, `end_training`) meets the main process's: each
+other process posts which event it is at in the process group's store and waits for the main
+process's word. The main process, at its own next event:
+- one the others make too (a training forward, a boundary, ...): the word is "together";
+- a no-grad forward or a `save_pretrained` of a sharded model: "together" when every other
+  process posted the same call (an evaluation every process runs), else "serve".
+
+**Serving.** Until the main process reaches an event the others make too, each of its
+no-grad forwards and `save_pretrained` gathers of a sharded model is sent to the others
+(`broadcast_object_list` on a gloo group of its own, so it never interleaves with the
+training's collectives) and run by them as well, so every collective of it is matched:
+- a forward with the main process's inputs (as CPU tensors) and modules' train/eval modes,
+  under no_grad, with the others' random state kept (`fork_rng`); its output is dropped;
+- a gather of the whole weights (`Engine.get_state_dict`; the main process writes);
+- before each, the EMA calls the main process made since the barrier (diffusers' `EMAModel`
+  `store`, `copy_to`, `restore` on a prepared model's parameters, `weights.ema`) are replayed:
+  the EMA weights the main process copied into its shards must be in the others' shards too.
+At its next event the others make too, the main process sends "done" (after its last EMA
+calls, a `restore`) and every process goes on with that event.
+
+Cost: one store round trip per process at the first event after each barrier, and only while
+some prepared model holds a shard (under ddp and zero1/2 nothing changes: a lone call there
+runs alone). Limits: the lone calls are told from the others' by what the others are at; when
+they are at the same kind of call (a no-grad forward of the same model), the main process's
+lone forward counts as theirs, as it did before. A lone call's other changes to the model on the
+main process (an in-place edit of its own parameters) are not mirrored, only the EMA calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed.internals import default_store, is_sharded
+from ..distributed.world import DistInfo, new_background_group
+from ..runtime.supervision import say
+from ..weights.ema import PreparedEMA
+
+_KEY = "shardwise/lone"
+_POLL_S = 0.002
+
+
+class LoneCalls:
+    """One engine's rendezvous after barriers and its serving of the main process's lone calls
+    (see the module). `models()`: the prepared models; `emas()`: the EMAs that follow them;
+    `unwrap(model)`: its module; `gather(model)`: its whole weights (a collective)."""
+
+    def __init__(self, info: DistInfo, wait_s: float, models: Callable[[], list[nn.Module]],
+                 emas: Callable[[], list[PreparedEMA]], unwrap: Callable[[nn.Module], nn.Module],
+                 gather: Callable[[nn.Module], Any]) -> None:
+        self.info, self.wait_s = info, wait_s
+        self.models, self.emas, self.unwrap, self.gather = models, emas, unwrap, gather
+        self.barriers = 0  # wait_for_everyone barriers passed (the same count on every process)
+        self.armed = False  # after a barrier, until this process's first event
+        self.serving = False  # the main process: the others run its calls
+        self.replaying = False  # another process: inside a call it serves
+        self.journal: list[tuple[int, str, int]] = []  # main: (EMA, method, model) since the barrier
+        self._calls: dict[str, int] = {}  # the main process: calls sent in this service, by kind
+        self._group: dist.ProcessGroup | None = None
+
+    # -- the events ---------------------------------------------------------------------------
+    def after_barrier(self) -> None:
+        """Every process, after `wait_for_everyone`'s barrier: its next event meets the main
+        process's. (A collective the first time: the serving group is made here.)"""
+        self.barriers += 1
+        self.journal.clear()
+        self.armed = self.info.world_size > 1 and dist.is_initialized() and any(
+            self.sharded(m) for m in self.models())
+        if not self.armed:
+            return
+        if self._group is None:
+            self._group = new_background_group()
+        if self.info.is_main and self.barriers > 1:  # every process read the last barrier's keys
+            store, n = default_store(), self.barriers - 1
+            for key in [f"{_KEY}/{n}", *(f"{_KEY}/{n}/{r}" for r in range(1, self.info.world_size))]:
+                with contextlib.suppress(Exception):
+                    store.delete_key(key)
+
+    def common(self, event: str) -> None:
+        """An event every process makes (a training forward, a boundary, a loader's pass, a
+        collective, a save, the end): the main process ends its service or says "together";
+        another process at its first event since the barrier serves the main process if told."""
+        if self.info.is_main:
+            if self.serving:
+                self.serving = False
+                self._send(("done",))
+                say(self.info, f"the main process's {self._counts()} alone after wait_for_everyone(): the "
+                    f"other processes ran them with it, until {event}")
+                self._calls.clear()
+            elif self.armed:
+                default_store().set(f"{_KEY}/{self.barriers}", "together")
+            self.armed = False
+            self.journal.clear()
+        elif self.armed:
+            self.armed = False
+            if self._word(event) == "serve":
+                self._serve()
+
+    def maybe_alone(self, event: str, command: Callable[[], tuple[Any, ...]]) -> bool:
+        """A call the main process may make alone (a no-grad forward or a `save_pretrained` of a
+        sharded model; `command()` says how the others run it, made only to be sent). True:
+        decided here (made together, or served: on the main process, the command was sent);
+        False: no rendezvous is pending, the caller's own check decides."""
+        if self.replaying:
+            return True
+        if self.info.is_main:
+            if self.serving:
+                self._send(command())
+                return True
+            if not self.armed:
+                return False
+            self.armed = False
+            alone = self._others_elsewhere(event)
+            default_store().set(f"{_KEY}/{self.barriers}", "serve" if alone else "together")
+            if alone:
+                self.serving = True
+                self._send(command())
+            else:
+                self.journal.clear()
+            return True
+        if not self.armed:
+            return False
+        self.armed = False
+        if self._word(event) == "serve":
+            self._serve()
+            return False  # after the service, this call is this process's own
+        return True
+
+    def record(self, ema: Any, method: str, params: list[torch.Tensor]) -> None:
+        """An EMA `store` / `copy_to` / `restore` on `params` (`weights.ema.journal_calls`):
+        kept on the main process between a barrier and its decision, or while served."""
+        if not self.info.is_main or not (self.armed or self.serving) or not params:
+            return
+        which = [i for i, p in enumerate(self.emas()) if p.ema is ema]
+        model = [j for j, m in enumerate(self.models())
+                 if next(iter(self.unwrap(m).parameters()), None) is params[0]]
+        if which and model:
+            self.journal.append((which[0], method, model[0]))
+
+    def forward_command(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:
+        """What the others run for the main process's forward of `module` (a prepared model)."""
+        cpu = _moved((args, kwargs), lambda t: t.detach().cpu())
+        modes = [m.training for m in module.modules()]
+        return ("forward", self.index(module), cpu, modes)
+
+    @staticmethod
+    def sharded(module: nn.Module) -> bool:
+        """Some parameter of `module` (a prepared model) is held in part by each process, so a
+        forward of it is a collective."""
+        return any(is_sharded(p) for p in module.parameters())
+
+    def index(self, module: nn.Module) -> int:
+        return next(i for i, m in enumerate(self.models()) if m is module)
+
+    # -- the store and the channel ------------------------------------------------------------
+    def _word(self, event: str) -> str:
+        """Another process: post `event` and wait for the main process's word."""
+        store, n = default_store(), self.barriers
+        store.set(f"{_KEY}/{n}/{self.info.rank}", event)
+        start = time.monotonic()
+        while not store.check([f"{_KEY}/{n}"]):
+            if time.monotonic() - start > self.wait_s:
+                raise RuntimeError(
+                    f"{event}: waited {self.wait_s:.0f} s after wait_for_everyone() for the main process to "
+                    "reach a call of the model or a collective (collective_timeout_s)")
+            time.sleep(_POLL_S)
+        return store.get(f"{_KEY}/{n}").decode()
+
+    def _others_elsewhere(self, event: str) -> bool:
+        """The main process at a call it may make alone: whether some other process is at
+        another event (so the call is the main process's alone)."""
+        store, n = default_store(), self.barriers
+        keys = [f"{_KEY}/{n}/{r}" for r in range(1, self.info.world_size)]
+        start = time.monotonic()
+        while not store.check(keys):
+            if time.monotonic() - start > self.wait_s:
+                late = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+                raise RuntimeError(
+                    f"{event} on the main process: process(es) {', '.join(late)} reached no call of the "
+                    f"model or collective within {self.wait_s:.0f} s after wait_for_everyone() "
+                    "(collective_timeout_s)")
+            time.sleep(_POLL_S)
+        return any(store.get(k).decode() != event for k in keys)
+
+    def _send(self, command: tuple[Any, ...]) -> None:
+        """The main process: the EMA calls since the last command, then `command`, to the others."""
+        box: list[Any] = [(list(self.journal), command)]
+        self.journal.clear()
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        if command[0] != "done":
+            self._calls[command[0]] = self._calls.get(command[0], 0) + 1
+
+    def _counts(self) -> str:
+        forwards, gathers = self._calls.get("forward", 0), self._calls.get("gather", 0)
+        said = [f"{forwards} no-grad forward(s)" if forwards else "",
+                f"{gathers} save_pretrained gather(s)" if gathers else ""]
+        return " and ".join(x for x in said if x)
+
+    def _serve(self) -> None:
+        """Another process: run the main process's calls until it says "done"."""
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=self._group)
+            journal, command = box[0]
+            self.replaying = True
+            try:
+                self._replay(journal)
+                if command[0] == "done":
+                    return
+                self._run(command)
+            finally:
+                self.replaying = False
+
+    def _replay(self, journal: list[tuple[int, str, int]]) -> None:
+        emas, models = self.emas(), self.models()
+        for which, method, model in journal:
+            getattr(emas[which].ema, method)(list(self.unwrap(models[model]).parameters()))
+
+    def _run(self, command: tuple[Any, ...]) -> None:
+        model = self.models()[command[1]]
+        if command[0] == "gather":
+            self.gather(model)
+            return
+        _, _, (args, kwargs), modes = command
+        device = self.info.device
+        args, kwargs = _moved((args, kwargs), lambda t: t.to(device))
+        modules = list(model.modules())
+        before = [m.training for m in modules]
+        for m, mode in zip(modules, modes):
+            m.training = mode
+        devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                model(*args, **kwargs)
+        finally:
+            for m, mode in zip(modules, before):
+                m.training = mode
+
+
+def _moved(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` applied to every tensor inside dicts, lists and tuples; anything else as it is."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)({k: _moved(v, fn) for k, v in data.items()})
+    if type(data) in (list, tuple):
+        return type(data)(_moved(v, fn) for v in data)
+    return data

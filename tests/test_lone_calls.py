@@ -1,0 +1,140 @@
+"""The main process's calls alone after `wait_for_everyone()`, served by the others
+(`shardwise.engine.lone`), on a zero3 `Engine` at 2 processes, against one plain process.
+
+One run makes, in order:
+1. 2 training steps, then `wait_for_everyone()`; the main process alone runs two no-grad
+   forwards while the other process is already at a `gather` (a collective it makes with the
+   main process next): served, the outputs are the plain model's at that point;
+2. 2 more training steps (the losses stay the plain run's: serving changed no weight, no RNG);
+3. `wait_for_everyone()`, then a no-grad forward on every process (an evaluation): together,
+   nothing served;
+4. `wait_for_everyone()`, then the main process alone sets its EMA-like copy: a diffusers
+   `EMAModel` built before `prepare` (adopted at its first step), `store`/`copy_to`, a forward,
+   `restore`, while the other process is at `get_state_dict`: the forward gives the plain EMA's
+   output (the other process replayed the copy into its shard), and the gathered weights after
+   `restore` are the trained ones, not the EMA's.
+A lone forward with no barrier before it stays refused in one line (`test_accelerate_diffusers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from planted import caught, planted
+from spawn import spawn
+
+pytest.importorskip("diffusers")
+
+STEPS = 4
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def _data() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 6, generator=g) for _ in range(2 * STEPS + 3)]
+
+
+def _served_run() -> dict[str, Any]:
+    from diffusers.training_utils import EMAModel
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True)
+    model = _model()
+    ema = EMAModel(model.parameters(), decay=0.5)  # diffusers' order: before prepare, never passed to it
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model, opt = engine.prepare(model, opt)
+    data, rank, main = _data(), engine.process_index, engine.is_main_process
+    out: dict[str, Any] = {"losses": []}
+
+    def train(i: int) -> None:
+        loss = model(data[2 * i + rank]).pow(2).mean()
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ema.step(model.parameters())
+        out["losses"].append(engine.reduce(loss.detach(), "mean").item())
+
+    for i in range(2):
+        train(i)
+    engine.wait_for_everyone()
+    if main:
+        with torch.no_grad():
+            out["lone"] = [model(data[-1]).clone() for _ in range(2)]
+    out["gathered"] = engine.gather(torch.tensor([rank])).tolist()
+    for i in range(2, STEPS):
+        train(i)
+    engine.wait_for_everyone()
+    with torch.no_grad():
+        out["together"] = model(data[-2]).clone()
+    engine.wait_for_everyone()
+    if main:
+        ema.store(model.parameters())
+        ema.copy_to(model.parameters())
+        with torch.no_grad():
+            out["lone_ema"] = model(data[-3]).clone()
+        ema.restore(model.parameters())
+    out["weights"] = engine.get_state_dict(model)
+    return out
+
+
+def _plain() -> dict[str, Any]:
+    """One process: each step's loss is the mean over both processes' batches."""
+    from diffusers.training_utils import EMAModel
+
+    model = _model()
+    ema = EMAModel(model.parameters(), decay=0.5)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    data = _data()
+    out: dict[str, Any] = {"losses": []}
+    for i in range(STEPS):
+        loss = (model(data[2 * i]).pow(2).mean() + model(data[2 * i + 1]).pow(2).mean()) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ema.step(model.parameters())
+        out["losses"].append(loss.item())
+        with torch.no_grad():
+            if i == 1:
+                out["lone"] = model(data[-1])
+            if i == STEPS - 1:
+                out["together"] = model(data[-2])
+                ema.store(model.parameters())
+                ema.copy_to(model.parameters())
+                out["lone_ema"] = model(data[-3])
+                ema.restore(model.parameters())
+    out["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def check_served(runs: list[dict[str, Any]], plain: dict[str, Any]) -> None:
+    main = runs[0]
+    for a, b in zip(main["losses"], plain["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (main["losses"], plain["losses"])
+    assert [torch.allclose(x, plain["lone"], rtol=1e-5, atol=1e-6) for x in main["lone"]] == [True, True]
+    assert main["gathered"] == runs[1]["gathered"] == [0, 1]
+    for run in runs:
+        torch.testing.assert_close(run["together"], plain["together"], rtol=1e-5, atol=1e-6)
+    # the EMA copied into the main process's shard alone was copied into the other's too, and restored
+    torch.testing.assert_close(main["lone_ema"], plain["lone_ema"], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(plain["lone_ema"], plain["together"], atol=1e-3)  # (the EMA is not the model)
+    assert main["weights"].keys() == plain["weights"].keys()
+    for name, want in plain["weights"].items():  # after restore: the trained weights on every shard
+        worst = (main["weights"][name] - want).abs().max().item()
+        assert worst <= 2e-5, f"{name}: {worst:.2e} from the plain run's after restore (a shard kept the EMA)"
+
+
+def test_lone_forwards_after_a_barrier_are_served() -> None:
+    check_served(spawn(_served_run, 2, timeout=300), _plain())
+
+
+def test_planted_lone_done_drops_journal_is_caught() -> None:
+    """`lone_done_drops_journal`: the service ends without the main process's last EMA call (its
+    `restore`): the other process's shard keeps the EMA weights, and the gathered model is half EMA."""
+    caught(check_served, spawn(planted(_served_run, "lone_done_drops_journal"), 2, timeout=300), _plain())
