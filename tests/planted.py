@@ -1430,12 +1430,20 @@ def _optimizer_bound_by_name() -> None:
        test="tests/test_launch.py::test_planted_joins_share_keys_is_caught")
 def _joins_share_keys() -> None:
     """Every join of a process group within a process uses the store keys of the first (the join
-    count never moves): a later Engine's rendezvous can read the previous group's addresses."""
+    count never moves): a later Engine's rendezvous can read the previous group's addresses. It
+    reads them when another process reaches the join first, a race; so that the fault shows on
+    every run, process 0 comes to each later join 3 s after the others (on a lucky run without
+    the delay, process 0 overwrote its address before the other read it, and nothing hung)."""
     from shardwise.distributed import world
 
-    def join_store(*args: Any, **kwargs: Any) -> Any:
+    joined = [0]
+
+    def join_store(rank: int, *args: Any, **kwargs: Any) -> Any:
+        if rank == 0 and joined[0]:
+            time.sleep(3)
+        joined[0] += 1
         world._JOINS[0] = 0
-        return join_store.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+        return join_store.__wrapped__(rank, *args, **kwargs)  # type: ignore[attr-defined]
 
     _patch(world, "_join_store", join_store)
 

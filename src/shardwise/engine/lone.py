@@ -35,7 +35,10 @@ some prepared model holds a shard (under ddp and zero1/2 nothing changes: a lone
 runs alone). Limits: the lone calls are told from the others' by what the others are at; when
 they are at the same kind of call (a no-grad forward of the same model), the main process's
 lone forward counts as theirs, as it did before. A lone call's other changes to the model on the
-main process (an in-place edit of its own parameters) are not mirrored, only the EMA calls.
+main process (an in-place edit of its own parameters) are not mirrored, only the EMA calls. A
+lone `generate` of a transformers model is not served: FSDP2 gathers the root's parameters for
+the whole generation before its first forward, so it waits as before (run `generate` on every
+process; `strategies.direct_calls`).
 """
 
 from __future__ import annotations
