@@ -13,21 +13,29 @@ One run makes, in order:
    `restore`, while the other process is at `get_state_dict`: the forward gives the plain EMA's
    output (the other process replayed the copy into its shard), and the gathered weights after
    `restore` are the trained ones, not the EMA's.
+5. (a launched script) the main process's `save_pretrained` alone after `wait_for_everyone()`, at
+   the end of a script that never calls `end_training()`: the other process serves it at its
+   interpreter's exit.
 A lone forward with no barrier before it stays refused in one line (`test_accelerate_diffusers`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from planted import caught, planted
-from spawn import spawn
+from spawn import run_command, spawn
 
 pytest.importorskip("diffusers")
 
 STEPS = 4
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _model() -> torch.nn.Module:
@@ -138,3 +146,27 @@ def test_planted_lone_done_drops_journal_is_caught() -> None:
     """`lone_done_drops_journal`: the service ends without the main process's last EMA call (its
     `restore`): the other process's shard keeps the EMA weights, and the gathered model is half EMA."""
     caught(check_served, spawn(planted(_served_run, "lone_done_drops_journal"), 2, timeout=300), _plain())
+
+
+def test_a_lone_save_pretrained_at_the_end_of_a_script_is_served_at_its_exit(tmp_path: Path) -> None:
+    """tests/scripts/lone_save_at_exit.py under torchrun: the main process's `save_pretrained`
+    alone after `wait_for_everyone()`, the other process already at its interpreter's exit (no
+    `end_training()`): served there; the saved folder is the gathered weights, bit for bit."""
+    from transformers import GPT2LMHeadModel
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPTS / "lone_save_at_exit.py"), "--out", str(tmp_path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env.pop("SHARDWISE_CONFIG", None)
+    start = time.monotonic()
+    proc = run_command(cmd, cwd=tmp_path, env=env, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert time.monotonic() - start < 60, log[-4000:]  # no wait for a timeout
+    said = [ln for ln in log.splitlines() if ln.startswith("shardwise: the main process's 1 save_pretrained "
+                                                          "gather(s) alone after wait_for_everyone()")]
+    assert len(said) == 1 and said[0].endswith("until the end of the script"), log[-4000:]
+    gathered = torch.load(tmp_path / "gathered.pt")
+    saved = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).state_dict()
+    for name, tensor in gathered.items():
+        assert torch.equal(saved[name], tensor), name

@@ -13,6 +13,7 @@ file name of checkpoint format 1).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -127,6 +128,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._lone = LoneCalls(self._info, cfg.collective_timeout_s,
                                lambda: self._session.models if self._session is not None else [],
                                lambda: self._emas, self.unwrap_model, self._whole_weights)
+        atexit.register(self._lone.at_exit)  # a script's end is a call every process makes
         # a batch counts once per group of processes that take the same samples (the layout's)
         self._observer.meter.same_samples = lambda: dims.non_data_parallel if (dims := self._dims()) else 1
         # between two optimizer steps, in this order (`shardwise.engine.boundary`)
@@ -378,11 +380,13 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if torch.is_grad_enabled():
             self._boundary()
         elif self._lone.sharded(module):  # maybe the main process's alone: served by the others, or checked
-            name = f"a no-grad forward of model {self._lone.index(module)}"
-            if not self._lone.maybe_alone(name, lambda: self._lone.forward_command(module, args, kwargs)):
-                solo = getattr(module, "_shardwise_solo", None)  # the Accelerator's arrival check
-                if solo is not None:
-                    solo(module, args)
+            index = self._lone.index(module)
+            served = index is not None and self._lone.maybe_alone(
+                f"a no-grad forward of model {index}",
+                lambda: self._lone.forward_command(module, args, kwargs))
+            solo = getattr(module, "_shardwise_solo", None)  # the Accelerator's arrival check
+            if not served and solo is not None:
+                solo(module, args)
         self._supervisor.heartbeat("in its forward")
 
     def save_policy_checkpoints_with(self, save: Callable[[], Path]) -> None:

@@ -10,7 +10,8 @@ others forever. Here the others serve those calls.
 **The rendezvous.** After each `wait_for_everyone()` barrier, every process's next call of a
 kind that involves the others (its "event": a pass of a prepared DataLoader, a step boundary, a
 training forward, a no-grad forward or a `save_pretrained` of a sharded model, `gather`,
-`reduce`, `save_state`, `wait_for_everyone`, `end_training`) meets the main process's: each
+`reduce`, `get_state_dict`, `save_model`, `save_state`, `load_state`, `wait_for_everyone`,
+`end_training`, the interpreter's exit) meets the main process's: each
 other process posts which event it is at in the process group's store and waits for the main
 process's word. The main process, at its own next event:
 - one the others make too (a training forward, a boundary, ...): the word is "together";
@@ -117,6 +118,14 @@ class LoneCalls:
             if self._word(event) == "serve":
                 self._serve()
 
+    def at_exit(self) -> None:
+        """The interpreter's exit (registered by the engine with `atexit`) is an event too: a
+        script that ends without `end_training()` right after `wait_for_everyone()` while the
+        main process saves alone (`if accelerator.is_main_process: model.save_pretrained(...)`)
+        is served there. Nothing happens unless a rendezvous or a service is pending."""
+        if (self.armed or self.serving) and dist.is_initialized():
+            self.common("the end of the script")
+
     def maybe_alone(self, event: str, command: Callable[[], tuple[Any, ...]]) -> bool:
         """A call the main process may make alone (a no-grad forward or a `save_pretrained` of a
         sharded model; `command()` says how the others run it, made only to be sent). True:
@@ -162,7 +171,7 @@ class LoneCalls:
         """What the others run for the main process's forward of `module` (a prepared model)."""
         cpu = _moved((args, kwargs), lambda t: t.detach().cpu())
         modes = [m.training for m in module.modules()]
-        return ("forward", self.index(module), cpu, modes)
+        return ("forward", self.index(module), cpu, modes)  # (a prepared model: `index` is known)
 
     @staticmethod
     def sharded(module: nn.Module) -> bool:
@@ -170,8 +179,10 @@ class LoneCalls:
         forward of it is a collective."""
         return any(is_sharded(p) for p in module.parameters())
 
-    def index(self, module: nn.Module) -> int:
-        return next(i for i, m in enumerate(self.models()) if m is module)
+    def index(self, module: nn.Module) -> int | None:
+        """`module`'s place among the prepared models (None: not one of them, e.g. after
+        `free_memory`)."""
+        return next((i for i, m in enumerate(self.models()) if m is module), None)
 
     # -- the store and the channel ------------------------------------------------------------
     def _word(self, event: str) -> str:

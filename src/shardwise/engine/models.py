@@ -141,7 +141,8 @@ class ModelVerbs:
 
         def together() -> bool:
             index = self._lone.index(model)
-            if self._lone.maybe_alone(f"save_pretrained of model {index}", lambda: ("gather", index)):
+            if index is not None and self._lone.maybe_alone(f"save_pretrained of model {index}",
+                                                            lambda: ("gather", index)):
                 return True  # after wait_for_everyone(): made together, or served by the others
             return arrived_together(self._pretrained_saves, "save_pretrained", self.step, self.num_processes,
                                     self.is_main_process, self.config.collective_timeout_s,
