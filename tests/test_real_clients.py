@@ -97,12 +97,18 @@ def _run(script: Path, root: Path, label: str, config: str | None = None,
 
 def _logged(out: Path) -> dict[str, list[tuple[int, float]]]:
     """What the script logged to tensorboard (the main process's tracker): tag -> (step, value)."""
+    acc = _events(out)
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in ("loss", "lr", "ema_decay")}
+
+
+def _events(out: Path) -> Any:
+    """The main process's tensorboard events, read whole (its scalars and every image)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = glob.glob(str(out / "logs" / "**" / "events.out.tfevents.*"), recursive=True)
-    acc = EventAccumulator(events)
+    acc = EventAccumulator(events, size_guidance={"images": 0})
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in ("loss", "lr", "ema_decay")}
+    return acc
 
 
 def _images(out: Path) -> list[tuple[int, Any]]:
@@ -111,13 +117,9 @@ def _images(out: Path) -> list[tuple[int, Any]]:
 
     import numpy as np
     from PIL import Image
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = glob.glob(str(out / "logs" / "**" / "events.out.tfevents.*"), recursive=True)
-    acc = EventAccumulator(events, size_guidance={"images": 0})
-    acc.Reload()
     return [(e.step, np.asarray(Image.open(io.BytesIO(e.encoded_image_string))).astype(int))
-            for e in acc.Images("test_samples")]
+            for e in _events(out).Images("test_samples")]
 
 
 def _unet(out: Path) -> dict[str, torch.Tensor]:

@@ -379,13 +379,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         # prepared DataLoader nor accumulate() reaches it only here (a no-op when it was reached)
         if torch.is_grad_enabled():
             self._boundary()
-        elif self._lone.sharded(module):  # maybe the main process's alone: served by the others, or checked
-            index = self._lone.index(module)
-            served = index is not None and self._lone.maybe_alone(
-                f"a no-grad forward of model {index}",
-                lambda: self._lone.forward_command(module, args, kwargs))
-            solo = getattr(module, "_shardwise_solo", None)  # the Accelerator's arrival check
-            if not served and solo is not None:
+        elif not self._lone.forward(module, args, kwargs):  # (a lone one after a barrier: served)
+            solo = getattr(module, "_shardwise_solo", None)  # the Accelerator's arrival check (sharded)
+            if solo is not None:
                 solo(module, args)
         self._supervisor.heartbeat("in its forward")
 

@@ -126,6 +126,16 @@ class LoneCalls:
         if (self.armed or self.serving) and dist.is_initialized():
             self.common("the end of the script")
 
+    def forward(self, module: nn.Module, args: Any, kwargs: Any) -> bool:
+        """A no-grad forward of a prepared model (the engine's forward hook): `maybe_alone` when a
+        rendezvous or a service is pending and the model is sharded; False (nothing read, no
+        parameter walked) otherwise, as in every evaluation loop with nothing pending."""
+        if not (self.armed or self.serving or self.replaying) or not self.sharded(module):
+            return False
+        index = self.index(module)
+        return index is not None and self.maybe_alone(
+            f"a no-grad forward of model {index}", lambda: self.forward_command(module, args, kwargs))
+
     def maybe_alone(self, event: str, command: Callable[[], tuple[Any, ...]]) -> bool:
         """A call the main process may make alone (a no-grad forward or a `save_pretrained` of a
         sharded model; `command()` says how the others run it, made only to be sent). True:
@@ -187,32 +197,31 @@ class LoneCalls:
     # -- the store and the channel ------------------------------------------------------------
     def _word(self, event: str) -> str:
         """Another process: post `event` and wait for the main process's word."""
-        store, n = default_store(), self.barriers
-        store.set(f"{_KEY}/{n}/{self.info.rank}", event)
-        start = time.monotonic()
-        while not store.check([f"{_KEY}/{n}"]):
-            if time.monotonic() - start > self.wait_s:
-                raise RuntimeError(
-                    f"{event}: waited {self.wait_s:.0f} s after wait_for_everyone() for the main process to "
-                    "reach a call of the model or a collective (collective_timeout_s)")
-            time.sleep(_POLL_S)
-        return store.get(f"{_KEY}/{n}").decode()
+        store, key = default_store(), f"{_KEY}/{self.barriers}"
+        store.set(f"{key}/{self.info.rank}", event)
+        self._wait_for([key], lambda _: (
+            f"{event}: waited {self.wait_s:.0f} s after wait_for_everyone() for the main process to "
+            "reach a call of the model or a collective (collective_timeout_s)"))
+        return store.get(key).decode()
 
     def _others_elsewhere(self, event: str) -> bool:
         """The main process at a call it may make alone: whether some other process is at
         another event (so the call is the main process's alone)."""
-        store, n = default_store(), self.barriers
-        keys = [f"{_KEY}/{n}/{r}" for r in range(1, self.info.world_size)]
-        start = time.monotonic()
+        keys = [f"{_KEY}/{self.barriers}/{r}" for r in range(1, self.info.world_size)]
+        self._wait_for(keys, lambda late: (
+            f"{event} on the main process: process(es) {', '.join(k.rsplit('/', 1)[1] for k in late)} "
+            f"reached no call of the model or collective within {self.wait_s:.0f} s after "
+            "wait_for_everyone() (collective_timeout_s)"))
+        store = default_store()
+        return any(store.get(k).decode() != event for k in keys)
+
+    def _wait_for(self, keys: list[str], refusal: Callable[[list[str]], str]) -> None:
+        """Until every key is in the store; after `wait_s`, one line (`refusal(missing keys)`)."""
+        store, start = default_store(), time.monotonic()
         while not store.check(keys):
             if time.monotonic() - start > self.wait_s:
-                late = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
-                raise RuntimeError(
-                    f"{event} on the main process: process(es) {', '.join(late)} reached no call of the "
-                    f"model or collective within {self.wait_s:.0f} s after wait_for_everyone() "
-                    "(collective_timeout_s)")
+                raise RuntimeError(refusal([k for k in keys if not store.check([k])]))
             time.sleep(_POLL_S)
-        return any(store.get(k).decode() != event for k in keys)
 
     def _send(self, command: tuple[Any, ...]) -> None:
         """The main process: the EMA calls since the last command, then `command`, to the others."""
