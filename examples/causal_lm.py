@@ -86,7 +86,7 @@ def main() -> None:
         model, optimizer, scheduler, train_loader, eval_loader
     )
     n_params = sum(p.numel() for p in build_model(args.model, args.block_size).parameters())
-    engine.print(f"{args.model}: {n_params / 1e6:.1f}M parameters, {engine.config.strategy} on "
+    engine.print(f"{args.model}: {n_params / 1e6:.1f}M parameters, {engine.config.sharding.strategy} on "
                  f"{engine.num_processes} process(es)")
     train(engine, model, optimizer, scheduler, train_loader, args, lm_loss, lambda b: b.numel())
 

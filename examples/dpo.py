@@ -78,7 +78,7 @@ def main() -> None:
     loader = DataLoader(Pairs(read_text([]), args.block_size), batch_size=args.batch_size, shuffle=True)
     ref = engine.prepare(ref)  # alone: prepared for inference only
     policy, optimizer, scheduler, loader = engine.prepare(policy, optimizer, scheduler, loader)
-    engine.print(f"{args.model}: policy + frozen reference, {engine.config.strategy} on "
+    engine.print(f"{args.model}: policy + frozen reference, {engine.config.sharding.strategy} on "
                  f"{engine.num_processes} process(es)")
     while engine.step < args.steps:
         for batch in loader:

@@ -118,7 +118,8 @@ def main() -> None:
                         batch_size=args.batch_size, shuffle=True, collate_fn=pad)
     model, optimizer, loader = engine.prepare(model, optimizer, loader)
     engine.print(f"{args.model} + LoRA: {trainable:,} of {total:,} parameters train, "
-                 f"{engine.config.strategy}, {engine.config.precision}, {engine.num_processes} process(es)")
+                 f"{engine.config.sharding.strategy}, {engine.config.sharding.precision}, "
+                 f"{engine.num_processes} process(es)")
 
     window: list[float] = []
     for batch in loader:

@@ -79,8 +79,9 @@ def main() -> None:
     model, optimizer, scheduler, loader = engine.prepare(model, optimizer, scheduler, loader)
     dims = engine.parallel_dims
     engine.print(f"long context: rows of {args.block_size} tokens, context parallelism "
-                 f"{engine.config.context_parallel} over {dims.cp} process(es) ({args.block_size // dims.cp} "
-                 f"tokens each), {dims.dp_size} data-parallel rank(s), {engine.config.strategy}")
+                 f"{engine.config.parallelism.cp_method} over {dims.cp} process(es) "
+                 f"({args.block_size // dims.cp} "
+                 f"tokens each), {dims.dp_size} data-parallel rank(s), {engine.config.sharding.strategy}")
     train(engine, model, optimizer, scheduler, loader, args, lambda m, b: m(**b).loss,
           lambda b: b["input_ids"].numel())
     engine.end_training()

@@ -59,7 +59,7 @@ def main() -> None:
     dims = engine.parallel_dims
     engine.print(f"mixture of experts: {args.experts} experts per layer split over {dims.ep} process(es) "
                  f"({args.experts // dims.ep} each), {dims.dp_size} data-parallel rank(s), "
-                 f"{engine.config.strategy}")
+                 f"{engine.config.sharding.strategy}")
     train(engine, model, optimizer, scheduler, loader, args, lambda m, b: m(**b).loss,
           lambda b: b["input_ids"].numel())
     engine.end_training()

@@ -471,8 +471,8 @@ def _launch_drops_the_files_settings() -> None:
     main = importlib.import_module("shardwise.cli.main")  # (the package's `main` is the function)
 
     def write_yaml(cfg: Any, path: Any, **kwargs: Any) -> Any:
-        return write_yaml.__wrapped__(EngineConfig(launch=cfg.launch, cpu=cfg.cpu, seed=cfg.seed,  # type: ignore[attr-defined]
-                                                   grad_accum_steps=cfg.grad_accum_steps), path, **kwargs)
+        return write_yaml.__wrapped__(EngineConfig.of(launch=cfg.launch, training=cfg.training),  # type: ignore[attr-defined]
+                                      path, **kwargs)
 
     _patch(main, "write_yaml", write_yaml)
 
@@ -990,7 +990,26 @@ def _loop_checks_skipped() -> None:
     value starts the launch and fails, if at all, deep in training."""
     from shardwise.config import tree
 
-    _patch(tree, "_check_loop", lambda cfg: None)
+    _patch(tree, "_check_training", lambda section: None)
+
+
+@fault("flat_key_overrides_section", row="one config tree: sections and flat keys",
+       test="tests/test_config.py::test_a_flat_key_overriding_its_section_is_caught")
+def _flat_key_overrides_section() -> None:
+    """The agreement of a flat key with its section's field reads every field as at its default:
+    `parallelism: {tp: 2}` with `tensor_parallel_size: 4` runs with 4, silently."""
+    from shardwise.config import tree
+
+    class _AnyValue:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __ne__(self, other: object) -> bool:
+            return False
+
+        __hash__ = None  # type: ignore[assignment]
+
+    _patch(tree, "_default_of", lambda cls, name: _AnyValue())
 
 
 @fault("clip_bound_unchecked", row="careless calls: `clip_grad_norm_(ps, -1.0)`",

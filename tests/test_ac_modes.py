@@ -355,7 +355,8 @@ def test_auto_plans_the_configured_mode() -> None:
     assert names and all(n.endswith(" + AC selective/2") and "offload optimizer" in n for n in names), names
     assert engine.plan.best.candidate.activation_checkpointing == "selective"
     cfg = engine.config
-    assert (cfg.activation_checkpointing, cfg.activation_checkpointing_every) == ("selective", 2)
+    assert (cfg.blocks.activation_checkpointing, cfg.blocks.activation_checkpointing_every) == (
+        "selective", 2)
     assert W.close(run.losses, ref.losses) < 1e-5 and W.max_diff(run.state, ref.state) < 2e-5
 
 

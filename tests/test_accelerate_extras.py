@@ -236,8 +236,8 @@ def test_parallelism_config_becomes_the_parallelism_section() -> None:
 
     def resolved(kwargs: dict[str, object]) -> tuple[int, int, int]:
         info = DistInfo(rank=0, world_size=4, local_rank=0, local_world_size=4, device=torch.device("cpu"))
-        cfg = EngineConfig(strategy="zero3", **kwargs)  # type: ignore[arg-type]
-        dims = layout(cfg.sharding, info, shards=True, supported=Strategy.supported_dims)
+        cfg = EngineConfig.of(strategy="zero3", **kwargs)  # type: ignore[arg-type]
+        dims = layout(cfg, info, shards=True, supported=Strategy.supported_dims)
         return dims.dp_replicate, dims.dp_shard, dims.tp
 
     hybrid = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)

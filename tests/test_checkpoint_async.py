@@ -139,14 +139,14 @@ def _saving_run(folder: str) -> Saving:
 
     def at_step(step: int, model: Any, opt: Any) -> None:  # (after that step's update)
         if step == 2:
-            engine.config.checkpoint_async = False
+            engine.config.checkpointing.background = False
             engine.save_state(root / "sync_2")  # what step_2 must hold
-            engine.config.checkpoint_async = True
+            engine.config.checkpointing.background = True
             engine.save_state()  # step_2 (its slow write overlaps step 3's update), pruned at step_4
         if step == 3:
-            engine.config.checkpoint_async = False
+            engine.config.checkpointing.background = False
             engine.save_state(root / "sync_3")  # waits for step_2 first
-            engine.config.checkpoint_async = True
+            engine.config.checkpointing.background = True
             seen["step_2_as_sync"] = _identical(_all_tensors(root / "checkpoints" / "step_2"),
                                                 _all_tensors(root / "sync_2"))
             engine.save_state()  # step_3

@@ -198,7 +198,7 @@ def test_fullgraph_makes_a_graph_break_an_error() -> None:
 ], ids=["deepspeed", "unknown backend", "mode without inductor"])
 def test_compile_settings_refused_in_one_line(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match) as err:
-        EngineConfig(compile=True, **kw)
+        EngineConfig.of(compile=True, **kw)
     assert "\n" not in str(err.value)
 
 
@@ -208,7 +208,8 @@ def _compiled_blocks(model: nn.Module) -> list[bool]:
 
 
 def _settings(cfg: EngineConfig) -> tuple[Any, ...]:
-    return cfg.compile, cfg.compile_backend, cfg.compile_mode, cfg.compile_fullgraph, cfg.compile_dynamic
+    b = cfg.blocks
+    return b.compile, b.compile_backend, b.compile_mode, b.compile_fullgraph, b.compile_dynamic
 
 
 def test_accelerator_dynamo_settings_map_to_compile(caplog: pytest.LogCaptureFixture) -> None:
@@ -219,7 +220,7 @@ def test_accelerator_dynamo_settings_map_to_compile(caplog: pytest.LogCaptureFix
     assert _settings(acc.config) == (True, "inductor", None, False, None)
     assert any("Accelerate compiles the whole model; shardwise compiles each block" in r.getMessage()
                for r in caplog.records)
-    assert not shardwise.Accelerator(cpu=True, dynamo_backend=DynamoBackend.NO).config.compile
+    assert not shardwise.Accelerator(cpu=True, dynamo_backend=DynamoBackend.NO).config.blocks.compile
 
     torch.compiler.reset()
     plugin = TorchDynamoPlugin(backend=DynamoBackend.AOT_EAGER, mode="default", fullgraph=True, dynamic=False,

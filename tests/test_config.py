@@ -12,7 +12,9 @@ from planted import caught, planted_here
 
 import shardwise
 from shardwise import cli
+from shardwise.config import EngineConfig
 from shardwise.config.files import load_config
+from shardwise.config.tree import ConfigError, ShardingConfig
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "fixtures"
@@ -53,7 +55,7 @@ def test_a_mistranslated_key_is_caught(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_issue_example_becomes_zero3_on_two_processes_fp32() -> None:
     cfg = load_config(GOLDEN / "accelerate" / "fsdp1_numeric.yaml")
-    assert (cfg.strategy, cfg.launch.num_processes, cfg.precision) == ("zero3", 2, "fp32")
+    assert (cfg.sharding.strategy, cfg.launch.num_processes, cfg.sharding.precision) == ("zero3", 2, "fp32")
 
 
 @pytest.mark.parametrize("name", ["tutorial_zero2.json", "tutorial_zero3_offload.json"])
@@ -142,6 +144,40 @@ def test_a_config_check_left_out_is_caught(no_torchrun: list, capsys: pytest.Cap
     check_refused("zero_accumulation.yaml", no_torchrun, capsys)  # undone: refused again
 
 
+def check_one_tree() -> None:
+    """The sections are the source; a flat key is another spelling of one field."""
+    # resolved files written before the sections (flat keys) load as their sectioned goldens
+    for old in sorted((HERE / "fixtures" / "flat").glob("*.yaml")):
+        new = GOLDEN / old.name.replace("_", "/", 1)
+        assert load_config(old) == load_config(new), f"{old.name} loads unlike {new}"
+    nested = EngineConfig.of(sharding={"strategy": "zero3"}, parallelism={"tp": 2}, training={"seed": 3})
+    flat = EngineConfig.of(strategy="zero3", tensor_parallel_size=2, seed=3)
+    assert nested == flat  # one tree, whichever spelling filled it
+    assert (flat.strategy, flat.tensor_parallel_size, flat.seed) == ("zero3", 2, 3)  # flat reads: the fields
+    assert flat.with_keys(tensor_parallel_size=4).parallelism.tp == 4 and flat.parallelism.tp == 2
+    # a setting given both ways agrees, or the config is refused in one line naming both
+    assert EngineConfig.of(parallelism={"tp": 2}, tensor_parallel_size=2).parallelism.tp == 2
+    assert EngineConfig.of(parallelism={"tp": 2}, tensor_parallel_size=1).parallelism.tp == 2  # (a default)
+    with pytest.raises(ConfigError, match=r"parallelism.tp=2 and tensor_parallel_size=4 disagree"):
+        EngineConfig.of(parallelism={"tp": 2}, tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match=r"unknown setting 'stratgy' \(did you mean 'strategy'\?\)"):
+        EngineConfig.of(stratgy="zero3")
+    with pytest.raises(AttributeError):  # a flat read is read-only: the section holds the value
+        flat.strategy = "ddp"
+    with pytest.raises(ConfigError, match=r"strategy='zero4'"):  # a section checks its fields when made
+        ShardingConfig(strategy="zero4")  # type: ignore[arg-type]
+
+
+def test_the_sections_are_the_source_and_flat_keys_another_spelling() -> None:
+    check_one_tree()
+
+
+def test_a_flat_key_overriding_its_section_is_caught() -> None:
+    with planted_here("flat_key_overrides_section"):
+        caught(check_one_tree)
+    check_one_tree()  # undone: the disagreement is refused again
+
+
 def test_missing_script_is_named(no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["launch", "--nproc-per-node", "2", "nope.py"]) == 2
     assert "training script 'nope.py' not found" in capsys.readouterr().err and not no_torchrun
@@ -192,7 +228,7 @@ def test_code_overrides_file_with_one_warning(tmp_path: Path, monkeypatch: pytes
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = shardwise.Engine(strategy="zero2", precision="bf16")
-    assert engine.config.strategy == "zero2" and engine.config.precision == "bf16"
+    assert engine.config.sharding.strategy == "zero2" and engine.config.sharding.precision == "bf16"
     msgs = [str(w.message) for w in caught if "code overrides" in str(w.message)]
     assert msgs == [f"code overrides the config file: strategy='zero2' in code, 'zero3' in {cfg}"]
 
@@ -215,13 +251,15 @@ def check_overrides_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     from shardwise.config.files import write_yaml
 
     cfg = tmp_path / "resolved.yaml"
-    resolved = shardwise.EngineConfig(strategy="zero3", cpu=True)
+    resolved = shardwise.EngineConfig.of(strategy="zero3", cpu=True)
     write_yaml(resolved, cfg, header="# resolved by shardwise launch\n")
     monkeypatch.setenv("SHARDWISE_CONFIG", str(cfg))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = shardwise.Engine(grad_accum_steps=2, seed=3, strategy="zero2")
-    assert (engine.config.grad_accum_steps, engine.config.seed, engine.config.strategy) == (2, 3, "zero2")
+    cfg_run = engine.config
+    assert (cfg_run.training.grad_accum_steps, cfg_run.training.seed) == (2, 3)
+    assert cfg_run.sharding.strategy == "zero2"
     msgs = [str(w.message) for w in caught if "code overrides" in str(w.message)]
     assert msgs == [f"code overrides the config file: strategy='zero2' in code, 'zero3' in {cfg}"]
 
@@ -231,7 +269,7 @@ def test_plain_script_reads_config_argument(tmp_path: Path, monkeypatch: pytest.
     cfg.write_text("strategy: zero1\ncpu: true\n")
     monkeypatch.delenv("SHARDWISE_CONFIG", raising=False)
     monkeypatch.setattr("sys.argv", ["train.py", "--config", str(cfg)])
-    assert shardwise.Engine().config.strategy == "zero1"
+    assert shardwise.Engine().config.sharding.strategy == "zero1"
 
 
 def test_questionnaire_validates_answers(
@@ -244,7 +282,8 @@ def test_questionnaire_validates_answers(
     expected = "strategy: expected 'ddp', 'zero1', 'zero2', 'zero3' or 'auto', found 'zero4'"
     assert expected in capsys.readouterr().out
     cfg = load_config(out)
-    got = (cfg.strategy, cfg.precision, cfg.grad_accum_steps, cfg.activation_checkpointing)
+    got = (cfg.sharding.strategy, cfg.sharding.precision, cfg.training.grad_accum_steps,
+           cfg.blocks.activation_checkpointing)
     assert got == ("zero3", "bf16", 2, "full")  # "yes" is full checkpointing
     assert (cfg.launch.num_processes, cfg.launch.num_nodes) == (2, 1)
 
@@ -275,7 +314,7 @@ def test_activation_checkpointing_flags_keep_the_bool_spelling_and_name_a_mode(
     ns = cli.build_parser().parse_args(["launch", *flags, "train.py"])
     assert ns.training_script == "train.py"
     for value, want in ((True, "full"), (False, "none"), ("selective", "selective")):
-        assert shardwise.EngineConfig(activation_checkpointing=value).activation_checkpointing == want
+        assert shardwise.EngineConfig.of(activation_checkpointing=value).activation_checkpointing == want
 
 
 def test_env_report(capsys: pytest.CaptureFixture[str]) -> None:
@@ -380,7 +419,7 @@ def test_accelerate_parallelism_config_sets_the_group(strategy: str | None, size
            None if section is None else (section["dp_replicate"], section["dp_shard"]))
     assert got == want
     assert dropped == []
-    out = shardwise.EngineConfig(**{k: v for k, v in settings.items() if k != "launch"})
+    out = shardwise.EngineConfig.of(**{k: v for k, v in settings.items() if k != "launch"})
     assert out.shard_group_size == want[1]
     assert (out.parallelism.dp_replicate, out.parallelism.dp_shard) == (want[2] or (None, None))
 
@@ -394,8 +433,8 @@ def test_accelerate_tp_size_becomes_tensor_parallel_size() -> None:
     settings, dropped = from_accelerate(_fsdp_yaml(None, dp_shard_size=2, tp_size=2))
     assert (settings["strategy"], settings.get("shard_group_size"), settings["parallelism"]) == (
         "zero3", None, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}) and dropped == []
-    cfg = shardwise.EngineConfig(**{k: v for k, v in settings.items() if k != "launch"})
-    assert cfg.tensor_parallel_size == 2 and cfg.parallelism.tp == 2  # the flat key follows the section
+    cfg = shardwise.EngineConfig.of(**{k: v for k, v in settings.items() if k != "launch"})
+    assert cfg.parallelism.tp == 2 and cfg.parallelism.tp == 2  # the flat key follows the section
     assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, 8) == {
         "dp_replicate": 2, "dp_shard": 2, "tp": 2}
     assert from_parallelism({"parallelism_config_tp_size": 4}) == {"tp": 4}
@@ -410,7 +449,8 @@ def test_accelerate_hybrid_file_round_trips_through_the_cli(tmp_path: Path) -> N
     out = tmp_path / "shardwise.yaml"
     assert cli.main(["config", "--from-accelerate", str(src), "--output", str(out)]) == 0
     cfg = load_config(out)
-    assert (cfg.strategy, cfg.shard_group_size, cfg.launch.num_processes) == ("zero2", None, 2)
+    assert (cfg.sharding.strategy, cfg.sharding.shard_group_size, cfg.launch.num_processes) == (
+        "zero2", None, 2)
     assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard) == (2, 2)
     assert "dropped" not in out.read_text()
 
@@ -429,11 +469,11 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
                                                                        "tp": 1, "cp": 2}
     # sp_size (Accelerate's Ulysses, through DeepSpeed there): the same dimension, shardwise's Ulysses
     assert from_parallelism({"sp_size": 2, "sp_backend": "deepspeed"}, 2) == {"tp": 1, "cp": 2,
-                                                                              "context_parallel": "ulysses"}
+                                                                              "cp_method": "ulysses"}
     from shardwise.config.translate import from_accelerate
 
     yaml, _dropped = from_accelerate(_fsdp_yaml(None, processes=4, dp_shard_size=2, sp_size=2))
-    assert yaml["context_parallel"] == "ulysses" and yaml["parallelism"]["cp"] == 2
+    assert yaml["parallelism"]["cp_method"] == "ulysses" and yaml["parallelism"]["cp"] == 2
 
 
 @pytest.mark.parametrize(("acc", "message"), [
@@ -484,7 +524,7 @@ def test_deepspeed_mics_file_loads_as_hybrid_zero3(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_zero(mics_shard_size=8)))
     cfg = load_config(path)
-    assert (cfg.strategy, cfg.shard_group_size) == ("zero3", 8)
+    assert (cfg.sharding.strategy, cfg.sharding.shard_group_size) == ("zero3", 8)
 
 
 def test_deepspeed_hpz_is_reported_not_made_a_group() -> None:

@@ -348,8 +348,8 @@ def test_deepspeed_config_translation() -> None:
     from shardwise.strategies.deepspeed.strategy import deepspeed_config
 
     cpu = torch.device("cpu")
-    ds = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero3", offload="params",
-                                       precision="bf16", max_grad_norm=1.0).sharding, device=cpu, numel=1000)
+    ds = deepspeed_config(EngineConfig.of(backend="deepspeed", strategy="zero3", offload="params",
+                                       precision="bf16", max_grad_norm=1.0), device=cpu, numel=1000)
     zero = ds["zero_optimization"]
     assert (zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu"
             and zero["offload_optimizer"]["device"] == "cpu")
@@ -358,7 +358,7 @@ def test_deepspeed_config_translation() -> None:
     assert ds["gradient_clipping"] == 1.0 and ds["gradient_accumulation_steps"] == 1
     assert ds["torch_autocast"]["dtype"] == "bfloat16" and "bf16" not in ds
     assert ds["zero_force_ds_cpu_optimizer"] is False
-    z1 = deepspeed_config(EngineConfig(backend="deepspeed", strategy="zero1").sharding, device=cpu,
+    z1 = deepspeed_config(EngineConfig.of(backend="deepspeed", strategy="zero1"), device=cpu,
                           numel=10**9)
     assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 2**24,
                                        "allgather_bucket_size": 2**24}
@@ -374,8 +374,8 @@ def test_deepspeed_json_tuning_keys_pass_through(tmp_path: Path) -> None:
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True,
                                                       "sub_group_size": "auto",
                                                       "stage3_max_live_parameters": 1e8}}))
-    cfg = EngineConfig(backend="deepspeed", strategy="zero2", deepspeed_config=str(path))
-    zero = deepspeed_config(cfg.sharding, device=torch.device("cpu"), numel=10)["zero_optimization"]
+    cfg = EngineConfig.of(backend="deepspeed", strategy="zero2", deepspeed_config=str(path))
+    zero = deepspeed_config(cfg, device=torch.device("cpu"), numel=10)["zero_optimization"]
     assert zero["stage"] == 2  # our strategy wins
     assert zero["overlap_comm"] is True and zero["stage3_max_live_parameters"] == 1e8
     assert "sub_group_size" not in zero  # "auto" is left to DeepSpeed
@@ -383,8 +383,8 @@ def test_deepspeed_json_tuning_keys_pass_through(tmp_path: Path) -> None:
     path.write_text(json.dumps({"zero_optimization": {"stage": 1, "stage3_max_reuse_distance": 1e9,
                                                       "stage3_param_persistence_threshold": 1e5,
                                                       "reduce_bucket_size": 123}}))
-    cfg = EngineConfig(backend="deepspeed", strategy="zero3", deepspeed_config=str(path))
-    zero = deepspeed_config(cfg.sharding, device=torch.device("cpu"), numel=10**6)["zero_optimization"]
+    cfg = EngineConfig.of(backend="deepspeed", strategy="zero3", deepspeed_config=str(path))
+    zero = deepspeed_config(cfg, device=torch.device("cpu"), numel=10**6)["zero_optimization"]
     assert zero["stage"] == 3 and zero["stage3_max_reuse_distance"] == 1e9
     assert zero["stage3_param_persistence_threshold"] == 1e5 and zero["reduce_bucket_size"] == 123
     assert zero["allgather_bucket_size"] == 10**6  # ours where the JSON is silent
@@ -474,7 +474,7 @@ def test_deepspeed_host_kernel_is_adam_in_torch_state() -> None:
     from shardwise.config import ConfigError, EngineConfig
 
     with pytest.raises(ConfigError, match="host_kernel"):
-        EngineConfig(host_kernel="cuda")  # type: ignore[arg-type]
+        EngineConfig.of(host_kernel="cuda")  # type: ignore[arg-type]
 
 
 def _planted_zero2() -> W.Trained:

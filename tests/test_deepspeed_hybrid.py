@@ -41,22 +41,22 @@ def test_planted_deepspeed_group_accepted_is_caught() -> None:
 def check_group_refused(strategy: str, group: int | str) -> None:
     from shardwise.strategies.deepspeed import setup
 
-    cfg = EngineConfig(backend="deepspeed", strategy=strategy, shard_group_size=group)
+    cfg = EngineConfig.of(backend="deepspeed", strategy=strategy, shard_group_size=group)
     with pytest.raises(ConfigError) as err:
-        setup.check_shard_group(cfg.sharding, world_size=4, local_world_size=2)  # 2 nodes of 2
+        setup.check_shard_group(cfg, world_size=4, local_world_size=2)  # 2 nodes of 2
     assert str(err.value) == f"shard_group_size={group!r} (groups of 2 of 4 processes) {REFUSAL}"
 
 
 @pytest.mark.parametrize("group", [None, 4, "node"])
 def test_a_group_of_all_processes_is_plain_zero_on_deepspeed(group: int | str | None) -> None:
-    cfg = EngineConfig(backend="deepspeed", strategy="zero3", shard_group_size=group)
-    check_shard_group(cfg.sharding, world_size=4, local_world_size=4)  # one node: "node" is everyone
+    cfg = EngineConfig.of(backend="deepspeed", strategy="zero3", shard_group_size=group)
+    check_shard_group(cfg, world_size=4, local_world_size=4)  # one node: "node" is everyone
 
 
 def test_a_group_that_does_not_divide_the_world_is_refused_first() -> None:
-    cfg = EngineConfig(backend="deepspeed", strategy="zero3", shard_group_size=3)
+    cfg = EngineConfig.of(backend="deepspeed", strategy="zero3", shard_group_size=3)
     with pytest.raises(ConfigError, match="shard_group_size=3 does not divide the 4 processes"):
-        check_shard_group(cfg.sharding, world_size=4, local_world_size=4)
+        check_shard_group(cfg, world_size=4, local_world_size=4)
 
 
 def test_deepspeed_json_mics_keys_never_reach_deepspeed(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -69,8 +69,8 @@ def test_deepspeed_json_mics_keys_never_reach_deepspeed(tmp_path) -> None:  # ty
     path.write_text(json.dumps({"zero_optimization": {
         "stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True,
         "zero_hpz_partition_size": 2, "overlap_comm": False}}))
-    cfg = EngineConfig(backend="deepspeed", strategy="zero3", deepspeed_config=str(path))
-    zero = deepspeed_config(cfg.sharding, device=torch.device("cpu"), numel=100)["zero_optimization"]
+    cfg = EngineConfig.of(backend="deepspeed", strategy="zero3", deepspeed_config=str(path))
+    zero = deepspeed_config(cfg, device=torch.device("cpu"), numel=100)["zero_optimization"]
     assert zero["overlap_comm"] is False and zero["zero_hpz_partition_size"] == 2  # DeepSpeed's own tuning
     assert not {"mics_shard_size", "mics_hierarchical_params_gather"} & set(zero)  # ours: shard_group_size
 

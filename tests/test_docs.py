@@ -63,7 +63,8 @@ def test_planted_field_docs_dropped_is_caught() -> None:
 
 
 def check_every_field(text: str) -> None:
-    for key in ("`strategy`", "`grad_accum_steps`", "`launch.num_processes`", "`loss_scale.init_scale`",
+    for key in ("`sharding.strategy`", "`strategy`", "`grad_accum_steps`", "`launch.num_processes`",
+                "`sharding.loss_scale.init_scale`", "`parallelism.tp`", "`checkpointing.dir`",
                 "`optimizer.lr`", "`scheduler.warmup_type`", "`host_kernel`"):
         assert key in text
     # every row carries its docstring: no field may be left without one

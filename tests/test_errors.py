@@ -47,7 +47,7 @@ def test_precision_the_device_cannot_run() -> None:
 
 def test_accelerate_spellings_map_to_ours() -> None:
     engine = shardwise.Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=3)
-    assert engine.config.precision == "fp32" and engine.config.grad_accum_steps == 3
+    assert engine.config.sharding.precision == "fp32" and engine.config.training.grad_accum_steps == 3
 
 
 @pytest.fixture()

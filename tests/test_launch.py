@@ -74,8 +74,8 @@ def _launched_from_yaml(settings: dict, tmp_path: Path, env: dict[str, str] | No
 
 
 def check_yaml_launch(settings: dict, reference: dict, res: W.Launched) -> None:
-    assert res.world == 2 and res.config["strategy"] == settings["strategy"]
-    assert res.config["offload"] == settings.get("offload", "none")
+    assert res.world == 2 and res.config["sharding"]["strategy"] == settings["strategy"]
+    assert res.config["sharding"]["offload"] == settings.get("offload", "none")
     assert W.close(res.losses, reference.losses) < 1e-5
     assert len(res.norms) == len(reference.norms) == RUN["steps"]
     assert W.close(res.norms, reference.norms) < 1e-5  # (clipped gradient norms)
@@ -166,8 +166,8 @@ def check_tutorial_json(extra: list[str], precision: str, proc: subprocess.Compl
                         res: W.Launched) -> None:
     assert "have no effect here" in proc.stderr  # unsupported keys, listed once
     cfg = res.config
-    assert cfg["precision"] == precision and cfg["max_grad_norm"] == 1.0
-    assert cfg["backend"] == ("deepspeed" if "--backend" in extra else "torch")
+    assert cfg["sharding"]["precision"] == precision and cfg["training"]["max_grad_norm"] == 1.0
+    assert cfg["sharding"]["backend"] == ("deepspeed" if "--backend" in extra else "torch")
     assert res.optimizer == "AdamW" and W.is_finite(res.losses) and len(res.losses) == 4
     # WarmupDecayLR with every value "auto": lr 5e-5, no warm-up, linear decay over one epoch
     assert res.lrs == pytest.approx([5e-5 * (1 - k / 4) for k in range(1, 5)])
@@ -180,7 +180,7 @@ def test_plain_torchrun_picks_up_config_argument(tmp_path: Path) -> None:
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                  str(TRAIN), "--out", str(out), "--config", str(cfg)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _result(out).config["strategy"] == "zero2"
+    assert _result(out).config["sharding"]["strategy"] == "zero2"
 
 
 def test_script_exit_code_comes_back() -> None:
@@ -304,11 +304,24 @@ def test_engines_one_after_another_in_one_process_each_match_the_reference(
 def test_planted_joins_share_keys_is_caught(reference: W.Trained, tmp_path: Path) -> None:
     """`joins_share_keys`: every join within a process reads the first join's rendezvous keys; a
     later Engine's join waits on the previous group's addresses (under the own launcher, given
-    25 s where the four runs take about 5), which the check fails."""
-    out = tmp_path / "runs.pt"
-    codes, outs = _own_launcher([sys.executable, str(SCRIPTS / "engines_in_a_row.py"), "--out", str(out)],
-                                world=2, timeout=25, env=fault_env("joins_share_keys"))
+    25 s where the four runs take about 5), which the check fails.
+
+    The fault's hang is a race all the same: process 1 waits on process 0's old gloo port, and a
+    run went through under the fault twice, in full-suite runs (likely when process 0's new group
+    listens on the same port again). So the faulty run is made up to three times and
+    must be caught in one of them: a run that never hangs fails the test as before."""
+    lucky = []
+    for attempt in range(3):
+        out = tmp_path / f"runs{attempt}.pt"
+        codes, outs = _own_launcher([sys.executable, str(SCRIPTS / "engines_in_a_row.py"), "--out", str(out)],
+                                    world=2, timeout=25, env=fault_env("joins_share_keys"))
+        try:
+            check_engines_in_a_row(codes, outs, out, reference)
+        except AssertionError:
+            break  # caught (the message is `caught`'s below)
+        lucky.append(attempt)
     caught(check_engines_in_a_row, codes, outs, out, reference)
+    print(f"lucky runs before the hang: {len(lucky)}")
 
 
 def check_engines_in_a_row(codes: list[int | None], outs: list[str], out: Path, reference: W.Trained) -> None:

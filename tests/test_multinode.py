@@ -127,7 +127,7 @@ def test_two_nodes_shard_within_each_node_and_match_one_process(tmp_path: Path) 
     for res in results:
         g = res.groups
         assert res.world == 4 and res.local_world_size == 2
-        assert res.config["shard_group_size"] == "node"
+        assert res.config["sharding"]["shard_group_size"] == "node"
         # HSDP: every parameter on the one (replicate, shard) mesh
         assert g.meshes == [(("Replicate", None), ("Shard", 0))], g.meshes
         assert g.shard == ranks_of[res.node], (res.rank, g, ranks_of)

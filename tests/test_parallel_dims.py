@@ -83,7 +83,7 @@ def _accelerate_pattern(sizes: dict[str, int], pretrained: str | None = None, *,
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT")}
     accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(**sizes), seed=W.SEED, **said)
-    assert accelerator.config.strategy == "zero3"
+    assert accelerator.config.sharding.strategy == "zero3"
     torch.manual_seed(W.SEED)
     pc, mesh = accelerator.parallelism_config, accelerator.torch_device_mesh
     if pretrained is None:

@@ -464,7 +464,7 @@ def test_auto_is_refused_where_it_cannot_plan() -> None:
     from shardwise import ConfigError
 
     with pytest.raises(ConfigError, match="strategy='auto' plans for the torch backend"):
-        shardwise.EngineConfig(strategy="auto", backend="deepspeed")
+        shardwise.EngineConfig.of(strategy="auto", backend="deepspeed")
     engine = shardwise.Engine(strategy="auto", cpu=True)
     with pytest.raises(ConfigError, match="pass exactly one model and its DataLoader"):
         engine.prepare(torch.nn.Linear(2, 2))

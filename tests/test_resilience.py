@@ -259,7 +259,7 @@ def _elastic(folder: str, phase: str) -> Elastic:
                 engine.save_state()
             if engine.step == 4:
                 break
-    return Elastic(start, engine.config.grad_accum_steps, engine.get_state_dict(model),
+    return Elastic(start, engine.config.training.grad_accum_steps, engine.get_state_dict(model),
                    {k: sum(v) / len(v) for k, v in losses.items()})
 
 

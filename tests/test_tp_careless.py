@@ -86,8 +86,8 @@ def _run(engine: Any, *, name: str, batch: int, samples: int, load: str | None =
         engine.save_state(save)
     dims = engine.session.strategy.dims
     logging.getLogger("shardwise").removeHandler(lines)
-    return Run(losses, norms, engine.get_state_dict(model), engine.config.grad_accum_steps,
-               (dims.dp_replicate, dims.dp_shard, dims.tp), lines.lines, engine.config.strategy)
+    return Run(losses, norms, engine.get_state_dict(model), engine.config.training.grad_accum_steps,
+               (dims.dp_replicate, dims.dp_shard, dims.tp), lines.lines, engine.config.sharding.strategy)
 
 
 def _case(out: dict[str, Any], key: str, make: Any, **kw: Any) -> None:
@@ -281,10 +281,10 @@ def check_batch_rules() -> None:
     from shardwise.config import ConfigError, EngineConfig, check_train_batch, resolve_grad_accum
     from shardwise.config.tree import LaunchConfig
 
-    cfg = EngineConfig(tensor_parallel_size=2, train_batch_size=16, grad_accum_steps=2)
+    cfg = EngineConfig.of(tensor_parallel_size=2, train_batch_size=16, grad_accum_steps=2)
     assert resolve_grad_accum(cfg, 4, 2) == 4  # 1 data-parallel rank
     assert resolve_grad_accum(cfg, 4, 4) == 2  # 2 data-parallel ranks
-    written = EngineConfig(tensor_parallel_size=2, train_batch_size=8, grad_accum_steps=1,
+    written = EngineConfig.of(tensor_parallel_size=2, train_batch_size=8, grad_accum_steps=1,
                            launch=LaunchConfig(num_processes=2))
     check_train_batch(written, 8, 2)  # the true batch: accepted
     with pytest.raises(ConfigError) as err:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,11 +15,21 @@ from torch import nn
 from shardwise import ConfigError
 from shardwise.strategies import find_blocks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+def _benchmarks_common() -> Any:
+    """benchmarks/common.py by its path (examples/ has a `common` module too, which another test
+    may have imported under that name first)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "common.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_common", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_repeated_blocks_are_detected_but_not_their_mlp() -> None:
-    from common import GPT, Block  # blocks whose MLP is Sequential(Linear, GELU, Linear)
+    bench = _benchmarks_common()
+    GPT, Block = bench.GPT, bench.Block  # blocks whose MLP is Sequential(Linear, GELU, Linear)
 
     model = GPT(layers=3)
     blocks = find_blocks(model)

@@ -242,7 +242,7 @@ def run_loop(engine: Any, name: str, *, batch: int, steps: int, clip: Clip = 1.0
 
 def prepared(engine: Any, name: str, *, batch: int, steps: int) -> tuple[Any, Any, Any]:
     """`name`, its AdamW and a shuffled loader of `steps` optimizer steps, prepared on `engine`."""
-    accum = engine.config.grad_accum_steps
+    accum = engine.config.training.grad_accum_steps
     model = build(name)
     opt = make_optimizer(model)
     data = Tokens(engine.num_processes * batch * accum * steps)
@@ -253,7 +253,7 @@ def train(engine: Any, model: Any, opt: Any, loader: Any, *, clip: Clip = 1.0,
           at_step: Callable[[], None] | None = None) -> Trained:
     """One pass over `loader` with the Engine's verbs: losses (averaged over processes), the
     clipped norms, the memory report after the last step; `at_step()` after each optimizer step."""
-    accum = engine.config.grad_accum_steps
+    accum = engine.config.training.grad_accum_steps
     losses, norms, memory = [], [], None
     for i, ids in enumerate(loader):
         with engine.accumulate(model):

@@ -43,7 +43,7 @@ def main() -> None:
     state = accelerator.get_state_dict(model)
     keys = ("strategy", "backend", "offload", "precision", "grad_accum_steps", "activation_checkpointing")
     settings = {k: getattr(cfg, k) for k in keys}
-    settings["wrap"] = list(cfg.wrap)
+    settings["wrap"] = list(cfg.blocks.wrap)
     accelerator.end_training()
     if accelerator.is_main_process:
         torch.save(state, out.with_suffix(".pt"))

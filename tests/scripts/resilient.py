@@ -57,12 +57,12 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
     engine = shardwise.Engine()  # strategy, checkpoint policy, timeouts: all from the config file
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kind, at, who = _fault()
-    tp = engine.config.tensor_parallel_size
+    tp = engine.config.parallelism.tp
     model = W.build("llama" if tp > 1 else "tiny")
     opt = W.make_optimizer(model)
     loader = DataLoader(
         W.Tokens(SAMPLES // 2),
-        batch_size=4 // (engine.num_processes // tp) // engine.config.grad_accum_steps,
+        batch_size=4 // (engine.num_processes // tp) // engine.config.training.grad_accum_steps,
         shuffle=True,
     )
     model, opt, loader = engine.prepare(model, opt, loader)

@@ -24,7 +24,7 @@ def config_optimizer_loop(engine: shardwise.Engine, name: str, batch: int,
     each optimizer step, the optimizer's class name."""
     model = W.build(name)
     loader = torch.utils.data.DataLoader(
-        W.Tokens(engine.num_processes * batch * engine.config.grad_accum_steps * steps),
+        W.Tokens(engine.num_processes * batch * engine.config.training.grad_accum_steps * steps),
         batch_size=batch,
         shuffle=True,
     )

@@ -34,15 +34,15 @@ BAD = [  # (keys, what the one line names)
 @pytest.mark.parametrize(("keys", "named"), BAD, ids=[k for _, k in BAD])
 def test_each_section_refuses_its_bad_values_in_one_line(keys: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError) as err:
-        EngineConfig(**keys)
+        EngineConfig.of(**keys)
     assert named in str(err.value) and "\n" not in str(err.value)
 
 
 def test_flat_keys_keep_their_meaning() -> None:
-    cfg = EngineConfig(activation_checkpointing=True, preempt_signals="SIGUSR1", wrap="Block",
+    cfg = EngineConfig.of(activation_checkpointing=True, preempt_signals="SIGUSR1", wrap="Block",
                        loss_scale={"init_scale": 8.0}, launch={"num_processes": 2})
-    assert cfg.activation_checkpointing == "full" and cfg.preempt_signals == ("SIGUSR1",)
-    assert cfg.wrap == ("Block",) and isinstance(cfg.loss_scale, LossScaleConfig)
+    assert cfg.blocks.activation_checkpointing == "full" and cfg.supervision.preempt_signals == ("SIGUSR1",)
+    assert cfg.blocks.wrap == ("Block",) and isinstance(cfg.sharding.loss_scale, LossScaleConfig)
     assert isinstance(cfg.launch, LaunchConfig) and cfg.launch.num_processes == 2
 
 
@@ -62,7 +62,7 @@ def test_code_wins_over_the_file_and_names_only_what_someone_set(tmp_path: Any) 
     path = tmp_path / "c.yaml"
     path.write_text("strategy: zero3\ngrad_accum_steps: 1\n")
     cfg, conflicts = config_with_code({"strategy": "ddp", "grad_accum_steps": 4}, path)
-    assert (cfg.strategy, cfg.grad_accum_steps) == ("ddp", 4)
+    assert (cfg.sharding.strategy, cfg.training.grad_accum_steps) == ("ddp", 4)
     assert conflicts == [f"strategy='ddp' in code, 'zero3' in {path}"]  # grad_accum_steps 1: the default
 
 

@@ -75,10 +75,10 @@ def test_the_zigzag_ring_gives_every_rank_the_same_work(n: int) -> None:
 ])
 def test_bad_context_settings_are_refused_in_one_line(config: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
-        EngineConfig(**config)
+        EngineConfig.of(**config)
     assert "\n" not in str(refused.value)
 
 
 def test_the_flat_key_and_the_section_read_the_same() -> None:
-    assert EngineConfig(context_parallel_size=2).parallelism.cp == 2
-    assert EngineConfig(parallelism={"cp": 2}).context_parallel_size == 2
+    assert EngineConfig.of(context_parallel_size=2).parallelism.cp == 2
+    assert EngineConfig.of(parallelism={"cp": 2}).context_parallel_size == 2

@@ -71,12 +71,12 @@ def test_models_refused(model: nn.Module, words: tuple[str, ...]) -> None:
 
 
 def test_config_keys() -> None:
-    cfg = EngineConfig(strategy="zero3", expert_parallel_size=2)
+    cfg = EngineConfig.of(strategy="zero3", expert_parallel_size=2)
     assert cfg.parallelism.ep == 2
     with pytest.raises(ConfigError) as err:
-        EngineConfig(strategy="zero3", expert_parallel_size=2, parallelism={"ep": 4})
+        EngineConfig.of(strategy="zero3", expert_parallel_size=2, parallelism={"ep": 4})
     _one_line(err, "disagree")
-    assert EngineConfig(strategy="auto", expert_parallel_size=2).parallelism.ep == 2  # the planner plans it
+    assert EngineConfig.of(strategy="auto", expert_parallel_size=2).parallelism.ep == 2  # the planner plans
     with pytest.raises(ConfigError) as err:
-        EngineConfig(expert_parallel_size=0)
+        EngineConfig.of(expert_parallel_size=0)
     _one_line(err, "integer >= 1")

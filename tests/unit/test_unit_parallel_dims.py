@@ -100,11 +100,12 @@ def _layout(world: int, local: int | None = None, **config: object) -> ParallelD
     from shardwise.distributed.world import DistInfo
     from shardwise.strategies.base import Strategy, layout
 
-    cfg = EngineConfig(**config)  # type: ignore[arg-type]
+    cfg = EngineConfig.of(**config)  # type: ignore[arg-type]
     info = DistInfo(rank=0, world_size=world, local_rank=0, local_world_size=local or world,
                     device=torch.device("cpu"))
-    shards = cfg.strategy != "ddp" and not (cfg.strategy == "zero1" and cfg.tensor_parallel_size > 1)
-    return layout(cfg.sharding, info, shards=shards, supported=Strategy.supported_dims)
+    strategy = cfg.sharding.strategy
+    shards = strategy != "ddp" and not (strategy == "zero1" and cfg.parallelism.tp > 1)
+    return layout(cfg, info, shards=shards, supported=Strategy.supported_dims)
 
 
 @pytest.mark.parametrize(("config", "sizes"), [
@@ -137,7 +138,7 @@ def test_bad_sizes_are_refused_at_construction(config: dict, message: str) -> No
     from shardwise.config import EngineConfig
 
     with pytest.raises((ValueError, TypeError), match=message.replace(".", r"\.")):
-        EngineConfig(**config)
+        EngineConfig.of(**config)
 
 
 @pytest.mark.parametrize(("world", "config", "message"), [
@@ -169,13 +170,13 @@ def test_deepspeed_declares_its_dimensions_and_refuses_the_rest() -> None:
     from shardwise.strategies.deepspeed.strategy import DeepSpeedStrategy
 
     assert DeepSpeedStrategy.supported_dims == {"dp_shard", "tp"} and DeepSpeedStrategy.own_steps == {"tp"}
-    cfg = EngineConfig(strategy="zero2", backend="deepspeed", parallelism={"dp_replicate": 2})
+    cfg = EngineConfig.of(strategy="zero2", backend="deepspeed", parallelism={"dp_replicate": 2})
     info = DistInfo(rank=0, world_size=4, local_rank=0, local_world_size=4, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="parallelism dp_replicate=2: backend deepspeed does not split "
                                           "along it \\(it splits dp_shard, tp\\)"):
-        layout(cfg.sharding, info, shards=True, supported=DeepSpeedStrategy.supported_dims)
+        layout(cfg, info, shards=True, supported=DeepSpeedStrategy.supported_dims)
     with pytest.raises(ConfigError, match="parallelize with backend: deepspeed"):
-        EngineConfig(strategy="zero2", backend="deepspeed", parallelize="mod:fn")
+        EngineConfig.of(strategy="zero2", backend="deepspeed", parallelize="mod:fn")
 
 
 def test_a_user_parallelize_by_name_is_imported_or_refused() -> None:
@@ -187,5 +188,6 @@ def test_a_user_parallelize_by_name_is_imported_or_refused() -> None:
     with pytest.raises(ConfigError, match="parallelize='nowhere_at_all:fn': cannot import 'fn'"):
         resolve_parallelize("nowhere_at_all:fn")
     with pytest.raises(ConfigError, match="must be a function parallelize\\(model, dims\\)"):
-        EngineConfig(parallelize="no_colon")
-    assert to_dict(EngineConfig(parallelize=_layout))["parallelize"] == f"{__name__}:_layout"
+        EngineConfig.of(parallelize="no_colon")
+    written = to_dict(EngineConfig.of(parallelize=_layout))
+    assert written["parallelism"]["parallelize"] == f"{__name__}:_layout"

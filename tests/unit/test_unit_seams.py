@@ -19,10 +19,10 @@ from shardwise.checkpoint.run_record import RUN_RECORD_ENV, append, read_run_rec
 from shardwise.checkpoint.storage import CheckpointError
 from shardwise.config import EngineConfig
 from shardwise.config.tree import (
-    BlocksSection,
-    CheckpointSection,
-    ObservationSection,
-    SupervisionSection,
+    BlocksConfig,
+    CheckpointConfig,
+    ObservationConfig,
+    SupervisionConfig,
 )
 from shardwise.distributed.mesh import ParallelDims
 from shardwise.engine.boundary import StepBoundary
@@ -85,7 +85,7 @@ def _manager(tmp_path: Path, resume: str) -> tuple[CheckpointManager, list[str]]
     def no_group() -> Any:
         raise AssertionError("resume discovery makes no process group")
 
-    section = CheckpointSection(dir=str(tmp_path / "ckpt"), resume=resume)
+    section = CheckpointConfig(dir=str(tmp_path / "ckpt"), resume=resume)
     return CheckpointManager(section, rank=0, local_main=True, say=said.append, make_group=no_group), said
 
 
@@ -132,7 +132,7 @@ def _dims(world: int, *, shards: bool = True, **config: Any) -> ParallelDims:
 
     info = DistInfo(rank=0, world_size=world, local_rank=0, local_world_size=world,
                     device=torch.device("cpu"))
-    return layout(EngineConfig(**config).sharding, info, shards=shards, supported=Strategy.supported_dims)
+    return layout(EngineConfig.of(**config), info, shards=shards, supported=Strategy.supported_dims)
 
 
 def test_parallel_dims_of_each_strategy_layout() -> None:
@@ -153,21 +153,25 @@ def test_parallel_dims_of_each_strategy_layout() -> None:
 
 # -- config sections ----------------------------------------------------------------------------------
 def test_components_get_their_own_section_from_the_flat_keys() -> None:
-    cfg = EngineConfig(checkpoint_dir="ck", checkpoint_every_steps=5, keep_last=2, checkpoint_async=True,
-                       resume="never", preempt_signals=("SIGUSR1",), preempt_grace_s=9.0,
-                       collective_timeout_s=60.0)
-    assert cfg.checkpointing == CheckpointSection("ck", 5, None, 2, True, "never")
-    assert cfg.supervision == SupervisionSection(("SIGUSR1",), 9.0, 60.0)
-    cfg = EngineConfig(strategy="zero3", offload="optimizer", precision="bf16", shard_group_size="node",
-                       wrap="Block", max_grad_norm=1.0, activation_checkpointing=True, compile=True,
-                       compile_backend="aot_eager", log_with="jsonl", log_every_steps=3, project_dir="p")
+    cfg = EngineConfig.of(checkpoint_dir="ck", checkpoint_every_steps=5, keep_last=2, checkpoint_async=True,
+                          resume="never", preempt_signals=("SIGUSR1",), preempt_grace_s=9.0,
+                          collective_timeout_s=60.0)
+    assert cfg.checkpointing == CheckpointConfig(dir="ck", every_steps=5, keep_last=2, background=True,
+                                                 resume="never")
+    assert cfg.supervision == SupervisionConfig(preempt_signals=("SIGUSR1",), preempt_grace_s=9.0,
+                                                collective_timeout_s=60.0)
+    cfg = EngineConfig.of(strategy="zero3", offload="optimizer", precision="bf16", shard_group_size="node",
+                          wrap="Block", max_grad_norm=1.0, activation_checkpointing=True, compile=True,
+                          compile_backend="aot_eager", log_with="jsonl", log_every_steps=3, project_dir="p",
+                          tensor_parallel_size=2, context_parallel="ulysses")
     sharding = cfg.sharding
-    assert (sharding.strategy, sharding.offload, sharding.precision, sharding.shard_group_size, sharding.wrap,
-            sharding.max_grad_norm) == ("zero3", "optimizer", "bf16", "node", ("Block",), 1.0)
-    assert cfg.blocks == BlocksSection(("Block",), "full", None, True, "aot_eager", None, False, None)
-    assert cfg.observation == ObservationSection(("jsonl",), 3, None, None, None, "p")
-    with pytest.raises(AttributeError):  # a section is a read-only view: the flat keys stay the source
-        cfg.sharding.strategy = "ddp"  # type: ignore[misc]
+    assert (sharding.strategy, sharding.offload, sharding.precision, sharding.shard_group_size) == (
+        "zero3", "optimizer", "bf16", "node")
+    assert cfg.training.max_grad_norm == 1.0
+    assert cfg.blocks == BlocksConfig(wrap=("Block",), activation_checkpointing="full", compile=True,
+                                      compile_backend="aot_eager")
+    assert cfg.observation == ObservationConfig(log_with=("jsonl",), log_every_steps=3, project_dir="p")
+    assert (cfg.parallelism.tp, cfg.parallelism.cp_method) == (2, "ulysses")
 
 
 # -- the boundary's agreement: issued without waiting, read one boundary later -----------------------
@@ -195,7 +199,7 @@ def test_the_agreement_is_read_at_the_next_boundary_and_a_stale_due_is_dropped(
 
     monkeypatch.setattr(S.dist, "all_reduce", all_reduce)
     info = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
-    sup = S.Supervisor(SupervisionSection(preempt_signals=()), CheckpointSection(every_seconds=1e9), info)
+    sup = S.Supervisor(SupervisionConfig(preempt_signals=()), CheckpointConfig(every_seconds=1e9), info)
     assert sup.at_boundary(0, write_failed=False) == S.BoundaryDecision()
     monkeypatch.setattr(S.PROCESS, "preempted", int(signal.SIGUSR1))
     assert sup.at_boundary(1, write_failed=False).stop is None  # raised here, decided at the next

@@ -65,7 +65,7 @@ def test_heads_and_split_dimensions_must_divide() -> None:
 def test_what_tensor_parallelism_does_not_compose_with_is_refused_in_one_line(settings: dict,
                                                                              message: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        EngineConfig(tensor_parallel_size=2, **settings)
+        EngineConfig.of(tensor_parallel_size=2, **settings)
     assert message in W.one_line(refused.value)
 
 
@@ -99,10 +99,10 @@ def test_every_strategy_and_offload_compose_with_tensor_parallelism(strategy: st
     from shardwise.strategies.steps import parallelize
 
     stage, replicas_only, shard_optimizer, sizes, runner_kind, params_offloaded = COMPOSED[strategy, offload]
-    cfg = EngineConfig(tensor_parallel_size=2, strategy=strategy, offload=offload)
+    cfg = EngineConfig.of(tensor_parallel_size=2, strategy=strategy, offload=offload)
     info = DistInfo(rank=0, world_size=4, local_rank=0, local_world_size=4, device=torch.device("cpu"))
     with fake_world(4):
-        built = make_strategy(cfg.sharding, info)
+        built = make_strategy(cfg, info)
         assert type(built).__name__ == "FSDPStrategy"  # torch's DDP takes no DTensor parameters
         assert (built.stage, built.replicas_only, built.shard_optimizer) == (stage, replicas_only,
                                                                             shard_optimizer)
@@ -110,7 +110,7 @@ def test_every_strategy_and_offload_compose_with_tensor_parallelism(strategy: st
         assert (dims.dp_replicate, dims.dp_shard, dims.tp) == sizes and dims.tp == 2
         assert built.dims.tp_mesh.mesh_dim_names == ("tp",) and built.dims.tp_mesh.size() == 2
         model = W.build("llama")
-        parallelize(model, dims, built.cfg, cfg.blocks, own_steps=built.own_steps)
+        parallelize(model, dims, built.cfg.parallelism, cfg.blocks, own_steps=built.own_steps)
         model = built.setup_model(model)
         params = dict(model.named_parameters())
         q, norm = params["model.layers.0.self_attn.q_proj.weight"], params["model.norm.weight"]
@@ -138,8 +138,8 @@ def test_deepspeed_stages_compose_with_autotp(strategy: str, offload: str) -> No
 
     from shardwise.strategies.deepspeed.setup import deepspeed_config
 
-    cfg = EngineConfig(tensor_parallel_size=2, strategy=strategy, offload=offload, backend="deepspeed")
-    ds = deepspeed_config(cfg.sharding, device=torch.device("cpu"), numel=1000)
+    cfg = EngineConfig.of(tensor_parallel_size=2, strategy=strategy, offload=offload, backend="deepspeed")
+    ds = deepspeed_config(cfg, device=torch.device("cpu"), numel=1000)
     assert ds["tensor_parallel"] == {"autotp_size": 2}
     assert ds["zero_optimization"]["stage"] == int(strategy[-1])
     assert ("offload_optimizer" in ds["zero_optimization"]) == (offload == "optimizer")
@@ -164,8 +164,8 @@ def test_the_mesh_puts_tp_innermost_and_splits_data_over_dp_ranks() -> None:
     from shardwise.strategies.base import Strategy, layout
 
     info = DistInfo(rank=0, world_size=8, local_rank=0, local_world_size=8, device=torch.device("cpu"))
-    cfg = EngineConfig(strategy="zero3", shard_group_size=4, tensor_parallel_size=2)
-    dims = layout(cfg.sharding, info, shards=True, supported=Strategy.supported_dims)
+    cfg = EngineConfig.of(strategy="zero3", shard_group_size=4, tensor_parallel_size=2)
+    dims = layout(cfg, info, shards=True, supported=Strategy.supported_dims)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 2)
     assert dims.names == ("dp_replicate", "dp_shard", "tp") and dims.dp_size == 4
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # a tp pair: one batch
@@ -205,9 +205,9 @@ def test_throughput_counts_a_tp_groups_batch_once() -> None:
 def test_sequence_parallel_without_tp_or_on_deepspeed_is_refused_in_one_line(settings: dict,
                                                                             message: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        EngineConfig(sequence_parallel=True, **settings)
+        EngineConfig.of(sequence_parallel=True, **settings)
     assert message in W.one_line(refused.value)
-    assert EngineConfig(sequence_parallel=True, tensor_parallel_size=2).sharding.sequence_parallel
+    assert EngineConfig.of(sequence_parallel=True, tensor_parallel_size=2).parallelism.sequence_parallel
 
 
 def test_sequence_parallel_cuts_at_the_blocks_sublayers_and_norms() -> None:

@@ -154,7 +154,7 @@ class Accelerator(ProcessHelpers):
         # (the mesh is a collective), when the script gave one or tensor parallelism is on
         self._layout: ParallelSizes | None = None
         self._mesh: Any = None
-        if asked_layout or self.config.tensor_parallel_size > 1:
+        if asked_layout or self.config.parallelism.tp > 1:
             self._build_layout()
 
     def _build_layout(self) -> None:
@@ -304,7 +304,7 @@ class Accelerator(ProcessHelpers):
 
     @property
     def mixed_precision(self) -> str:
-        return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[self.config.precision]
+        return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[self.config.sharding.precision]
 
     @property
     def use_distributed(self) -> bool:
@@ -325,7 +325,7 @@ class Accelerator(ProcessHelpers):
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        return self.config.grad_accum_steps
+        return self.config.training.grad_accum_steps
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int) -> None:
@@ -333,7 +333,7 @@ class Accelerator(ProcessHelpers):
 
     @property
     def project_dir(self) -> str | None:
-        return self.config.project_dir
+        return self.config.observation.project_dir
 
     @property
     def logging_dir(self) -> str:
@@ -351,7 +351,7 @@ class Accelerator(ProcessHelpers):
                 # read by the engine's forward hook, before FSDP's all-gather, for a no-grad forward
                 # that no wait_for_everyone() rendezvous settled (`engine.lone`)
                 check = SoloForwardCheck(self.num_processes, self.is_main_process,
-                                         self.config.collective_timeout_s, lambda: self.step,
+                                         self.config.supervision.collective_timeout_s, lambda: self.step,
                                          self.engine.others_moved_on)
                 object.__setattr__(obj, "_shardwise_solo", check)
         return out
@@ -485,14 +485,15 @@ class Accelerator(ProcessHelpers):
     def _replicated(self) -> bool:
         """Every process holds the whole model and optimizer state (ddp, or one process; not
         with tensor parallelism, whose processes each hold a share of every split layer)."""
-        return self.config.tensor_parallel_size == 1 and self.distributed_type in (
+        return self.config.parallelism.tp == 1 and self.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
     def _save_together(self) -> bool:
         """False when this process alone called save_state (refused where the state is sharded)."""
         sharded_as = None if self._replicated() else self.distributed_type.value
-        return save_together(self._saves, self.step, self.num_processes, self.process_index,
-                             self.config.collective_timeout_s, sharded_as, self.engine.others_moved_on)
+        timeout = self.config.supervision.collective_timeout_s
+        return save_together(self._saves, self.step, self.num_processes, self.process_index, timeout,
+                             sharded_as, self.engine.others_moved_on)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
                    **save_model_func_kwargs: Any) -> Path:
@@ -513,7 +514,7 @@ class Accelerator(ProcessHelpers):
             return path
         checkpoints = self.engine.checkpoints
         numbered = self._numbered()
-        runlock.hold(numbered.root, self.process_index, self.engine.config.lock_lease_s)
+        runlock.hold(numbered.root, self.process_index, self.engine.config.checkpointing.lock_lease_s)
         start = [numbered.next_index()]
         if self.num_processes > 1 and together:  # process 0's listing: every process saves to the same folder
             dist.broadcast_object_list(start, src=0)
@@ -565,7 +566,7 @@ class Accelerator(ProcessHelpers):
         pc = self.project_configuration
         if input_dir is None and getattr(pc, "automatic_checkpoint_naming", False):
             numbered = self._numbered()
-            runlock.hold(numbered.root, self.process_index, self.engine.config.lock_lease_s)
+            runlock.hold(numbered.root, self.process_index, self.engine.config.checkpointing.lock_lease_s)
             found = numbered.newest()  # (the next save goes past it)
             if found is None:
                 raise FileNotFoundError(f"no checkpoint_<i> folder under {numbered.root} to load")

@@ -70,7 +70,7 @@ class GradientState:
 
     @property
     def num_steps(self) -> int:
-        return self._acc.config.grad_accum_steps
+        return self._acc.config.training.grad_accum_steps
 
     @property
     def end_of_dataloader(self) -> bool:

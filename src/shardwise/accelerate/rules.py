@@ -66,8 +66,6 @@ def read_parallelism(kwargs: dict[str, Any], world_size: int) -> None:
         sizes = dict(vars(config))
     section = from_parallelism(sizes, world_size, "Accelerator(parallelism_config=...)")
     if section is not None:
-        if "context_parallel" in section:  # (sp_size: Ulysses)
-            kwargs.setdefault("context_parallel", section.pop("context_parallel"))
         kwargs.setdefault("parallelism", section)
 
 
@@ -132,8 +130,9 @@ def accelerate_rules(dataloader_config: Any, plugin: Any, step_scheduler_with_op
 
 def check_rules(rules: LoopRules, config: EngineConfig) -> None:
     """Refuse rules the configured backend cannot follow."""
-    if rules.sync_each_batch and not backend_spec(config.backend).sync_each_batch:
-        raise ConfigError(f"GradientAccumulationPlugin(sync_each_batch=True): backend={config.backend!r} "
+    backend = config.sharding.backend
+    if rules.sync_each_batch and not backend_spec(backend).sync_each_batch:
+        raise ConfigError(f"GradientAccumulationPlugin(sync_each_batch=True): backend={backend!r} "
                           "syncs at its own accumulation boundary only; drop sync_each_batch or use "
                           "backend='torch'")
 
@@ -144,11 +143,11 @@ def distributed_type(config: EngineConfig, world: int, device: torch.device) -> 
     chose one: FSDP); MULTI_GPU is MULTI_CPU on CPU processes."""
     if world == 1:
         return DistributedType.NO
-    name = backend_spec(config.backend).distributed_type
+    name = backend_spec(config.sharding.backend).distributed_type
     if name is None:
         # strategy="auto" before it chose: sharded, as every strategy but ddp
-        auto = is_auto(config.strategy)
-        name = DistributedType.FSDP.value if auto else strategy_spec(config.strategy).distributed_type
+        strategy = config.sharding.strategy
+        name = DistributedType.FSDP.value if is_auto(strategy) else strategy_spec(strategy).distributed_type
     kind = DistributedType(name)
     if kind is DistributedType.MULTI_GPU and device.type != "cuda":
         return DistributedType.MULTI_CPU

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config.tree import CheckpointSection
+from ..config.tree import CheckpointConfig
 from . import run_record, runlock, sharded
 from .background import BackgroundWriter
 from .naming import NumberedFolders, StepFolders
@@ -38,7 +38,7 @@ Say = Callable[[str], None]
 class CheckpointManager:
     """Saves, loads and keeps this engine's checkpoints (see the module docstring)."""
 
-    def __init__(self, section: CheckpointSection, *, rank: int, local_main: bool, say: Say,
+    def __init__(self, section: CheckpointConfig, *, rank: int, local_main: bool, say: Say,
                  make_group: Callable[[], dist.ProcessGroup]) -> None:
         self.section = section
         self.rank, self.local_main = rank, local_main

@@ -23,7 +23,8 @@ from typing import Any, NoReturn
 from ..config.batch import check_train_batch
 from ..config.docs import field_docs
 from ..config.files import build, load_layers, merge, read_file, to_yaml, write_yaml
-from ..config.tree import ConfigError, EngineConfig, LaunchConfig, ParallelismConfig
+from ..config.parallelism import DIMS
+from ..config.tree import FLAT_KEYS, ConfigError, EngineConfig, LaunchConfig, ParallelismConfig
 from .env import environment, run_env
 from .plan import add_plan_parser, run_plan
 from .scheduler import Scheduler, derive, detect, slurm_script
@@ -100,25 +101,24 @@ def _add_config_flags(parser: argparse.ArgumentParser, *, skip: frozenset[str] =
                        help=f"shardwise YAML, or a DeepSpeed JSON (default: ./{DEFAULT_CONFIG} if present)")
     group.add_argument("--deepspeed", dest="deepspeed_config", default=_UNSET,
                        help="a DeepSpeed JSON to translate")
-    launch_fields = [f.name for f in dataclasses.fields(LaunchConfig)]
-    sizes = [f.name for f in dataclasses.fields(ParallelismConfig)]
-    sections: list[tuple[type, list[str], str]] = [(EngineConfig, _ENGINE_FLAGS, ""),
-                                                   (LaunchConfig, launch_fields, "launch."),
-                                                   (ParallelismConfig, sizes, "parallelism.")]
-    for cls, names, prefix in sections:
+    # the flat keys by their own names (their section's field gives the type and help), the launch
+    # section's by theirs, the mesh sizes by their section's name (--parallelism-tp 2)
+    flat = [(FLAT_KEYS[key][1], key, EngineConfig.section_type(FLAT_KEYS[key][0])) for key in _ENGINE_FLAGS]
+    named: list[tuple[str, str, type]] = [(f.name, f"launch.{f.name}", LaunchConfig)
+                                          for f in dataclasses.fields(LaunchConfig)]
+    named += [(d, f"parallelism.{d}", ParallelismConfig) for d in DIMS]
+    for name, dest, cls in [*flat, *named]:
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
-        for name in names:
-            # the mesh sizes by their section's name (--parallelism-tp 2), the rest by their own
-            flag = "--" + (prefix.rstrip(".") + "_" if prefix == "parallelism." else "") + name
-            flag = flag.replace("_", "-")
-            if flag in skip:
-                continue
-            kind = _flag_type(hints[name])
-            modes = kind.pop("modes", None)
-            group.add_argument(flag, dest=prefix + name, default=_UNSET, help=docs.get(name, ""), **kind)
-            if modes:
-                group.add_argument(flag + "-mode", dest=prefix + name, default=_UNSET, choices=modes,
-                                   help=f"{name} by name ({flag}: {modes[1]}, --no-{flag[2:]}: {modes[0]})")
+        flag = "--" + (dest.replace(".", "_") if dest.startswith("parallelism.") else dest.split(".")[-1])
+        flag = flag.replace("_", "-")
+        if flag in skip:
+            continue
+        kind = _flag_type(hints[name])
+        modes = kind.pop("modes", None)
+        group.add_argument(flag, dest=dest, default=_UNSET, help=docs.get(name, ""), **kind)
+        if modes:
+            group.add_argument(flag + "-mode", dest=dest, default=_UNSET, choices=modes,
+                               help=f"{name} by name ({flag}: {modes[1]}, --no-{flag[2:]}: {modes[0]})")
 
 
 def _flag_settings(ns: argparse.Namespace) -> dict[str, Any]:
@@ -247,8 +247,8 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
         raise ConfigError("no training script given: shardwise launch [options] SCRIPT [args]")
     if not module_mode and not Path(script).is_file():
         raise ConfigError(f"training script {script!r} not found")
-    if isinstance(cfg.micro_batch_size, int):
-        check_train_batch(cfg, cfg.micro_batch_size, cfg.launch.num_processes * cfg.launch.num_nodes)
+    if isinstance(cfg.training.micro_batch_size, int):
+        check_train_batch(cfg, cfg.training.micro_batch_size, cfg.launch.num_processes * cfg.launch.num_nodes)
     argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, torchrun))
     after_save = None
     if scheduler is not None:
@@ -263,8 +263,9 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
         write_yaml(cfg, path, header="# resolved by shardwise launch\n")
         # stopped, the workers get up to preempt_grace_s to reach a boundary, then their save's
         # collectives time out after collective_timeout_s: the launcher waits that long for them
-        return run_torchrun(argv, path, stop_signal=(cfg.preempt_signals or ("SIGTERM",))[0],
-                            stop_timeout_s=cfg.preempt_grace_s + cfg.collective_timeout_s,
+        sup = cfg.supervision
+        return run_torchrun(argv, path, stop_signal=(sup.preempt_signals or ("SIGTERM",))[0],
+                            stop_timeout_s=sup.preempt_grace_s + sup.collective_timeout_s,
                             **({"after_save": after_save} if after_save else {}))
     finally:
         Path(path).unlink(missing_ok=True)
@@ -272,12 +273,13 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
 
 # -- config -----------------------------------------------------------------------------------
 _QUESTIONS = [
-    ("strategy", "Sharding strategy (ddp, zero1, zero2, zero3, auto)"),
-    ("precision", "Precision (fp32, bf16, fp16)"),
-    ("offload", "Offload to host memory (none, optimizer, params)"),
-    ("grad_accum_steps", "Gradient accumulation steps"),
-    ("max_grad_norm", "Clip gradients to this norm (empty: no clipping)"),
-    ("activation_checkpointing", "Activation checkpointing (none, full, selective, offload; yes = full)"),
+    ("sharding.strategy", "Sharding strategy (ddp, zero1, zero2, zero3, auto)"),
+    ("sharding.precision", "Precision (fp32, bf16, fp16)"),
+    ("sharding.offload", "Offload to host memory (none, optimizer, params)"),
+    ("training.grad_accum_steps", "Gradient accumulation steps"),
+    ("training.max_grad_norm", "Clip gradients to this norm (empty: no clipping)"),
+    ("blocks.activation_checkpointing",
+     "Activation checkpointing (none, full, selective, offload; yes = full)"),
     ("launch.num_processes", "Processes per machine (one per GPU)"),
     ("launch.num_nodes", "Number of machines"),
 ]
@@ -315,8 +317,8 @@ def _ask(defaults: EngineConfig) -> dict[str, Any]:
             questions.insert(0, (key, text))
             continue
         answers = trial
-        if key == "activation_checkpointing" and value == "selective":
-            questions.insert(0, ("activation_checkpointing_every",
+        if key == "blocks.activation_checkpointing" and value == "selective":
+            questions.insert(0, ("blocks.activation_checkpointing_every",
                                  "Checkpoint every k-th block in full instead (empty: keep matmul outputs)"))
         if key == "launch.num_nodes" and value != 1:
             questions += [("launch.node_rank", "This machine's rank (0 hosts the rendezvous)"),

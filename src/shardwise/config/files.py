@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from .tree import ConfigError, EngineConfig
+from .tree import FLAT_KEYS, ConfigError, EngineConfig, nest
 
 
 def field_names(cls: type) -> list[str]:
@@ -32,14 +32,9 @@ def suggest(key: str, valid: list[str]) -> str:
 
 
 def make_config(**overrides: Any) -> EngineConfig:
-    """Build an `EngineConfig` from keywords, refusing unknown ones with the closest valid name."""
-    valid = field_names(EngineConfig)
-    for key in overrides:
-        if key not in valid:
-            raise ConfigError(
-                f"unknown setting {key!r}{suggest(key, valid)}; valid settings: {', '.join(valid)}"
-            )
-    return EngineConfig(**overrides)
+    """Build an `EngineConfig` from keywords in either spelling (sections or flat keys), refusing
+    unknown ones with the closest valid name."""
+    return EngineConfig.of(**overrides)
 
 _ADAPTER: TypeAdapter[EngineConfig] | None = None
 
@@ -129,7 +124,8 @@ def _all_config_classes() -> list[type]:
 
 
 def build(data: Mapping[str, Any], source: str = "config") -> EngineConfig:
-    """Validate a settings tree into an `EngineConfig`."""
+    """Validate settings (sections, flat keys or both) into an `EngineConfig`."""
+    data = nest(data, source)
     check_keys(data, EngineConfig, source)
     try:
         return _adapter().validate_python(dict(data))
@@ -180,20 +176,24 @@ def load_layers(
         data, dropped = from_accelerate(data, source=str(path), read_json=lambda p: read_file(
             p if Path(p).is_absolute() else here / p))
         data.pop("deepspeed_config", None)  # (its JSON is translated in already)
-        return merge(data, flags or {}), dropped
-    ds_path = (flags or {}).get("deepspeed_config") or data.get("deepspeed_config")
+        return merge(nest(data, str(path)), nest(flags or {}, "flags")), dropped
+    flags = nest(flags or {}, "flags")
     if path is not None and looks_like_deepspeed(data):  # a DeepSpeed JSON given as the config
         ds_path, data = str(path), {}
-    elif path is not None:
-        check_keys(data, EngineConfig, str(path))
+    else:
+        data = nest(data, str(path))
+        if path is not None:
+            check_keys(data, EngineConfig, str(path))
+        ds_path = (flags.get("sharding", {}).get("deepspeed_config")
+                   or data.get("sharding", {}).get("deepspeed_config"))
     if ds_path:
         if path is not None and not Path(ds_path).is_absolute():
             candidate = Path(path).parent / ds_path
             ds_path = str(candidate) if candidate.is_file() else ds_path
         layered, dropped = from_deepspeed(read_file(ds_path), source=str(ds_path))
-        layered["deepspeed_config"] = str(ds_path)
+        layered = nest({**layered, "deepspeed_config": str(ds_path)}, str(ds_path))
     layered = merge(layered, data)
-    layered = merge(layered, flags or {})
+    layered = merge(layered, flags)
     return layered, dropped
 
 
@@ -228,9 +228,9 @@ def write_yaml(cfg: EngineConfig, path: str | Path, *, header: str = "") -> None
     A DeepSpeed JSON it came from is already translated into every field, so the file names
     it in a comment only: read back, it means exactly what it says, wherever it is moved.
     """
-    if cfg.deepspeed_config:
-        header += f"# includes the settings of {cfg.deepspeed_config}\n"
-        cfg = dataclasses.replace(cfg, deepspeed_config=None)
+    if cfg.sharding.deepspeed_config:
+        header += f"# includes the settings of {cfg.sharding.deepspeed_config}\n"
+        cfg = cfg.with_keys(deepspeed_config=None)
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(header + to_yaml(cfg))
@@ -244,9 +244,12 @@ def config_with_code(kwargs: dict[str, Any], path: str | Path | None) -> tuple[E
     file would otherwise warn on every run)."""
     data, _ = load_layers(path) if path else ({}, [])
     defaults = to_dict(EngineConfig())
-    conflicts = [
-        f"{k}={v!r} in code, {data[k]!r} in {path}"
-        for k, v in kwargs.items()
-        if k in data and data[k] != v and not isinstance(v, dict) and data[k] != defaults.get(k)
-    ]
-    return build(merge(data, kwargs), str(path) if path else "Engine()"), conflicts
+    conflicts = []
+    for k, v in kwargs.items():
+        if k not in FLAT_KEYS or isinstance(v, dict):
+            continue
+        section, name = FLAT_KEYS[k]
+        said = data.get(section, {}).get(name, defaults[section][name])
+        if said != v and said != defaults[section][name]:
+            conflicts.append(f"{k}={v!r} in code, {said!r} in {path}")
+    return build(merge(data, nest(kwargs, "Engine()")), str(path) if path else "Engine()"), conflicts

@@ -8,9 +8,11 @@ The dimensions (torchtitan's `ParallelDims` is the model), outermost first:
   tp            tensor parallelism (each planned layer split; consecutive ranks, within a node);
   ep            expert parallelism, borrowed from dp_shard x cp (not a factor of the world).
 dp_replicate x dp_shard x cp x tp is the number of processes. A size may be -1 for "the
-processes the others leave" (dp_replicate or dp_shard, one of them). Today's flat keys translate
-into these sizes here and nowhere else: `tensor_parallel_size` is tp, `shard_group_size` (a count
-of processes: whole tp groups) is dp_shard x tp, ddp's ranks are all dp_replicate. Accelerate's
+processes the others leave" (dp_replicate or dp_shard, one of them). The section is where the
+sizes live: the flat keys `tensor_parallel_size`, `context_parallel_size` and
+`expert_parallel_size` are only other spellings of tp, cp and ep (`config.flat`), and
+`shard_group_size` (a count of processes: whole cp x tp groups) resolves to dp_shard here and
+nowhere else; ddp's ranks are all dp_replicate. Accelerate's
 `ParallelismConfig` (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) and an Accelerate
 YAML's `parallelism_config` fill this section (`config.translate`). Every consumer of a
 data-parallel size or rank asks the resolved layout (`distributed.mesh.ParallelDims`), which is
@@ -19,8 +21,9 @@ built from `resolve_sizes`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 _REST = -1  # "the processes the others leave"
@@ -34,11 +37,18 @@ class ConfigError(ValueError):
 ParallelismError = ConfigError
 
 
-@dataclass(slots=True)
-class ParallelismConfig:
-    """The sizes of the run's named mesh dimensions (`parallelism:` in a config file).
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_loss_parallel", "embedding_rowwise",
+             "colwise_qkv", "replicate")
 
-    None: from the flat keys (strategy, shard_group_size, tensor_parallel_size); -1: the rest."""
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismConfig:
+    """The run's named mesh dimensions and how each splits the model (`parallelism:`): the sizes
+    dp_replicate, dp_shard, cp, tp, ep (their product, ep aside, is the number of processes; -1:
+    the rest), the tensor-parallel plan, and your own model-parallel step. The flat keys
+    tensor_parallel_size, context_parallel_size and expert_parallel_size are tp, cp and ep;
+    shard_group_size is dp_shard x cp x tp processes. Each backend refuses, in one line, a
+    dimension it does not split."""
 
     dp_replicate: int | None = None
     """Groups holding the same shards: DDP's replicas, or hybrid sharding's groups (zero1-3 shard
@@ -48,21 +58,52 @@ class ParallelismConfig:
     """Data-parallel ranks that shard parameters, gradients or optimizer state (zero1-3; ddp: 1).
     None: shard_group_size's ranks, else every data-parallel rank."""
     cp: int = 1
-    """Context parallelism: ranks that split each sequence along its length (context_parallel_size;
-    torch backend, a transformers model)."""
-    tp: int | None = None
-    """Tensor parallelism: ranks that split each planned layer (None: tensor_parallel_size)."""
+    """Processes that split each sequence along its length (context parallelism; flat key
+    context_parallel_size): they take the same samples, each holds 1/N of every sequence's tokens
+    and activations, and attention spans the whole sequence (`cp_method`). A transformers model
+    (its attention is replaced through transformers' attention registry); ddp and zero1-3, hybrid
+    sharding and tensor parallelism compose with it. Torch backend."""
+    tp: int = 1
+    """Processes that split each layer of the model between them (tensor parallelism, flat key
+    tensor_parallel_size; innermost on the mesh: consecutive ranks, so within a node); they see the
+    same batch, and the data is split over world / (cp x tp) data-parallel ranks. With ddp, zero2
+    or zero3 (torch backend): the layers are split first, then replicated or sharded over the
+    data-parallel ranks. The model needs a plan (a transformers model's own, or tp_plan)."""
     ep: int = 1
-    """Expert parallelism: ranks that split each mixture-of-experts layer's experts, borrowed from
-    dp_shard x cp (expert_parallel_size; this version: the torch backend's zero1, zero2 and zero3,
-    without cp or tp)."""
+    """Processes that split each mixture-of-experts layer's experts (expert parallelism, flat key
+    expert_parallel_size), borrowed from dp_shard x cp: each holds 1/N of every layer's experts, and
+    each token goes to the ranks that own its chosen experts and back (two all-to-alls, no token
+    dropped). transformers' fused experts modules (Mixtral, Qwen2-MoE, ...) or a user's layer of the
+    same layout. zero1, zero2 or zero3 (offload included, hybrid sharding too), N dividing the
+    sharding group. Torch backend."""
+    tp_plan: dict[str, str] | None = None
+    """Module path (`*` matches one name) -> how it is split (flat key tensor_parallel_plan):
+    colwise, rowwise, colwise_gather_output, colwise_loss_parallel (the head's logits left split:
+    compute the loss under `engine.loss_parallel()`), embedding_rowwise, replicate (None: the
+    model's own plan)."""
+    sequence_parallel: bool = False
+    """With tp > 1: the activations between the split layers (norms, residuals, dropouts) split
+    over the sequence across the tp ranks too, instead of whole on each (the all-reduces become
+    all-gathers and reduce-scatters of the same bytes). The sequence length must divide by tp.
+    Torch backend."""
+    cp_method: Literal["ring", "ulysses"] = "ring"
+    """How attention spans a split sequence (flat key context_parallel): ring (key/value blocks
+    passed round the group, a zigzag split that balances the causal mask; any head count) or
+    ulysses (two all-to-alls per attention: sequence shards to head shards and back; the heads
+    must divide by cp)."""
+    parallelize: str | Callable[..., Any] | None = None
+    """Your own model-parallel step for a model with no plan: a function `parallelize(model,
+    dims)` (or its "module:function" name) that splits `model` in place on the meshes of `dims`
+    (`engine.parallel_dims`: `dims.get_mesh("tp")`, ...), as Lightning Fabric's
+    ModelParallelStrategy takes one. It replaces the tensor-parallel plan step; activation
+    checkpointing, compile and the data-parallel sharding follow as usual. Torch backend."""
 
     def __post_init__(self) -> None:
         rests = []
         for name in DIMS:
             value = getattr(self, name)
             can_rest = name in ("dp_replicate", "dp_shard")
-            if value is None and name in ("dp_replicate", "dp_shard", "tp"):
+            if value is None and can_rest:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and not
                                                                           (can_rest and value == _REST)):
@@ -73,6 +114,27 @@ class ParallelismConfig:
         if len(rests) > 1:
             raise ParallelismError("parallelism: dp_replicate=-1 and dp_shard=-1 both ask for the rest; "
                                    "give one of them a size")
+        self._check_model_parallel()
+
+    def _check_model_parallel(self) -> None:
+        """The plan, sequence_parallel, the cp method and the user's own step, each on its own."""
+        plan = self.tp_plan
+        valid = isinstance(plan, dict) and all(isinstance(k, str) and v in TP_STYLES for k, v in plan.items())
+        if plan is not None and not valid:
+            raise ConfigError(f"tensor_parallel_plan={plan!r} must map module paths to one of "
+                              f"{', '.join(TP_STYLES)}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel: true splits the activations over the tensor-parallel "
+                              "ranks: set tensor_parallel_size above 1 with it, or leave sequence_parallel "
+                              "off")
+        if self.cp_method not in ("ring", "ulysses"):
+            raise ConfigError(f"context_parallel={self.cp_method!r} must be ring or ulysses")
+        fn = self.parallelize
+        if fn is not None and not callable(fn) and not (isinstance(fn, str) and ":" in fn):
+            raise ConfigError(f"parallelize={fn!r} must be a function parallelize(model, dims) or its "
+                              "'module:function' name")
 
     def given(self) -> dict[str, int]:
         """The sizes set in the section (not None), by name."""
@@ -104,31 +166,20 @@ def as_section(value: Any) -> ParallelismConfig:
     return ParallelismConfig(**value)
 
 
-def tensor_parallel(section: ParallelismConfig, tensor_parallel_size: int) -> int:
-    """tp: the section's size or tensor_parallel_size (refused in one line when both are given
-    and disagree)."""
-    if section.tp is None:
-        return tensor_parallel_size
-    if tensor_parallel_size not in (1, section.tp):
-        raise ParallelismError(f"parallelism.tp={section.tp} and tensor_parallel_size={tensor_parallel_size} "
-                               "disagree; set one of them")
-    return section.tp
-
-
 def resolve_sizes(section: ParallelismConfig, *, shards: bool, shard_group: int | None,
-                  tensor_parallel_size: int, world: int, local_world: int, group_said: Any = None) -> Sizes:
+                  world: int, local_world: int, group_said: Any = None) -> Sizes:
     """The sizes of a run of `world` processes (`local_world` per node): the one place that
     computes a data-parallel size. `shards`: the strategy shards over dp_shard (zero1-3; ddp and
     ddp-like layouts hold replicas only). `shard_group`: shard_group_size resolved to processes
     (None: not set; `group_said`: as the config wrote it). Each refusal is one line naming the
     sizes and the fix."""
-    tp = tensor_parallel(section, tensor_parallel_size)
+    tp = section.tp
     check_tp(tp, world, local_world)
     cp = section.cp
     if world % (tp * cp):
         raise ParallelismError(f"parallelism: cp={cp} x tp={tp} does not divide the {world} processes of "
                                "this run; choose sizes whose product divides it")
-    dp = world // (tp * cp)
+    dp = data_parallel_size(section, world)
     replicate, shard = section.dp_replicate, section.dp_shard
     if not shards:
         if shard not in (None, 1, _REST) or (shard == _REST and replicate not in (None, _REST, dp)):
@@ -189,19 +240,28 @@ def check_tp(tp: int, world: int, local_world: int) -> None:
                                "per node")
 
 
-def data_parallel_size(section: ParallelismConfig, tensor_parallel_size: int, world: int) -> int:
-    """Data-parallel ranks of `world` processes before a strategy is chosen (the batch checks of
-    the command line): the processes over cp x tp (a size that does not divide: the world, left
-    to `resolve_sizes` to refuse)."""
-    try:
-        per_rank = tensor_parallel(section, tensor_parallel_size) * section.cp
-    except ParallelismError:
-        return world
+def data_parallel_size(section: ParallelismConfig, world: int) -> int:
+    """Data-parallel ranks of `world` processes: the processes over cp x tp, the one place this
+    is computed (`resolve_sizes` splits it into dp_replicate x dp_shard; the batch checks ask it
+    before a strategy is chosen). A size that does not divide gives the world, left to
+    `resolve_sizes` to refuse."""
+    per_rank = section.tp * section.cp
     return world // per_rank if per_rank >= 1 and not world % per_rank else world
 
 
-__all__ = ["DIMS", "ConfigError", "ParallelismConfig", "ParallelismError", "Sizes", "as_section", "check_tp",
-           "data_parallel_size", "resolve_shard_group", "resolve_sizes", "tensor_parallel"]
+__all__ = [
+    "DIMS",
+    "TP_STYLES",
+    "ConfigError",
+    "ParallelismConfig",
+    "ParallelismError",
+    "Sizes",
+    "as_section",
+    "check_tp",
+    "data_parallel_size",
+    "resolve_shard_group",
+    "resolve_sizes",
+]
 
 
 def resolve_shard_group(value: int | str | None, world_size: int, local_world_size: int) -> int:

@@ -368,8 +368,6 @@ def _acc_parallelism(acc: Mapping[str, Any], kind: str, total: int, source: str,
     section = from_parallelism(acc["parallelism_config"], total if "num_processes" in acc else None, where)
     if section is None:
         return
-    if "context_parallel" in section:
-        out["context_parallel"] = section.pop("context_parallel")
     if section.get("dp_shard", 1) > 1 and kind != "FSDP":
         raise ConfigError(f"{where}: dp_shard_size > 1 shards the model, which Accelerate does under "
                           f"distributed_type FSDP only (found {kind})")
@@ -388,7 +386,7 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     before each). The product of the sizes must be the process count (`num_processes`, when
     known). cp_size is context parallelism's cp (a ring, as Accelerate's is); sp_size the same
     dimension with Ulysses (Accelerate runs it through DeepSpeed's; shardwise its own: the
-    returned "context_parallel": "ulysses", which the caller moves out of the section).
+    section's cp_method "ulysses").
     """
     plain = {str(k).removeprefix("parallelism_config_"): v for k, v in sizes.items() if v is not None}
 
@@ -403,7 +401,7 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     if sp > 1 and cp > 1:
         raise ConfigError(f"{source}: cp_size={cp} and sp_size={sp}: one context-parallel dimension at a "
                           "time (cp_size: a ring; sp_size: Ulysses); set one of them to 1")
-    method: dict[str, Any] = {"context_parallel": "ulysses"} if sp > 1 else {}
+    method: dict[str, Any] = {"cp_method": "ulysses"} if sp > 1 else {}
     cp = max(cp, sp)  # (sp_size: Ulysses over the same cp dimension; its sp_backend's name is not needed)
     if replicas * shard * tp * cp == 1:
         return None
@@ -414,8 +412,7 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     if replicas > 1 and shard == 1:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
                           "parallelism, which Accelerate refuses here too; use strategy ddp instead")
-    # Accelerate's cp is a ring (shardwise's default method); its sp is Ulysses ("context_parallel",
-    # a flat key the callers take out of the section)
+    # Accelerate's cp is a ring (shardwise's default method); its sp is Ulysses (cp_method)
     context: dict[str, Any] = {"cp": cp, **method} if cp > 1 else {}
     if replicas == shard == 1:
         return {"tp": tp, **context}  # the data-parallel ranks: the rest, laid out as the strategy does

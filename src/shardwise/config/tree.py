@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import difflib
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal, TypeVar, get_args
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .parallelism import (
+    TP_STYLES as TP_STYLES,
     ConfigError as ConfigError,
     ParallelismConfig as ParallelismConfig,
-    as_section,
-    tensor_parallel,
 )
 
 # the strategy table lives in `specs`; re-exported here, where the config checks against it
@@ -44,7 +43,6 @@ PrecisionName = Literal["fp32", "bf16", "fp16"]
 OffloadName = Literal["none", "optimizer", "params"]
 BackendName = Literal["torch", "deepspeed"]
 HostKernelName = Literal["torch", "deepspeed"]
-ContextMethod = Literal["ring", "ulysses"]
 ResumeName = Literal["auto", "required", "never"]
 Rendezvous = Literal["c10d", "static"]
 OptimizerType = Literal["AdamW", "Adam", "SGD"]
@@ -55,7 +53,6 @@ CheckpointingName = Literal["none", "full", "selective", "offload"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 OFFLOADS: tuple[str, ...] = get_args(OffloadName)
-_S = TypeVar("_S")
 MIN_COLLECTIVE_TIMEOUT_S = 5.0  # below it a healthy run's start-up or checkpoint collectives time out
 
 
@@ -213,87 +210,11 @@ class LaunchConfig:
             raise ConfigError(f"launch.max_restarts={self.max_restarts} must be >= 0")
 
 
-@dataclass(frozen=True, slots=True)
-class ShardingSection:
-    """The strategy's part of the tree (`EngineConfig.sharding`): what is sharded and how, the
-    precision and its loss scale, the host step, and a DeepSpeed JSON's own keys."""
-
-    strategy: StrategyName = "ddp"
-    backend: BackendName = "torch"
-    precision: PrecisionName = "fp32"
-    offload: OffloadName = "none"
-    shard_group_size: int | Node | None = None
-    wrap: tuple[str | type, ...] = ()
-    max_grad_norm: float | None = None
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    offload_bucket_numel: int = 2**24
-    host_kernel: HostKernelName = "torch"
-    deepspeed_config: str | None = None
-    tensor_parallel_size: int = 1
-    tensor_parallel_plan: dict[str, str] | None = None
-    sequence_parallel: bool = False
-    context_parallel_size: int = 1
-    context_parallel: ContextMethod = "ring"
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
-    parallelize: str | Callable[..., Any] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksSection:
-    """What the session does to each block before sharding (`EngineConfig.blocks`): the block
-    list, activation checkpointing and compilation."""
-
-    wrap: tuple[str | type, ...] = ()
-    activation_checkpointing: str = "none"
-    activation_checkpointing_every: int | None = None
-    compile: bool = False
-    compile_backend: str = "inductor"
-    compile_mode: str | None = None
-    compile_fullgraph: bool = False
-    compile_dynamic: bool | None = None
-    tiled_mlp: bool | None = None
-    tiled_loss: bool | None = None
-    tile_tokens: int = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class ObservationSection:
-    """The observer's part of the tree (`EngineConfig.observation`): trackers, records, progress."""
-
-    log_with: tuple[str, ...] = ()
-    log_every_steps: int = 10
-    progress: bool | None = None
-    peak_tflops: float | None = None
-    flops_per_token: float | None = None
-    project_dir: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointSection:
-    """The checkpoint manager's part of the tree (`EngineConfig.checkpointing`): where
-    checkpoints go, how many stay, when the policy writes them, how, and where a run resumes."""
-
-    dir: str = "checkpoints"
-    every_steps: int | None = None
-    every_seconds: float | None = None
-    keep_last: int | None = None
-    background: bool = False
-    resume: str = "auto"
-    lock_lease_s: float = 300.0
-
-
-@dataclass(frozen=True, slots=True)
-class SupervisionSection:
-    """The supervisor's part of the tree (`EngineConfig.supervision`): signals, grace, timeouts."""
-
-    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
-    preempt_grace_s: float = 25.0
-    collective_timeout_s: float = 600.0
-
-
 @dataclass(kw_only=True, slots=True)
-class EngineConfig:
-    """How an `Engine` shards, casts, accumulates and launches. The root of the config tree."""
+class ShardingConfig:
+    """What is sharded and how (`sharding:`): the strategy, its backend, the precision and its loss
+    scale, what is offloaded to the host and how the host steps, the hybrid sharding group, and a
+    DeepSpeed JSON whose settings fill the tree."""
 
     strategy: StrategyName = "ddp"
     """ddp: full replicas, gradients all-reduced. zero1: + optimizer states sharded.
@@ -316,60 +237,29 @@ class EngineConfig:
     (LOCAL_WORLD_SIZE). Must divide the world size; with tensor_parallel_size T it holds whole tp
     groups (a multiple of T: G processes are G / T data-parallel ranks). ddp has nothing to shard
     and ignores it."""
-    tensor_parallel_size: int = 1
-    """Processes that split each layer of the model between them (tensor parallelism, innermost
-    on the mesh: consecutive ranks, so within a node); they see the same batch, and the data is
-    split over world / tensor_parallel_size data-parallel ranks. With ddp, zero2 or zero3 (torch
-    backend): the layers are split first, then replicated or sharded over the data-parallel
-    ranks. The model needs a plan (a transformers model's own, or tensor_parallel_plan)."""
-    tensor_parallel_plan: dict[str, str] | None = None
-    """Module path (`*` matches one name) -> how it is split: colwise, rowwise,
-    colwise_gather_output, colwise_loss_parallel (the head's logits left split: compute the loss
-    under `engine.loss_parallel()`), embedding_rowwise, replicate (None: the model's own plan)."""
-    sequence_parallel: bool = False
-    """With tensor_parallel_size > 1: the activations between the split layers (norms, residuals,
-    dropouts) split over the sequence across the tp ranks too, instead of whole on each (the
-    all-reduces become all-gathers and reduce-scatters of the same bytes). The sequence length
-    must divide by tensor_parallel_size. Torch backend."""
-    context_parallel_size: int = 1
-    """Processes that split each sequence along its length (context parallelism, the mesh's cp
-    dimension: parallelism.cp): they take the same samples, each holds 1/N of every sequence's
-    tokens and activations, and attention spans the whole sequence (`context_parallel`). A
-    transformers model (its attention is replaced through transformers' attention registry);
-    ddp and zero1-3, hybrid sharding and tensor parallelism compose with it. Torch backend."""
-    context_parallel: ContextMethod = "ring"
-    """How attention spans a split sequence: ring (key/value blocks passed round the group, a
-    zigzag split that balances the causal mask; any head count) or ulysses (two all-to-alls per
-    attention: sequence shards to head shards and back; the heads must divide by the size)."""
-    expert_parallel_size: int = 1
-    """Processes that split each mixture-of-experts layer's experts (expert parallelism, the
-    mesh's ep dimension: parallelism.ep): each holds 1/N of every layer's experts, and each token
-    goes to the ranks that own its chosen experts and back (two all-to-alls, no token dropped).
-    transformers' fused experts modules (Mixtral, Qwen2-MoE, ...) or a user's layer of the same
-    layout. zero1, zero2 or zero3 (offload included, hybrid sharding too), N dividing the
-    sharding group. Torch backend."""
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
-    """The sizes of the run's named mesh dimensions: dp_replicate, dp_shard, cp, tp, ep (their
-    product, ep aside, is the number of processes; -1: the rest). The keys above translate into
-    it (tensor_parallel_size is tp, shard_group_size is dp_shard x tp processes); a size given both
-    ways must agree. Each backend refuses, in one line, a dimension it does not split."""
-    parallelize: str | Callable[..., Any] | None = None
-    """Your own model-parallel step for a model with no plan: a function `parallelize(model,
-    dims)` (or its "module:function" name) that splits `model` in place on the meshes of `dims`
-    (`engine.parallel_dims`: `dims.get_mesh("tp")`, ...), as Lightning Fabric's
-    ModelParallelStrategy takes one. It replaces the tensor-parallel plan step; activation
-    checkpointing, compile and the data-parallel sharding follow as usual. Torch backend."""
-    grad_accum_steps: int = 1
-    """Micro-batches per optimizer step; gradients are communicated only on the last one."""
-    max_grad_norm: float | None = None
-    """Clip the global gradient norm to this value at every optimizer step (None: only when
-    the script calls clip_grad_norm_)."""
-    seed: int | None = None
-    """Seeds python, numpy and torch on every process, and the DataLoader shuffling. None: the
-    engine seeds nothing (a script's own `set_seed` stands) and a shuffled DataLoader's order
-    comes from its generator, or from one draw of the global torch generator, as Accelerate's."""
-    cpu: bool = False
-    """Run on CPU processes (gloo) even when GPUs are present."""
+    offload_bucket_numel: int = 2**24
+    """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
+    of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
+    host_kernel: HostKernelName = "torch"
+    """The kernel of host optimizer steps (offload, or a CPU device): torch (torch's fused CPU
+    kernel where the optimizer class has one: Adam, AdamW, SGD, Adagrad) or deepspeed
+    (DeepSpeed's CPUAdam, for Adam/AdamW; needs deepspeed and, on first use, a C++ compiler).
+    Either way the script's optimizer object, its state and checkpoints stay torch's. torch is
+    the default: it measured at least as fast (benchmarks/host_optimizer.py)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """fp16 dynamic loss scaling."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
+
+    def __post_init__(self) -> None:
+        _check_sharding(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class BlocksConfig:
+    """What is done to each block before sharding (`blocks:`): the block list, activation
+    checkpointing, compilation and tiling."""
+
     wrap: tuple[str | type, ...] = ()
     """Module classes (or class names) sharded as units (zero2/zero3). Empty: detect the
     repeated blocks (a transformer's layers) automatically."""
@@ -406,44 +296,75 @@ class EngineConfig:
     (summed per tile, divided by the tokens). None: on under context parallelism, off otherwise."""
     tile_tokens: int = 1024
     """Tokens per tile of tiled_mlp and tiled_loss (per sequence of the batch)."""
+
+    def __post_init__(self) -> None:
+        _check_blocks(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The training loop's settings (`training:`): accumulation, clipping, seeding, the device, and
+    the batch sizes the config expects."""
+
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; gradients are communicated only on the last one."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm to this value at every optimizer step (None: only when
+    the script calls clip_grad_norm_)."""
+    seed: int | None = None
+    """Seeds python, numpy and torch on every process, and the DataLoader shuffling. None: the
+    engine seeds nothing (a script's own `set_seed` stands) and a shuffled DataLoader's order
+    comes from its generator, or from one draw of the global torch generator, as Accelerate's."""
+    cpu: bool = False
+    """Run on CPU processes (gloo) even when GPUs are present."""
     micro_batch_size: int | Auto | None = None
     """Per-process batch the config expects (None/"auto": the prepared DataLoader's)."""
     train_batch_size: int | Auto | None = None
     """Global batch (micro x grad_accum_steps x processes) the config expects; checked at prepare."""
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    """fp16 dynamic loss scaling."""
-    optimizer: OptimizerConfig | None = None
-    """Optimizer to build when the script passes none to prepare (from a DeepSpeed JSON, say)."""
-    scheduler: SchedulerConfig | None = None
-    """LR schedule to build with that optimizer."""
-    checkpoint_dir: str = "checkpoints"
+
+    def __post_init__(self) -> None:
+        _check_training(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where checkpoints go, when the policy writes them, how many stay, how they are written, and
+    where a run resumes (`checkpointing:`; the checkpoint manager's settings)."""
+
+    dir: str = "checkpoints"
     """Where `save_state()` writes step_<N> folders and the `latest` pointer."""
-    checkpoint_every_steps: int | None = None
+    every_steps: int | None = None
     """Save a checkpoint (checkpoint_dir/step_<N>) every this many optimizer steps, at the step
     boundary, with no line in the script; `load_state()` at the start resumes from the newest."""
-    checkpoint_every_seconds: float | None = None
+    every_seconds: float | None = None
     """Also save one when this many seconds have passed since the last (process 0's clock)."""
     keep_last: int | None = None
     """Keep only the newest this many step_<N> checkpoints (None: keep all)."""
-    checkpoint_async: bool = False
+    background: bool = False
     """save_state (and checkpoints by policy) copies the state to host memory, returns, and writes
     it in the background: atomic, checksummed and kept as a synchronous save; one save in flight
     (the next waits), and preemption, load_state and end_training wait for it."""
-    collective_timeout_s: float = 600.0
-    """A collective that does not complete within this many seconds ends the run with an error
-    naming the step and the processes that did not arrive (torch's default is 30 minutes). At
-    least 5: below that, ordinary start-up and checkpoint collectives fail inside gloo/NCCL."""
+    resume: ResumeName = "auto"
+    """What `load_state()` (no folder given) does. auto: resume from the newest checkpoint under
+    checkpoint_dir, or say in one line that there is none and start at step 0 (on a restart by
+    `shardwise launch --max-restarts`, after an earlier attempt saved one, none is an error).
+    required: no checkpoint is an error. never: load nothing (start at step 0) and say so."""
     lock_lease_s: float = 300.0
     """The run lock's lease (`<checkpoint_dir>/.shardwise.lock`): process 0 refreshes the lock's
     heartbeat every lease / 10 seconds while the run lives; a lock whose heartbeat is older than
     this is a dead run's, which a new run takes over with one line. A requeued attempt of the same
     SLURM job or torchrun run takes it over at once. On a shared file system the age is the file
     server's clock against itself. At least 1."""
-    resume: ResumeName = "auto"
-    """What `load_state()` (no folder given) does. auto: resume from the newest checkpoint under
-    checkpoint_dir, or say in one line that there is none and start at step 0 (on a restart by
-    `shardwise launch --max-restarts`, after an earlier attempt saved one, none is an error).
-    required: no checkpoint is an error. never: load nothing (start at step 0) and say so."""
+
+    def __post_init__(self) -> None:
+        _check_checkpointing(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class SupervisionConfig:
+    """Preemption signals, their grace period and the collective timeout (`supervision:`; the
+    supervisor's settings)."""
+
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     """Signals that make the run checkpoint at a step boundary (the second after the signal, the
     same on every process) and exit with code 75."""
@@ -451,19 +372,21 @@ class EngineConfig:
     """A process that reaches no step boundary within this many seconds of such a signal (or of
     its launcher's death, or of the last boundary since: the stop comes at the second boundary
     after the signal) exits without a checkpoint."""
-    offload_bucket_numel: int = 2**24
-    """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
-    of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
-    host_kernel: HostKernelName = "torch"
-    """The kernel of host optimizer steps (offload, or a CPU device): torch (torch's fused CPU
-    kernel where the optimizer class has one: Adam, AdamW, SGD, Adagrad) or deepspeed
-    (DeepSpeed's CPUAdam, for Adam/AdamW; needs deepspeed and, on first use, a C++ compiler).
-    Either way the script's optimizer object, its state and checkpoints stay torch's. torch is
-    the default: it measured at least as fast (benchmarks/host_optimizer.py)."""
+    collective_timeout_s: float = 600.0
+    """A collective that does not complete within this many seconds ends the run with an error
+    naming the step and the processes that did not arrive (torch's default is 30 minutes). At
+    least 5: below that, ordinary start-up and checkpoint collectives fail inside gloo/NCCL."""
+
+    def __post_init__(self) -> None:
+        _check_supervision(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class ObservationConfig:
+    """Trackers, metrics records and progress (`observation:`; the observer's settings)."""
+
     log_with: tuple[str, ...] = ()
     """Trackers for `log()` and the engine's own metrics: jsonl, tensorboard, wandb (main process)."""
-    project_dir: str | None = None
-    """Where trackers write (`<project_dir>/logs/<run>/`) and Accelerator's automatic checkpoints go."""
     log_every_steps: int = 10
     """Make a metrics record (loss, tokens/s, MFU, memory per process) every this many optimizer
     steps: one small all-gather each, no per-step sync (0: no records)."""
@@ -473,211 +396,305 @@ class EngineConfig:
     """Peak TFLOP/s of one device for MFU (None: a table of known GPUs; no MFU on CPU)."""
     flops_per_token: float | None = None
     """Model FLOPs per trained token (None: 6 x parameters, plus attention for transformers)."""
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    """How `shardwise launch` starts the workers."""
-    deepspeed_config: str | None = None
-    """A DeepSpeed JSON file whose settings fill this tree (below any key this file sets)."""
-
-    def _section(self, cls: type[_S], **renamed: Any) -> _S:
-        """The section `cls` filled by name from the flat keys users write (which stay the
-        source): each of its fields is this config's field of the same name, or `renamed`'s."""
-        values = {f.name: renamed[f.name] if f.name in renamed else getattr(self, f.name)
-                  for f in fields(cls)}  # type: ignore[arg-type]  # (a section dataclass)
-        return cls(**values)
-
-    @property
-    def sharding(self) -> ShardingSection:
-        """The strategy's settings as one section."""
-        return self._section(ShardingSection)
-
-    @property
-    def blocks(self) -> BlocksSection:
-        """Per-block transforms (activation checkpointing, compile) as one section."""
-        return self._section(BlocksSection, activation_checkpointing=str(self.activation_checkpointing))
-
-    @property
-    def observation(self) -> ObservationSection:
-        """Metrics, trackers and progress settings as one section."""
-        return self._section(ObservationSection)
-
-    @property
-    def checkpointing(self) -> CheckpointSection:
-        """The checkpoint settings as one section."""
-        return self._section(CheckpointSection, dir=self.checkpoint_dir,
-                             every_steps=self.checkpoint_every_steps,
-                             every_seconds=self.checkpoint_every_seconds, background=self.checkpoint_async)
-
-    @property
-    def supervision(self) -> SupervisionSection:
-        """Preemption and timeout settings as one section."""
-        return self._section(SupervisionSection)
+    project_dir: str | None = None
+    """Where trackers write (`<project_dir>/logs/<run>/`) and Accelerator's automatic checkpoints go."""
 
     def __post_init__(self) -> None:
-        # each part of the tree checks its own fields (one function each, below)
-        for check in (_check_sharding, _check_loop, _check_speed, _check_checkpointing, _check_observation,
-                      _check_supervision, _check_sections):
-            check(self)
+        _check_observation(self)
 
 
-def _int_at_least_1(name: str, value: Any) -> None:
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How an `Engine` shards, casts, accumulates, checkpoints and launches: the root of the config
+    tree, one section per part that owns its settings. A file or `Engine(...)` may also name each
+    setting by its flat key (`strategy: zero3`, `grad_accum_steps: 4`: see "Flat keys" below), which
+    is only another spelling of the section's field (`EngineConfig.of`, `config.tree.nest`)."""
+
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    """What is sharded and how: strategy, backend, precision, offload, the hybrid group."""
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """The named mesh dimensions' sizes and how each splits the model."""
+    blocks: BlocksConfig = field(default_factory=BlocksConfig)
+    """What is done to each block: activation checkpointing, compile, tiling."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Accumulation, clipping, seed, device and the expected batch sizes."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer to build when the script passes none to prepare (from a DeepSpeed JSON, say)."""
+    scheduler: SchedulerConfig | None = None
+    """LR schedule to build with that optimizer."""
+    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and when checkpoints are written, how many stay, where a run resumes."""
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    """Preemption signals, their grace and the collective timeout."""
+    observation: ObservationConfig = field(default_factory=ObservationConfig)
+    """Trackers, metrics records and progress."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """How `shardwise launch` starts the workers."""
+
+    @staticmethod
+    def section_type(name: str) -> type:
+        """The dataclass of the section `name` (`sharding` -> ShardingConfig)."""
+        return _SECTION_TYPES[name]
+
+    @classmethod
+    def of(cls, **keys: Any) -> EngineConfig:
+        """A config from keywords in either spelling: sections (`sharding={"strategy": "zero3"}`)
+        or flat keys (`strategy="zero3"`); an unknown keyword is refused with the closest name."""
+        return cls(**nest(keys, "", what="setting"))
+
+    def with_keys(self, **keys: Any) -> EngineConfig:
+        """A copy with the settings `keys` (flat keys, as `of` takes them) changed, checked again."""
+        changes: dict[str, dict[str, Any]] = {}
+        for key, value in keys.items():
+            if key not in FLAT_KEYS:
+                raise ConfigError(f"with_keys: unknown setting {key!r}{_suggest(key, list(FLAT_KEYS))}")
+            section, name = FLAT_KEYS[key]
+            changes.setdefault(section, {})[name] = value
+        return replace(self, **{s: replace(getattr(self, s), **c) for s, c in changes.items()})
+
+    if not TYPE_CHECKING:  # (hidden from the type checker: shardwise's own code reads the sections)
+
+        def __getattr__(self, name: str) -> Any:
+            """A flat key read off the tree (`config.strategy`): its section's field, for scripts
+            written against the flat spelling. Read-only: a config is changed by `with_keys`."""
+            if name in FLAT_KEYS:
+                section, key = FLAT_KEYS[name]
+                return getattr(getattr(self, section), key)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTION_TYPES.items():  # sections given as mappings (a file's, a keyword's)
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, cls(**value))
+            elif value is not None and not isinstance(value, cls):
+                raise ConfigError(f"{name}={value!r} must be a mapping of its settings ({cls.__name__})")
+        # what one section asks of another (each section checked its own fields when it was made)
+        _check_layout(self)
+        if self.blocks.compile:
+            _check_compile(self)
+        if self.scheduler is not None and self.optimizer is None:
+            raise ConfigError("scheduler needs an optimizer section to build with it")
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "sharding": ShardingConfig, "parallelism": ParallelismConfig, "blocks": BlocksConfig,
+    "training": TrainingConfig, "optimizer": OptimizerConfig, "scheduler": SchedulerConfig,
+    "checkpointing": CheckpointConfig, "supervision": SupervisionConfig, "observation": ObservationConfig,
+    "launch": LaunchConfig,
+}
+
+# The flat keys: each is another spelling of one section's field (the keys shardwise took before its
+# tree had sections, and the names of the command line's flags). The section's field is the source.
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "strategy": ("sharding", "strategy"),
+    "backend": ("sharding", "backend"),
+    "precision": ("sharding", "precision"),
+    "offload": ("sharding", "offload"),
+    "shard_group_size": ("sharding", "shard_group_size"),
+    "offload_bucket_numel": ("sharding", "offload_bucket_numel"),
+    "host_kernel": ("sharding", "host_kernel"),
+    "loss_scale": ("sharding", "loss_scale"),
+    "deepspeed_config": ("sharding", "deepspeed_config"),
+    "wrap": ("blocks", "wrap"),
+    "activation_checkpointing": ("blocks", "activation_checkpointing"),
+    "activation_checkpointing_every": ("blocks", "activation_checkpointing_every"),
+    "compile": ("blocks", "compile"),
+    "compile_backend": ("blocks", "compile_backend"),
+    "compile_mode": ("blocks", "compile_mode"),
+    "compile_fullgraph": ("blocks", "compile_fullgraph"),
+    "compile_dynamic": ("blocks", "compile_dynamic"),
+    "tiled_mlp": ("blocks", "tiled_mlp"),
+    "tiled_loss": ("blocks", "tiled_loss"),
+    "tile_tokens": ("blocks", "tile_tokens"),
+    "grad_accum_steps": ("training", "grad_accum_steps"),
+    "max_grad_norm": ("training", "max_grad_norm"),
+    "seed": ("training", "seed"),
+    "cpu": ("training", "cpu"),
+    "micro_batch_size": ("training", "micro_batch_size"),
+    "train_batch_size": ("training", "train_batch_size"),
+    "checkpoint_dir": ("checkpointing", "dir"),
+    "checkpoint_every_steps": ("checkpointing", "every_steps"),
+    "checkpoint_every_seconds": ("checkpointing", "every_seconds"),
+    "keep_last": ("checkpointing", "keep_last"),
+    "checkpoint_async": ("checkpointing", "background"),
+    "resume": ("checkpointing", "resume"),
+    "lock_lease_s": ("checkpointing", "lock_lease_s"),
+    "preempt_signals": ("supervision", "preempt_signals"),
+    "preempt_grace_s": ("supervision", "preempt_grace_s"),
+    "collective_timeout_s": ("supervision", "collective_timeout_s"),
+    "log_with": ("observation", "log_with"),
+    "log_every_steps": ("observation", "log_every_steps"),
+    "progress": ("observation", "progress"),
+    "peak_tflops": ("observation", "peak_tflops"),
+    "flops_per_token": ("observation", "flops_per_token"),
+    "project_dir": ("observation", "project_dir"),
+    "tensor_parallel_size": ("parallelism", "tp"),
+    "context_parallel_size": ("parallelism", "cp"),
+    "expert_parallel_size": ("parallelism", "ep"),
+    "tensor_parallel_plan": ("parallelism", "tp_plan"),
+    "sequence_parallel": ("parallelism", "sequence_parallel"),
+    "context_parallel": ("parallelism", "cp_method"),
+    "parallelize": ("parallelism", "parallelize"),
+}
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _as_mapping(value: Any) -> dict[str, Any]:
+    """A section given as a mapping or as its dataclass, as a dict of its fields."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {f.name: getattr(value, f.name) for f in fields(value)}
+
+
+def nest(data: Mapping[str, Any], source: str = "config", *, what: str = "key") -> dict[str, Any]:
+    """Settings in either spelling as the tree's sections: each flat key moves to its section's
+    field. A setting given both ways must agree (a value at its default yields to the other
+    spelling's). Unknown keys are refused with the closest valid one."""
+    out: dict[str, Any] = {}
+    flat: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if key in _SECTION_TYPES:
+            if key == "parallelism" and isinstance(value, Mapping) and value.get("tp", 1) is None:
+                # (a file written before the sections: null was "tensor_parallel_size's")
+                value = {k: v for k, v in value.items() if k != "tp"}
+            out[key] = value
+        elif key in FLAT_KEYS:
+            flat.append((key, value))
+        else:
+            valid = [*_SECTION_TYPES, *FLAT_KEYS]
+            raise ConfigError(f"{source + ': ' if source else ''}unknown {what} '{key}'"
+                              f"{_suggest(str(key), valid)}; valid {what}s: {', '.join(valid)}")
+    for key, value in flat:
+        section_name, name = FLAT_KEYS[key]
+        if section_name == "parallelism" and name in ("tp", "cp", "ep"):  # (named as the user spelled it)
+            _int_at_least_1(key, value, what="")
+        given = out.get(section_name)
+        section = {} if given is None else _as_mapping(given)
+        default = _default_of(_SECTION_TYPES[section_name], name)
+        if name not in section or section[name] == default:
+            section[name] = value
+        elif value != default and value != section[name]:
+            raise ConfigError(f"{source + ': ' if source else ''}{section_name}.{name}={section[name]!r} and "
+                              f"{key}={value!r} disagree; set one of them")
+        out[section_name] = section
+    return out
+
+
+def _default_of(cls: type, name: str) -> Any:
+    for f in fields(cls):
+        if f.name == name:
+            return f.default if f.default_factory is MISSING else f.default_factory()
+    raise KeyError(name)
+
+
+def _int_at_least_1(name: str, value: Any, what: str = " (or None)") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be an integer >= 1 (or None)")
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1{what}")
 
 
-def _check_sharding(cfg: EngineConfig) -> None:
+def _check_sharding(s: ShardingConfig) -> None:
     """strategy, backend, precision, offload and how they combine; the hybrid group; the host step."""
-    _choice("strategy", cfg.strategy, (*STRATEGIES, "auto"))
-    _choice("backend", cfg.backend, get_args(BackendName))
-    _choice("precision", cfg.precision, PRECISIONS)
-    _choice("offload", cfg.offload, OFFLOADS)
-    check_strategy(cfg.strategy, cfg.offload, cfg.backend)
-    _positive("offload_bucket_numel", cfg.offload_bucket_numel)
-    group = cfg.shard_group_size
+    _choice("strategy", s.strategy, (*STRATEGIES, "auto"))
+    _choice("backend", s.backend, get_args(BackendName))
+    _choice("precision", s.precision, PRECISIONS)
+    _choice("offload", s.offload, OFFLOADS)
+    check_strategy(s.strategy, s.offload, s.backend)
+    _positive("offload_bucket_numel", s.offload_bucket_numel)
+    group = s.shard_group_size
     if group is not None and group != "node" and (isinstance(group, bool) or not isinstance(group, int)
                                                   or group < 1):
         raise ConfigError(f"shard_group_size={group!r} must be an integer >= 1, 'node' (the processes "
                           "of one node) or None (all processes)")
-    _choice("host_kernel", cfg.host_kernel, get_args(HostKernelName))
-    _check_tensor_parallel(cfg)
+    _choice("host_kernel", s.host_kernel, get_args(HostKernelName))
+    if isinstance(s.loss_scale, Mapping):
+        s.loss_scale = LossScaleConfig(**s.loss_scale)
 
 
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_loss_parallel", "embedding_rowwise",
-             "colwise_qkv", "replicate")
-
-
-def _check_parallelism(cfg: EngineConfig) -> None:
-    """The `parallelism` section: its sizes (checked by the section itself), the flat keys it
-    must agree with, and the user's own model-parallel step."""
-    cfg.parallelism = as_section(cfg.parallelism)
-    section = cfg.parallelism
-    if STRATEGY_TABLE.get(cfg.strategy) is not None and STRATEGY_TABLE[cfg.strategy].stage == 0 \
-            and section.dp_shard not in (None, 1, -1):
+def _check_layout(cfg: EngineConfig) -> None:
+    """The `parallelism` section against the strategy and backend: a dimension the backend does
+    not split, or the strategy does not shard, is refused in one line."""
+    section, sharding = cfg.parallelism, cfg.sharding
+    spec = STRATEGY_TABLE.get(sharding.strategy)
+    if spec is not None and spec.stage == 0 and section.dp_shard not in (None, 1, -1):
         raise ConfigError(f"parallelism.dp_shard={section.dp_shard} with strategy: ddp, which shards nothing "
                           "(its data-parallel ranks are dp_replicate); choose zero1, zero2 or zero3")
-    fn = cfg.parallelize
-    if fn is not None and not callable(fn) and not (isinstance(fn, str) and ":" in fn):
-        raise ConfigError(f"parallelize={fn!r} must be a function parallelize(model, dims) or its "
-                          "'module:function' name")
-    if fn is not None and cfg.backend == "deepspeed":
+    deepspeed = sharding.backend == "deepspeed"
+    if section.parallelize is not None and deepspeed:
         raise ConfigError("parallelize with backend: deepspeed: DeepSpeed splits layers by its own AutoTP; "
                           "use backend: torch for your own model-parallel step")
-
-
-def _agree_size(cfg: EngineConfig, key: str, dim: str) -> int:
-    """A flat size key (context_parallel_size, expert_parallel_size) and its `parallelism`
-    dimension: an integer >= 1 that agrees with the section's; both read the same from here on."""
-    size, section = getattr(cfg, key), cfg.parallelism
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"{key}={size!r} must be an integer >= 1")
-    given = getattr(section, dim)
-    if size > 1 and given not in (1, size):
-        raise ConfigError(f"parallelism.{dim}={given} and {key}={size} disagree; set one of them")
-    agreed = max(size, given)
-    setattr(section, dim, agreed)
-    setattr(cfg, key, agreed)
-    return int(agreed)
-
-
-def _check_context_parallel(cfg: EngineConfig) -> None:
-    """context_parallel_size (parallelism.cp, which it must agree with) and its method."""
-    cp = _agree_size(cfg, "context_parallel_size", "cp")
-    if cfg.context_parallel not in ("ring", "ulysses"):
-        raise ConfigError(f"context_parallel={cfg.context_parallel!r} must be ring or ulysses")
-    if cp > 1 and cfg.strategy == "auto":
-        raise ConfigError(f"strategy: auto with context_parallel_size={cp}: the planner does not "
+    if section.cp > 1 and sharding.strategy == "auto":
+        raise ConfigError(f"strategy: auto with context_parallel_size={section.cp}: the planner does not "
                           "model context parallelism yet; name the strategy (zero3 shards over data x "
                           "context ranks)")
-
-
-def _check_expert_parallel(cfg: EngineConfig) -> None:
-    """expert_parallel_size (parallelism.ep, which it must agree with)."""
-    _agree_size(cfg, "expert_parallel_size", "ep")
-
-
-def _check_tensor_parallel(cfg: EngineConfig) -> None:
-    """tensor_parallel_size: an integer >= 1; above 1, the torch backend (every strategy and offload)."""
-    tp = cfg.tensor_parallel_size
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
-    _check_parallelism(cfg)
-    # the section's tp and the flat key agree (or one was refused): both read the same from here on
-    tp = cfg.tensor_parallel_size = tensor_parallel(cfg.parallelism, tp)
-    _check_context_parallel(cfg)
-    _check_expert_parallel(cfg)
-    plan = cfg.tensor_parallel_plan
-    valid = isinstance(plan, dict) and all(isinstance(k, str) and v in TP_STYLES for k, v in plan.items())
-    if plan is not None and not valid:
-        raise ConfigError(f"tensor_parallel_plan={plan!r} must map module paths to one of "
-                          f"{', '.join(TP_STYLES)}")
-    if not isinstance(cfg.sequence_parallel, bool):
-        raise ConfigError(f"sequence_parallel={cfg.sequence_parallel!r} must be true or false")
-    if cfg.sequence_parallel and tp == 1:
-        raise ConfigError("sequence_parallel: true splits the activations over the tensor-parallel ranks: "
-                          "set tensor_parallel_size above 1 with it, or leave sequence_parallel off")
-    if cfg.sequence_parallel and cfg.backend == "deepspeed":
+    if section.sequence_parallel and deepspeed:
         raise ConfigError("sequence_parallel: true with backend: deepspeed: DeepSpeed's AutoTP has no "
                           "sequence parallelism; use backend: torch")
-    if tp == 1:
-        return
-    if cfg.backend == "deepspeed" and STRATEGY_TABLE[cfg.strategy].shards_params:
-        raise ConfigError(f"tensor_parallel_size={tp} with backend: deepspeed and strategy: {cfg.strategy}: "
-                          "DeepSpeed trains AutoTP only up to ZeRO-2; use zero2, or backend: torch (every "
-                          "ZeRO stage composes with tensor parallelism there)")
+    if section.tp > 1 and deepspeed and STRATEGY_TABLE[sharding.strategy].shards_params:
+        raise ConfigError(f"tensor_parallel_size={section.tp} with backend: deepspeed and strategy: "
+                          f"{sharding.strategy}: DeepSpeed trains AutoTP only up to ZeRO-2; use zero2, or "
+                          "backend: torch (every ZeRO stage composes with tensor parallelism there)")
 
 
-def _check_loop(cfg: EngineConfig) -> None:
+def _check_training(t: TrainingConfig) -> None:
     """Accumulation, seed, clipping and batch sizes."""
-    accum = cfg.grad_accum_steps
+    accum = t.grad_accum_steps
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
-        raise ConfigError(f"grad_accum_steps={cfg.grad_accum_steps!r} must be an integer >= 1")
-    if cfg.seed is not None and (isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int)):
-        raise ConfigError(f"seed={cfg.seed!r} must be an integer (or None: the engine seeds nothing)")
-    if cfg.max_grad_norm is not None:
-        _positive("max_grad_norm", cfg.max_grad_norm, minimum=1e-12)
+        raise ConfigError(f"grad_accum_steps={t.grad_accum_steps!r} must be an integer >= 1")
+    if t.seed is not None and (isinstance(t.seed, bool) or not isinstance(t.seed, int)):
+        raise ConfigError(f"seed={t.seed!r} must be an integer (or None: the engine seeds nothing)")
+    if t.max_grad_norm is not None:
+        _positive("max_grad_norm", t.max_grad_norm, minimum=1e-12)
     for name in ("micro_batch_size", "train_batch_size"):
-        value = getattr(cfg, name)
+        value = getattr(t, name)
         if value is not None:
             _positive(name, value, allow_auto=True)
 
 
-def _check_checkpointing(cfg: EngineConfig) -> None:
+def _check_checkpointing(c: CheckpointConfig) -> None:
     """When checkpoints are written and how many are kept; where a run resumes from."""
-    for name in ("checkpoint_every_steps", "keep_last"):
-        if getattr(cfg, name) is not None:
-            _int_at_least_1(name, getattr(cfg, name))
-    if cfg.checkpoint_every_seconds is not None:
-        _positive("checkpoint_every_seconds", cfg.checkpoint_every_seconds, minimum=1e-3)
-    _positive("lock_lease_s", cfg.lock_lease_s, minimum=1.0)
-    _choice("resume", cfg.resume, get_args(ResumeName))
+    for key, value in (("checkpoint_every_steps", c.every_steps), ("keep_last", c.keep_last)):
+        if value is not None:
+            _int_at_least_1(key, value)
+    if c.every_seconds is not None:
+        _positive("checkpoint_every_seconds", c.every_seconds, minimum=1e-3)
+    _positive("lock_lease_s", c.lock_lease_s, minimum=1.0)
+    _choice("resume", c.resume, get_args(ResumeName))
+    if not isinstance(c.background, bool):
+        raise ConfigError(f"checkpoint_async={c.background!r} must be true or false")
 
 
-def _check_observation(cfg: EngineConfig) -> None:
+def _check_observation(o: ObservationConfig) -> None:
     """Trackers, the metrics' cadence and what MFU is computed from."""
     try:
-        cfg.log_with = check_log_with(cfg.log_with)
+        o.log_with = check_log_with(o.log_with)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    every = cfg.log_every_steps
+    every = o.log_every_steps
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ConfigError(f"log_every_steps={every!r} must be an integer >= 0 (0: no records)")
     for name in ("peak_tflops", "flops_per_token"):
-        if getattr(cfg, name) is not None:
-            _positive(name, getattr(cfg, name), minimum=1e-12)
+        if getattr(o, name) is not None:
+            _positive(name, getattr(o, name), minimum=1e-12)
 
 
-def _check_supervision(cfg: EngineConfig) -> None:
+def _check_supervision(s: SupervisionConfig) -> None:
     """Collective timeouts, preemption signals and their grace period."""
-    _positive("collective_timeout_s", cfg.collective_timeout_s, minimum=1e-3)
-    if cfg.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
+    _positive("collective_timeout_s", s.collective_timeout_s, minimum=1e-3)
+    if s.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
         raise ConfigError(
-            f"collective_timeout_s={cfg.collective_timeout_s!r} is too short: a healthy run's "
+            f"collective_timeout_s={s.collective_timeout_s!r} is too short: a healthy run's "
             f"collectives can take that long; use at least {MIN_COLLECTIVE_TIMEOUT_S:g} (seconds)"
         )
-    _positive("preempt_grace_s", cfg.preempt_grace_s, minimum=0)
-    if isinstance(cfg.preempt_signals, str):
-        cfg.preempt_signals = (cfg.preempt_signals,)
-    cfg.preempt_signals = tuple(cfg.preempt_signals)
-    for name in cfg.preempt_signals:
+    _positive("preempt_grace_s", s.preempt_grace_s, minimum=0)
+    if isinstance(s.preempt_signals, str):
+        s.preempt_signals = (s.preempt_signals,)
+    s.preempt_signals = tuple(s.preempt_signals)
+    for name in s.preempt_signals:
         is_signal = isinstance(name, str) and name.startswith("SIG") and hasattr(signal, name)
         if not is_signal or name in ("SIGKILL", "SIGSTOP"):  # those two cannot be caught
             raise ConfigError(
@@ -685,70 +702,65 @@ def _check_supervision(cfg: EngineConfig) -> None:
             )
 
 
-def _check_sections(cfg: EngineConfig) -> None:
-    """The block list, the nested sections given as mappings, and what needs what."""
-    if isinstance(cfg.wrap, (str, type)):
-        cfg.wrap = (cfg.wrap,)
-    cfg.wrap = tuple(cfg.wrap)
-    for item in cfg.wrap:
+def _check_blocks(b: BlocksConfig) -> None:
+    """The block list, activation checkpointing (a bool means full or none) and the compile and
+    tiling settings."""
+    if isinstance(b.wrap, (str, type)):
+        b.wrap = (b.wrap,)
+    b.wrap = tuple(b.wrap)
+    for item in b.wrap:
         if not isinstance(item, (str, type)):
             raise ConfigError(f"wrap entries must be module classes or class names, got {item!r}")
-    for name, cls in (("loss_scale", LossScaleConfig), ("launch", LaunchConfig)):
-        if isinstance(getattr(cfg, name), dict):
-            setattr(cfg, name, cls(**getattr(cfg, name)))
-    if cfg.scheduler is not None and cfg.optimizer is None:
-        raise ConfigError("scheduler needs an optimizer section to build with it")
-
-
-def _check_speed(cfg: EngineConfig) -> None:
-    """activation_checkpointing (a bool means full or none) and the compile settings."""
-    ac = cfg.activation_checkpointing
+    ac = b.activation_checkpointing
     if isinstance(ac, bool):
-        cfg.activation_checkpointing = "full" if ac else "none"
-    _choice("activation_checkpointing", cfg.activation_checkpointing, get_args(CheckpointingName))
-    every = cfg.activation_checkpointing_every
+        b.activation_checkpointing = "full" if ac else "none"
+    _choice("activation_checkpointing", b.activation_checkpointing, get_args(CheckpointingName))
+    every = b.activation_checkpointing_every
     if every is not None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigError(f"activation_checkpointing_every={every!r} must be an integer >= 1 (or None)")
-        if cfg.activation_checkpointing != "selective":
+        if b.activation_checkpointing != "selective":
             raise ConfigError(
                 f"activation_checkpointing_every={every} applies to activation_checkpointing: selective "
-                f"only (it is {cfg.activation_checkpointing!r}); set it to selective or drop the setting")
-    for name in ("compile", "compile_fullgraph", "checkpoint_async"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError(f"{name}={getattr(cfg, name)!r} must be true or false")
-    if cfg.compile_dynamic is not None and not isinstance(cfg.compile_dynamic, bool):
-        raise ConfigError(f"compile_dynamic={cfg.compile_dynamic!r} must be true, false or None")
+                f"only (it is {b.activation_checkpointing!r}); set it to selective or drop the setting")
+    for name in ("compile", "compile_fullgraph"):
+        if not isinstance(getattr(b, name), bool):
+            raise ConfigError(f"{name}={getattr(b, name)!r} must be true or false")
+    if b.compile_dynamic is not None and not isinstance(b.compile_dynamic, bool):
+        raise ConfigError(f"compile_dynamic={b.compile_dynamic!r} must be true, false or None")
+    _check_tiles(b)
+    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    if b.compile_mode is not None:
+        _choice("compile_mode", b.compile_mode, modes)
+    if not isinstance(b.compile_backend, str) or not b.compile_backend:
+        raise ConfigError(f"compile_backend={b.compile_backend!r} must name a torch.compile backend "
+                          "(e.g. inductor)")
+
+
+def _check_tiles(b: BlocksConfig) -> None:
     for name in ("tiled_mlp", "tiled_loss"):
-        if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), bool):
-            raise ConfigError(f"{name}={getattr(cfg, name)!r} must be true, false or None (on under context "
+        if getattr(b, name) is not None and not isinstance(getattr(b, name), bool):
+            raise ConfigError(f"{name}={getattr(b, name)!r} must be true, false or None (on under context "
                               "parallelism)")
-    tile = cfg.tile_tokens
+    tile = b.tile_tokens
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ConfigError(f"tile_tokens={tile!r} must be an integer >= 1")
-    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-    if cfg.compile_mode is not None:
-        _choice("compile_mode", cfg.compile_mode, modes)
-    if not isinstance(cfg.compile_backend, str) or not cfg.compile_backend:
-        raise ConfigError(f"compile_backend={cfg.compile_backend!r} must name a torch.compile backend "
-                          "(e.g. inductor)")
-    if cfg.compile:
-        _check_compile(cfg)
 
 
 def _check_compile(cfg: EngineConfig) -> None:
     """compile: true: a backend that compiles blocks, a torch.compile backend torch has here, a
     mode only inductor takes."""
-    if not backend_spec(cfg.backend).compiles_blocks:
-        raise ConfigError(f"compile: true is not supported with backend: {cfg.backend} (its engine wraps the "
+    blocks, backend = cfg.blocks, cfg.sharding.backend
+    if not backend_spec(backend).compiles_blocks:
+        raise ConfigError(f"compile: true is not supported with backend: {backend} (its engine wraps the "
                           "model itself); use backend: torch to compile each block, or compile: false")
     import torch
 
     known = torch.compiler.list_backends(exclude_tags=())
-    if cfg.compile_backend not in known:
-        raise ConfigError(f"compile_backend={cfg.compile_backend!r} is not a torch.compile backend of this "
-                          f"torch ({torch.__version__}); choose one of: "
+    if blocks.compile_backend not in known:
+        raise ConfigError(f"compile_backend={blocks.compile_backend!r} is not a torch.compile backend of "
+                          f"this torch ({torch.__version__}); choose one of: "
                           f"{', '.join(sorted({*torch.compiler.list_backends(), 'aot_eager', 'eager'}))}")
-    if cfg.compile_mode not in (None, "default") and cfg.compile_backend != "inductor":
-        raise ConfigError(f"compile_mode={cfg.compile_mode!r} is an inductor setting; drop compile_mode or "
-                          f"use compile_backend: inductor (it is {cfg.compile_backend!r})")
+    if blocks.compile_mode not in (None, "default") and blocks.compile_backend != "inductor":
+        raise ConfigError(f"compile_mode={blocks.compile_mode!r} is an inductor setting; drop compile_mode "
+                          f"or use compile_backend: inductor (it is {blocks.compile_backend!r})")

@@ -97,17 +97,18 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         config, conflicts = config_from_code(config, kwargs)
         self._config = cfg = config
         self._rules = rules if rules is not None else LoopRules()
-        self._info = init_distributed(force_cpu=cfg.cpu, timeout_s=cfg.collective_timeout_s)
+        self._info = init_distributed(force_cpu=cfg.training.cpu,
+                                      timeout_s=cfg.supervision.collective_timeout_s)
         if conflicts and self._info.is_main:
             warnings.warn("code overrides the config file: " + "; ".join(conflicts), stacklevel=2)
-        check_device_supports(cfg.precision, self._info.device)
+        check_device_supports(cfg.sharding.precision, self._info.device)
         # strategy="auto" is chosen at the first prepare, from the model and its batch
         self._session: Session | None = None
-        if not is_auto(cfg.strategy):
+        if not is_auto(cfg.sharding.strategy):
             self._session = self._new_session(cfg)
         self.plan: Any = None  # strategy="auto": the plan the choice came from
-        if cfg.seed is not None:  # only a seed the user gave: a script's own set_seed() stands
-            set_seed(cfg.seed)
+        if cfg.training.seed is not None:  # only a seed the user gave: a script's own set_seed() stands
+            set_seed(cfg.training.seed)
         self._loaders = LoaderTracker()  # the prepared loaders, and which one yielded the last batch
         self._registered: list[Any] = []
         self._save_by_policy: Callable[[], Path] = self.save_state  # `save_policy_checkpoints_with`
@@ -125,7 +126,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._supervisor = Supervisor(cfg.supervision, cfg.checkpointing, self._info)  # preemption, timeouts
         self._observer = Observer(cfg.observation, self._info)  # metrics, trackers, progress
         # the main process's calls alone after wait_for_everyone(), served by the others (`engine.lone`)
-        self._lone = LoneCalls(self._info, cfg.collective_timeout_s,
+        self._lone = LoneCalls(self._info, cfg.supervision.collective_timeout_s,
                                lambda: self._session.models if self._session is not None else [],
                                lambda: self._emas, self.unwrap_model, self._whole_weights)
         atexit.register(self._lone.at_exit)  # a script's end is a call every process makes
@@ -142,8 +143,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
 
     def _new_session(self, cfg: EngineConfig) -> Session:
         """A session on the strategy `cfg` describes; each part gets its own section."""
-        return Session(cfg.blocks, make_strategy(cfg.sharding, self._info),
-                       grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
+        loop = cfg.training
+        return Session(cfg.blocks, make_strategy(cfg, self._info), grad_accum_steps=loop.grad_accum_steps,
+                       max_grad_norm=loop.max_grad_norm)
 
     @property
     def config(self) -> EngineConfig:
@@ -153,9 +155,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
     def set_grad_accum(self, steps: int) -> None:
         """Micro-steps per optimizer step from now on: the one setter of grad_accum_steps (the
         config and the session's step state, which divides the loss and finds the boundary)."""
-        self._config = dataclasses.replace(self._config, grad_accum_steps=int(steps))
+        self._config = self._config.with_keys(grad_accum_steps=int(steps))
         if self._session is not None:
-            self._session.set_grad_accum(self._config.grad_accum_steps)
+            self._session.set_grad_accum(self._config.training.grad_accum_steps)
 
     @property
     def rules(self) -> LoopRules:
@@ -275,12 +277,13 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         strategy = session.strategy
         for model in models:
             if "tp" not in strategy.own_steps:
-                model_parallel_trial(model, strategy.dims, strategy.cfg, samples)
+                model_parallel_trial(model, strategy.dims, strategy.cfg.parallelism, samples)
 
     def _prepare_loader(self, loader: Any) -> PreparedDataLoader:
         """This process's share of `loader`, split and ordered by the rules (`shardwise.engine.data`)."""
         rules = self._rules
-        seed = rules.data_seed if rules.seedable_sampler and rules.data_seed is not None else self.config.seed
+        seedable = rules.seedable_sampler and rules.data_seed is not None
+        seed = rules.data_seed if seedable else self.config.training.seed
         dims = self.session.strategy.dims  # the data-parallel ranks split the data (`distributed.mesh`)
         if dims.tp > 1 and loader.batch_size is not None:  # (sized by num_processes: twice the batch)
             say(self._info, f"tensor_parallel_size {dims.tp}: the DataLoader is split over {dims.dp_size} "
@@ -303,12 +306,12 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self.optimizer = self.session.add_optimizer(raw)
         log.info("built %s from the config", type(raw).__name__)
         if self.config.scheduler is not None:
-            steps = len(loader) // self.config.grad_accum_steps if loader is not None else None
+            steps = len(loader) // self.config.training.grad_accum_steps if loader is not None else None
             built = build_scheduler(self.config.scheduler, raw, steps)
             self.scheduler = self.session.add_scheduler(built)
 
     def _check_batch_sizes(self, loader: Any) -> None:
-        micro = self.config.micro_batch_size
+        micro = self.config.training.micro_batch_size
         if isinstance(micro, int) and micro != loader.batch_size and self.is_main_process:
             warnings.warn(
                 f"the DataLoader in code has batch_size={loader.batch_size}, the config says "
@@ -317,14 +320,14 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             )
         if loader.batch_size is not None:
             accum = resolve_grad_accum(self.config, loader.batch_size, self.num_processes)
-            if accum != self.config.grad_accum_steps:
+            if accum != self.config.training.grad_accum_steps:
                 cfg, n = self.config, self.num_processes
-                dp = data_parallel_size(cfg.parallelism, cfg.tensor_parallel_size, n)
+                dp = data_parallel_size(cfg.parallelism, n)
                 ranks = (f"{n} process(es)" if dp == n else
                          f"{dp} data-parallel rank(s) ({n} processes / tp {n // dp})")
-                say(self._info, f"train_batch_size={self.config.train_batch_size} at {ranks} "
+                say(self._info, f"train_batch_size={self.config.training.train_batch_size} at {ranks} "
                     f"x batch {loader.batch_size}: grad_accum_steps "
-                    f"{self.config.grad_accum_steps} -> {accum}")
+                    f"{self.config.training.grad_accum_steps} -> {accum}")
                 self.set_grad_accum(accum)
 
     # -- the step ---------------------------------------------------------------------------
@@ -418,7 +421,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         loader = self._loaders.new_pass()
         if loader is not None:  # a new training pass
             self._observer.epoch = loader.iteration if loader.epoch is None else loader.epoch
-            self._observer.start_epoch(len(loader) // self.config.grad_accum_steps or None)
+            self._observer.start_epoch(len(loader) // self.config.training.grad_accum_steps or None)
         # num_items: a mean per item; a loss-parallel loss is a DTensor, replicated: its local value
         self._observer.on_backward(per_item(whole(loss), kwargs.get("num_items")))
         with self._supervisor.timeouts():
@@ -621,7 +624,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._supervisor.heartbeat("ending the run")
         self._lone.common("end_training")
         self._checkpoints.wait()  # a checkpoint being written (checkpoint_async) completes first
-        policy = self.config.checkpoint_every_steps or self.config.checkpoint_every_seconds
+        policy = self.config.checkpointing.every_steps or self.config.checkpointing.every_seconds
         if policy and step > 0 and not self._checkpoints.has_saved(step):  # (resumed at its last step: saved)
             self._policy_save("the end of training")  # every process is here: its collectives are safe
         self._checkpoints.close()  # the last save is complete before the process group goes

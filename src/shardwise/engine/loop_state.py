@@ -146,8 +146,7 @@ def checkpoint_parts(session: Session, loaders: list[PreparedDataLoader], regist
             "registered": [o.state_dict() for o in registered],
         },
         strategy=session.strategy,
-        info={"backend": config.backend, "strategy": config.strategy, "offload": config.offload,
-              "precision": config.precision},
+        info={k: getattr(config.sharding, k) for k in ("backend", "strategy", "offload", "precision")},
         rank=rank,
         world=world,
     )

@@ -145,7 +145,7 @@ class ModelVerbs:
                                                             lambda: ("gather", index)):
                 return True  # after wait_for_everyone(): made together, or served by the others
             return arrived_together(self._pretrained_saves, "save_pretrained", self.step, self.num_processes,
-                                    self.is_main_process, self.config.collective_timeout_s,
+                                    self.is_main_process, self.config.supervision.collective_timeout_s,
                                     self.others_moved_on)
 
         return FullWeights(lambda: self._whole_weights(model), together, self.noun, self.process_index)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.tree import BlocksSection
+from ..config.tree import BlocksConfig
 from ..distributed.internals import is_fake
 from ..strategies import Strategy
 from ..strategies.base import EmptyModel
@@ -53,7 +53,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[nn.Module
 class Session:
     """One strategy, what was prepared on it, and the step they share."""
 
-    def __init__(self, blocks: BlocksSection, strategy: Strategy, *, grad_accum_steps: int,
+    def __init__(self, blocks: BlocksConfig, strategy: Strategy, *, grad_accum_steps: int,
                  max_grad_norm: float | None) -> None:
         self.blocks = blocks  # what is done to each block before sharding
         self.max_grad_norm = max_grad_norm
@@ -102,7 +102,8 @@ class Session:
         for model in models:  # the steps, in `strategies.steps`' order; the data-parallel one last
             if not is_empty(model):
                 self._agree_weights(model)  # every process starts from process 0's weights
-            parallelize(model, strategy.dims, strategy.cfg, self.blocks, own_steps=strategy.own_steps)
+            parallelize(model, strategy.dims, strategy.cfg.parallelism, self.blocks,
+                        own_steps=strategy.own_steps)
             prepared[id(model)] = self._prepare_model(model)
         new_params = [dict(self.strategy.unwrap(m).named_parameters()) for m in self.models]
 

@@ -96,26 +96,27 @@ def choose(
         )
     loader = loaders[0]
     # an offload the user set restricts the choice to plans with it
-    restrict = offload_spec(cfg.offload).any
+    restrict = offload_spec(cfg.sharding.offload).any
     # a shard_group_size the user set (hybrid sharding) is planned as set, for every sharding plan
-    group = resolve_shard_group(cfg.shard_group_size, info.world_size, info.local_world_size)
+    group = resolve_shard_group(cfg.sharding.shard_group_size, info.world_size, info.local_world_size)
     hybrid = group if group < info.world_size else None
     sharding = {c: hybrid if c.strategy_spec.shards_optimizer else None for c in CANDIDATES}
     # the config's activation checkpointing (any mode), on every strategy
-    mode, every = str(cfg.activation_checkpointing), cfg.activation_checkpointing_every
+    mode, every = str(cfg.blocks.activation_checkpointing), cfg.blocks.activation_checkpointing_every
     candidates = [dataclasses.replace(c, shard_group_size=sharding[c], activation_checkpointing=mode,
                                       activation_checkpointing_every=every)
-                  for c in CANDIDATES if not c.checkpointed and (not restrict or c.offload == cfg.offload)]
+                  for c in CANDIDATES
+                  if not c.checkpointed and (not restrict or c.offload == cfg.sharding.offload)]
     local = max(1, info.local_world_size)
     request = PlanRequest(
         world_size=info.world_size, nodes=info.world_size // local if info.world_size % local == 0 else 1,
         device_memory=device_memory(info), batch=loader.batch_size,
-        device="cuda" if info.device.type == "cuda" else "cpu", precision=cfg.precision,
+        device="cuda" if info.device.type == "cuda" else "cpu", precision=cfg.sharding.precision,
         candidates=candidates, activation_checkpointing=mode, activation_checkpointing_every=every,
-        wrap=cfg.wrap, checkpoint_async=cfg.checkpoint_async,
+        wrap=cfg.blocks.wrap, checkpoint_async=cfg.checkpointing.background,
     )
     batch = sample_batch(loader)
-    asked_tp, asked_ep = cfg.tensor_parallel_size, cfg.expert_parallel_size
+    asked_tp, asked_ep = cfg.parallelism.tp, cfg.parallelism.ep
     if asked_ep > 1:  # the user's expert parallelism is planned as set, on the strategies that split experts
         plan = plan_module(models[0], batch, dataclasses.replace(request, candidates=[
             dataclasses.replace(c, expert_parallel_size=asked_ep) for c in candidates
@@ -124,7 +125,8 @@ def choose(
             raise ConfigError(f"strategy='auto' with expert_parallel_size={asked_ep}: no strategy fits: "
                               f"{plan.why}; see `shardwise plan --expert-parallel-size {asked_ep}`")
     elif asked_tp > 1:  # the user's tensor parallelism is planned as set, with every strategy and offload
-        plan = _with_tensor_parallel(models[0], batch, request, info, (asked_tp,), cfg.sequence_parallel)
+        plan = _with_tensor_parallel(models[0], batch, request, info, (asked_tp,),
+                                     cfg.parallelism.sequence_parallel)
         if plan is None or plan.best is None:
             raise ConfigError(
                 f"strategy='auto' with tensor_parallel_size={asked_tp}: no strategy fits with tensor "
@@ -140,9 +142,9 @@ def choose(
     chosen = plan.best.settings()
     tp = chosen.get("tensor_parallel_size", 1)
     # the plan's group (in processes, `Plan.settings`) under tp; without, the user's own setting
-    shard_group = cfg.shard_group_size if tp == 1 else chosen.get("shard_group_size")
-    out = dataclasses.replace(cfg, strategy=chosen["strategy"], offload=chosen["offload"],
-                              tensor_parallel_size=tp, shard_group_size=shard_group)
+    shard_group = cfg.sharding.shard_group_size if tp == 1 else chosen.get("shard_group_size")
+    out = cfg.with_keys(strategy=chosen["strategy"], offload=chosen["offload"], tensor_parallel_size=tp,
+                        shard_group_size=shard_group)
     message = f"shardwise: strategy='auto' chose {plan.best.name}: {plan.why}"
     log.info(message)
     if info.is_main:

@@ -97,9 +97,8 @@ class Candidate:
         tp = self.tensor_parallel_size
         group = None if self.shard_group_size is None else self.shard_group_size * tp
         sharded = self.strategy_spec.stage >= 1
-        return resolve_sizes(ParallelismConfig(ep=self.expert_parallel_size), shards=sharded,
-                             shard_group=group, tensor_parallel_size=tp, world=world_size,
-                             local_world=world_size)
+        return resolve_sizes(ParallelismConfig(tp=tp, ep=self.expert_parallel_size), shards=sharded,
+                             shard_group=group, world=world_size, local_world=world_size)
 
     def sharding_group(self, world_size: int) -> int:
         """Processes that share the sharded state among themselves: its group under hybrid

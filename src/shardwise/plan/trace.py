@@ -276,8 +276,8 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
     info = init_distributed(force_cpu=True)
     if cand.tensor_parallel_size > 1:  # the tp ranks lie within a node: the node's processes
         info = dataclasses.replace(info, local_world_size=job.local_world_size or job.world_size)
-    session = Session(cfg.blocks, make_strategy(cfg.sharding, info),
-                      grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm)
+    session = Session(cfg.blocks, make_strategy(cfg, info), grad_accum_steps=cfg.training.grad_accum_steps,
+                      max_grad_norm=cfg.training.max_grad_norm)
     stack.enter_context(fake_mode())
     stack.enter_context(patched(torch.UntypedStorage, "resize_", resize_seen(counter)))
     stack.enter_context(no_ddp_shape_check())

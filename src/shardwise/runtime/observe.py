@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.tree import ObservationSection
+from ..config.tree import ObservationConfig
 from ..distributed.world import DistInfo
 from .memory import MemoryReport
 from .metrics import Meter, Progress, model_shape, progress_wanted
@@ -25,7 +25,7 @@ log = logging.getLogger("shardwise")
 
 
 class Observer:
-    def __init__(self, cfg: ObservationSection, info: DistInfo) -> None:
+    def __init__(self, cfg: ObservationConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
         self.names = cfg.log_with  # checked and normalized by the config
         self.trackers: list[Tracker] = []

@@ -57,7 +57,7 @@ from ..checkpoint.run_record import (  # (the launcher reads the run record thro
     read_run_record as read_run_record,
 )
 from ..checkpoint.storage import CheckpointError
-from ..config.tree import CheckpointSection, SupervisionSection
+from ..config.tree import CheckpointConfig, SupervisionConfig
 from ..distributed.world import DistInfo
 
 log = logging.getLogger("shardwise")
@@ -231,7 +231,7 @@ class Supervisor:
     """The step heartbeat, the boundary agreement and timeout reports of one Engine. It decides;
     the engine acts on the decision through its checkpoint manager."""
 
-    def __init__(self, section: SupervisionSection, policy: CheckpointSection, info: DistInfo) -> None:
+    def __init__(self, section: SupervisionConfig, policy: CheckpointConfig, info: DistInfo) -> None:
         self.section, self.policy, self.info = section, policy, info
         self.last_save = time.monotonic()  # the clock of checkpoint_every_seconds
         self.step_in_progress = 0

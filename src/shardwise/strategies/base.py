@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config.parallelism import DIMS, resolve_shard_group, resolve_sizes
-from ..config.tree import ConfigError, ShardingSection
+from ..config.tree import ConfigError, EngineConfig
 from ..distributed.mesh import ParallelDims
 from ..distributed.world import DistInfo
 from ..weights.loading import Reader, copy_into, full_shapes
@@ -56,26 +56,26 @@ class StepResult:
     """The parameters were updated (False: an fp16 overflow skipped the step on every rank)."""
 
 
-def layout(cfg: ShardingSection, info: DistInfo, *, shards: bool, supported: frozenset[str]) -> ParallelDims:
+def layout(cfg: EngineConfig, info: DistInfo, *, shards: bool, supported: frozenset[str]) -> ParallelDims:
     """The run's `ParallelDims`: the config's `parallelism` sizes (today's flat keys translated
     into them by `config.parallelism.resolve_sizes`) on this world. `shards`: the strategy shards
     over dp_shard (a shard_group_size is resolved for it; ddp ignores one). A dimension of more
     than one process outside `supported` is refused in one line."""
     world, local = info.world_size, info.local_world_size
-    given = shards and cfg.shard_group_size is not None
-    group = resolve_shard_group(cfg.shard_group_size, world, local) if given else None
-    sizes = resolve_sizes(cfg.parallelism, shards=shards, shard_group=group,
-                          tensor_parallel_size=cfg.tensor_parallel_size, world=world, local_world=local,
-                          group_said=cfg.shard_group_size)
+    given = shards and cfg.sharding.shard_group_size is not None
+    group = resolve_shard_group(cfg.sharding.shard_group_size, world, local) if given else None
+    sizes = resolve_sizes(cfg.parallelism, shards=shards, shard_group=group, world=world, local_world=local,
+                          group_said=cfg.sharding.shard_group_size)
     unsupported = [f"{d}={getattr(sizes, d)}" for d in DIMS if getattr(sizes, d) > 1 and d not in supported]
     if unsupported:
-        raise ConfigError(f"parallelism {', '.join(unsupported)}: backend {cfg.backend} does not split "
+        raise ConfigError(f"parallelism {', '.join(unsupported)}: backend {cfg.sharding.backend} does not "
+                          "split "
                           f"along {'it' if len(unsupported) == 1 else 'them'} (it splits "
                           f"{', '.join(d for d in DIMS if d in supported)}); set "
                           f"{', '.join(u.split('=')[0] for u in unsupported)} to 1")
     dims = ParallelDims(sizes.dp_replicate, sizes.dp_shard, world, info.device.type, tp=sizes.tp, cp=sizes.cp,
                         ep=sizes.ep)
-    check_expert_layout(dims, cfg.strategy, cfg.backend)
+    check_expert_layout(dims, cfg.sharding.strategy, cfg.sharding.backend)
     return dims
 
 
@@ -205,7 +205,7 @@ class Strategy(ABC):
     """Model-parallel steps the backend applies itself when it builds a model (DeepSpeed: its
     AutoTP splits the layers), which `strategies.steps` then leaves to it."""
 
-    def __init__(self, cfg: ShardingSection, info: DistInfo, *, shards: bool) -> None:
+    def __init__(self, cfg: EngineConfig, info: DistInfo, *, shards: bool) -> None:
         self.cfg = cfg
         self.info = info
         self.shards = shards
@@ -229,7 +229,7 @@ class Strategy(ABC):
 
     def make_precision(self) -> Precision:
         """The precision component: autocast on every prepared model, fp16's loss scaler."""
-        return Precision(self.cfg.precision, self.info.device, self.cfg.loss_scale)
+        return Precision(self.cfg.sharding.precision, self.info.device, self.cfg.sharding.loss_scale)
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.tree import BlocksSection, ConfigError
+from ..config.tree import BlocksConfig, ConfigError
 from ..distributed.internals import dynamo_graphs, graph_break_error
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def compile_boundary(step: int, info: DistInfo) -> None:
     _WATCH.boundary(step, info, lambda message: say(info, message))
 
 
-def compile_options(cfg: BlocksSection) -> CompileOptions:
+def compile_options(cfg: BlocksConfig) -> CompileOptions:
     """The `torch.compile` settings of `cfg` (checked when the config was built)."""
     mode = None if cfg.compile_mode in (None, "default") else cfg.compile_mode
     return CompileOptions(backend=cfg.compile_backend, mode=mode, fullgraph=cfg.compile_fullgraph,

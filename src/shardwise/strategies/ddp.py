@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config.tree import ShardingSection, offload_spec
+from ..config.tree import EngineConfig, offload_spec
 from ..distributed.internals import ddp_ignore
 from ..distributed.world import DistInfo
 from .base import EmptyModel, OptimizerRunner, Strategy
@@ -49,7 +49,7 @@ def _say_ignored(value: int | str) -> None:
 class DDPStrategy(Strategy):
     """Replicated model; `shard_optimizer` turns ddp into zero1."""
 
-    def __init__(self, cfg: ShardingSection, info: DistInfo, *, shard_optimizer: bool) -> None:
+    def __init__(self, cfg: EngineConfig, info: DistInfo, *, shard_optimizer: bool) -> None:
         super().__init__(cfg, info, shards=shard_optimizer)
         self.shard_optimizer = shard_optimizer
         self._experts: dict[int, Ranks] = {}  # zero1's split experts (by id): the ranks stepping them
@@ -57,8 +57,8 @@ class DDPStrategy(Strategy):
             self.mesh = self.dims.mesh
         else:  # ddp: every process is a replica (a shard_group_size is ignored, in one log line)
             self.shard_group_size = info.world_size
-            if cfg.shard_group_size is not None and info.is_main:
-                _say_ignored(cfg.shard_group_size)
+            if cfg.sharding.shard_group_size is not None and info.is_main:
+                _say_ignored(cfg.sharding.shard_group_size)
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         if for_inference(model):  # a frozen reference: nothing to all-reduce, no DDP wrapper
@@ -102,7 +102,7 @@ class DDPStrategy(Strategy):
         # (hybrid: 1/G within the shard group; gradients were all-reduced over every process)
         shard, replicate = self.process_groups()
         return optimizer_runner(optimizer, self.cfg, self.info, partition="flat",
-                                host=offload_spec(self.cfg.offload).optimizer_on_host,
+                                host=offload_spec(self.cfg.sharding.offload).optimizer_on_host,
                                 group=shard if replicate is not None else None, apart=self._experts)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..config.tree import ConfigError, ShardingSection, offload_spec
+from ..config.tree import ConfigError, EngineConfig, offload_spec
 from ..distributed.internals import (
     FSDPReduceScatter as ReduceScatter,  # None before torch 2.8
     tree_leaves,
@@ -214,7 +214,7 @@ class FSDPStrategy(Strategy):
     replicas), and zero1 also splits the optimizer: each data-parallel rank steps 1/dp of its tp
     share's elements, then one all-gather among the replicas (`sharded_optim`)."""
 
-    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int) -> None:
+    def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
         super().__init__(cfg, info, shards=stage >= 2)
         self.stage = stage
         self.replicas_only = stage <= 1  # (the layout's data-parallel ranks are replicas)
@@ -227,7 +227,7 @@ class FSDPStrategy(Strategy):
         replica instead, and under zero3 it is sharded like any other (see `strategies.frozen`)."""
         if self.stage < 3 and for_inference(model):
             return self.replicate(model, empty)
-        offload_params = offload_spec(self.cfg.offload).params_on_host
+        offload_params = offload_spec(self.cfg.sharding.offload).params_on_host
         if offload_params and self.info.device.type != "cpu" and expert_params(model):
             raise ConfigError(f"expert_parallel_size={self.dims.ep} with offload: params on "
                               f"{self.info.device.type}: this version does not offload experts split over "
@@ -236,7 +236,7 @@ class FSDPStrategy(Strategy):
         # every process holds process 0's weights already (Session._agree_weights)
         if empty is None and not offload_params:
             model.to(self.info.device)
-        blocks = keep_ties_whole(model, find_blocks(model, self.cfg.wrap))
+        blocks = keep_ties_whole(model, find_blocks(model, self.cfg.blocks.wrap))
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         if self.param_dtype is torch.float32:
             mp = MixedPrecisionPolicy()
@@ -279,7 +279,7 @@ class FSDPStrategy(Strategy):
             yield
 
     def make_runner(self, optimizer: torch.optim.Optimizer) -> OptimizerRunner:
-        offload = offload_spec(self.cfg.offload)
+        offload = offload_spec(self.cfg.sharding.offload)
         if self.shard_optimizer:  # zero1 under tp: the replicas of this tp rank split the elements
             # at one data-parallel rank there are no replicas: its group of one (never None,
             # which the runner takes for every process, the tp ranks holding different parts)

@@ -40,14 +40,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config.tree import HostKernelName, ShardingSection
+from ..config.tree import EngineConfig, HostKernelName
 from ..distributed.internals import local_tensor, mark_stepped
 from ..distributed.world import DistInfo
 from .base import InPlaceRunner, OptimizerRunner, zero_step
 from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, step_on_host, threads, use_fused
 
 
-def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: ShardingSection, info: DistInfo, *,
+def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: EngineConfig, info: DistInfo, *,
                      partition: Literal["flat", "local"] | None, host: bool = False,
                      offloaded: bool = False, dtensors: bool = False,
                      group: dist.ProcessGroup | None = None,
@@ -63,16 +63,16 @@ def optimizer_runner(optimizer: torch.optim.Optimizer, cfg: ShardingSection, inf
     """
     if partition is None:
         placed = step_on_host(optimizer, info.device, info.local_world_size, offloaded=offloaded,
-                              dtensors=dtensors, kernel=cfg.host_kernel)
+                              dtensors=dtensors, kernel=cfg.sharding.host_kernel)
         return InPlaceRunner(optimizer, host=placed)
     return ShardedOptimizer(
         optimizer,
         partition=partition,
         host=host,
         device=info.device,
-        bucket_numel=cfg.offload_bucket_numel,
+        bucket_numel=cfg.sharding.offload_bucket_numel,
         local_world_size=info.local_world_size,
-        kernel=cfg.host_kernel,
+        kernel=cfg.sharding.host_kernel,
         group=group,
         apart=apart,
     )

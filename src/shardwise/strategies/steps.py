@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config.tree import BlocksSection, ConfigError, ShardingSection
+from ..config.tree import BlocksConfig, ConfigError, ParallelismConfig
 from ..distributed.mesh import ParallelDims
 from ..weights.record import recipes_kept
 from .blocks import apply_activation_checkpointing, find_blocks
@@ -49,21 +49,21 @@ from .tiling import tiling_step
 log = logging.getLogger("shardwise")
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, sharding: ShardingSection, blocks: BlocksSection,
+def parallelize(model: nn.Module, dims: ParallelDims, section: ParallelismConfig, blocks: BlocksConfig,
                 *, own_steps: frozenset[str] = frozenset()) -> None:
     """Steps 1-4 on `model`, in place (step 5 is the strategy's `setup_model`)."""
     if "tp" not in own_steps:
-        model_parallel_step(model, dims, sharding)
+        model_parallel_step(model, dims, section)
     with recipes_kept(model):  # (an init_empty() model: its split experts keep their init)
         expert_parallel_step(model, dims)
-    context_parallel_step(model, dims, sharding.context_parallel)
+    context_parallel_step(model, dims, section.cp_method)
     tiling_step(model, blocks, context_parallel=dims.cp > 1)
     blocks_step(model, blocks)
 
 
-def model_parallel_step(model: nn.Module, dims: ParallelDims, sharding: ShardingSection) -> None:
+def model_parallel_step(model: nn.Module, dims: ParallelDims, section: ParallelismConfig) -> None:
     """Split `model` over its tensor-parallel group: the user's function, or the plan."""
-    user = resolve_parallelize(sharding.parallelize)
+    user = resolve_parallelize(section.parallelize)
     if _split_already(model, dims):
         if user is not None:
             raise ConfigError("parallelize: this model arrived split already (its parameters are DTensors, "
@@ -73,29 +73,29 @@ def model_parallel_step(model: nn.Module, dims: ParallelDims, sharding: Sharding
         with recipes_kept(model):
             out = user(model, dims)
         if out is not None and out is not model:
-            raise ConfigError(f"parallelize={sharding.parallelize!r} returned a new object; it must split "
+            raise ConfigError(f"parallelize={section.parallelize!r} returned a new object; it must split "
                               "the model it is given in place (and return None or that model)")
         return
     if dims.tp == 1:
         return
     with recipes_kept(model):  # (an init_empty() model: its split parameters keep their init)
-        apply_tensor_parallel(model, model_plan(model, sharding.tensor_parallel_plan), dims.tp_mesh,
-                              sequence_parallel=sharding.sequence_parallel)
+        apply_tensor_parallel(model, model_plan(model, section.tp_plan), dims.tp_mesh,
+                              sequence_parallel=section.sequence_parallel)
 
 
-def model_parallel_trial(model: nn.Module, dims: ParallelDims, sharding: ShardingSection,
+def model_parallel_trial(model: nn.Module, dims: ParallelDims, section: ParallelismConfig,
                          samples: Callable[[], Any]) -> None:
     """Before step 1 changes `model`: under sequence parallelism, run its forward on the meta
     device with `samples()` (the DataLoader's first samples, on the meta device; None: none to
     read, and then no trial) and refuse in one line a planned layer that would get no sequence to
     split (`tensor_parallel.trial_sequence_shapes`). Nothing is read for a run without it."""
-    if dims.tp == 1 or not sharding.sequence_parallel or sharding.parallelize is not None:
+    if dims.tp == 1 or not section.sequence_parallel or section.parallelize is not None:
         return
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return  # split already: step 1 leaves it as it is
     batch = samples()
     if batch is not None:
-        trial_sequence_shapes(model, model_plan(model, sharding.tensor_parallel_plan), dims.tp, batch)
+        trial_sequence_shapes(model, model_plan(model, section.tp_plan), dims.tp, batch)
 
 
 def resolve_parallelize(value: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
@@ -137,7 +137,7 @@ def _split_already(model: nn.Module, dims: ParallelDims) -> bool:
     return True
 
 
-def blocks_step(model: nn.Module, cfg: BlocksSection) -> None:
+def blocks_step(model: nn.Module, cfg: BlocksConfig) -> None:
     """Activation checkpointing and compilation, per block, before sharding: each replaces the
     block's own `forward` (its module tree and parameter names stay as they are)."""
     mode, compiling = str(cfg.activation_checkpointing), cfg.compile

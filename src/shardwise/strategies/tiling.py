@@ -21,14 +21,14 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config.tree import BlocksSection, ConfigError
+from ..config.tree import BlocksConfig, ConfigError
 from .blocks import find_blocks
 
 log = logging.getLogger("shardwise")
 _TILED = "_shardwise_tiled"  # marks a forward this module put on an instance
 
 
-def tiling_step(model: nn.Module, cfg: BlocksSection, *, context_parallel: bool) -> None:
+def tiling_step(model: nn.Module, cfg: BlocksConfig, *, context_parallel: bool) -> None:
     """Tile `model`'s MLPs and loss as `cfg` says (None: on under context parallelism)."""
     mlp = context_parallel if cfg.tiled_mlp is None else cfg.tiled_mlp
     loss = context_parallel if cfg.tiled_loss is None else cfg.tiled_loss

@@ -18,7 +18,7 @@ from ...config.parallelism import resolve_shard_group
 from ...config.tree import (
     STRATEGY_TABLE,
     ConfigError,
-    ShardingSection,
+    EngineConfig,
     check_strategy,
     offload_spec,
 )
@@ -49,7 +49,7 @@ def import_deepspeed(device: torch.device) -> Any:
     return deepspeed
 
 
-def check_shard_group(cfg: ShardingSection, world_size: int, local_world_size: int) -> None:
+def check_shard_group(cfg: EngineConfig, world_size: int, local_world_size: int) -> None:
     """Refuse, in one line, a sharding group smaller than the world on DeepSpeed (pure).
 
     Hybrid sharding on DeepSpeed was MiCS (`mics_shard_size`: parameters, gradients and optimizer
@@ -61,32 +61,32 @@ def check_shard_group(cfg: ShardingSection, world_size: int, local_world_size: i
     and matches one process). A group of all processes (None, or "node" on one node) is plain
     ZeRO and runs.
     """
-    group = resolve_shard_group(cfg.shard_group_size, world_size, local_world_size)
-    if group < world_size and STRATEGY_TABLE[cfg.strategy].shards_optimizer:
+    group = resolve_shard_group(cfg.sharding.shard_group_size, world_size, local_world_size)
+    if group < world_size and STRATEGY_TABLE[cfg.sharding.strategy].shards_optimizer:
         raise ConfigError(
-            f"shard_group_size={cfg.shard_group_size!r} (groups of {group} of {world_size} processes) is not "
-            "supported by backend='deepspeed': DeepSpeed 0.19 removed MiCS (mics_shard_size), its hybrid "
-            "sharding; use backend='torch' for shard_group_size"
+            f"shard_group_size={cfg.sharding.shard_group_size!r} (groups of {group} of {world_size} "
+            "processes) is not supported by backend='deepspeed': DeepSpeed 0.19 removed MiCS "
+            "(mics_shard_size), its hybrid sharding; use backend='torch' for shard_group_size"
         )
 
 
-def deepspeed_config(cfg: ShardingSection, *, device: torch.device, numel: int) -> dict[str, Any]:
+def deepspeed_config(cfg: EngineConfig, *, device: torch.device, numel: int) -> dict[str, Any]:
     """The DeepSpeed config dict for our config (pure: no deepspeed import).
 
     `numel` (the model's parameter count) caps the bucket sizes: DeepSpeed's defaults (5e8
     elements) allocate ~2 GB of fp32 buffers per rank whatever the model.
     """
-    check_strategy(cfg.strategy, cfg.offload, "deepspeed")
-    if cfg.precision == "fp16" and device.type != "cuda":
+    check_strategy(cfg.sharding.strategy, cfg.sharding.offload, "deepspeed")
+    if cfg.sharding.precision == "fp16" and device.type != "cuda":
         raise ConfigError(
             "precision='fp16' with backend='deepspeed' needs CUDA: DeepSpeed's CPU accelerator has "
             "no fp16; use precision='bf16' (or backend='torch', whose fp16 runs on CPU)"
         )
-    bucket = int(max(1, min(cfg.offload_bucket_numel, numel)))
+    bucket = int(max(1, min(cfg.sharding.offload_bucket_numel, numel)))
     pin = device.type == "cuda"
     # tuning defaults: a DeepSpeed JSON's zero_optimization keys (`deepspeed_config`) win over these
     tuning: dict[str, Any] = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
-    spec, offload = STRATEGY_TABLE[cfg.strategy], offload_spec(cfg.offload)
+    spec, offload = STRATEGY_TABLE[cfg.sharding.strategy], offload_spec(cfg.sharding.offload)
     if spec.shards_params:
         # zero3 means on DeepSpeed what it means on FSDP2: every parameter sharded (DeepSpeed
         # keeps ones under 1e5 elements whole), and a block's full parameters exist only while
@@ -100,29 +100,30 @@ def deepspeed_config(cfg: ShardingSection, *, device: torch.device, numel: int) 
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if offload.params_on_host:  # parameters on the host too (and the step there, as on torch)
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    zero = tuning | (_user_zero_keys(cfg.deepspeed_config) if cfg.deepspeed_config else {}) | zero
+    user = cfg.sharding.deepspeed_config
+    zero = tuning | (_user_zero_keys(user) if user else {}) | zero
     out: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: the DataLoader sets the batch
         "gradient_accumulation_steps": 1,  # the Engine divides the loss by grad_accum_steps
-        "gradient_clipping": float(cfg.max_grad_norm or 0.0),
+        "gradient_clipping": float(cfg.training.max_grad_norm or 0.0),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # the user's torch optimizer, under ZeRO
         "zero_force_ds_cpu_optimizer": False,  # ... also under offload: never swapped
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if cfg.tensor_parallel_size > 1:  # AutoTP: the Linear layers split at deepspeed.initialize
-        out["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel_size}
+    if cfg.parallelism.tp > 1:  # AutoTP: the Linear layers split at deepspeed.initialize
+        out["tensor_parallel"] = {"autotp_size": cfg.parallelism.tp}
     return out | _precision_keys(cfg)
 
 
-def _precision_keys(cfg: ShardingSection) -> dict[str, Any]:
+def _precision_keys(cfg: EngineConfig) -> dict[str, Any]:
     """DeepSpeed's section for our precision: bf16 autocast, fp16 with its loss scaler, fp32 none."""
-    if cfg.precision == "bf16":
+    if cfg.sharding.precision == "bf16":
         # fp32 weights and autocast compute; no module reduces in bf16 (an empty safe list)
         return {"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
-    if cfg.precision == "fp16":
-        ls = cfg.loss_scale
+    if cfg.sharding.precision == "fp16":
+        ls = cfg.sharding.loss_scale
         return {"fp16": {
             "enabled": True,
             "loss_scale": 0 if ls.dynamic else ls.init_scale,

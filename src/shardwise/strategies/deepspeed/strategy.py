@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...config.tree import ShardingSection, offload_spec
+from ...config.tree import EngineConfig, offload_spec
 from ...distributed.world import DistInfo
 from ...weights.adapters import unwrapped
 from ...weights.loading import Reader
@@ -146,7 +146,7 @@ class DeepSpeedStrategy(Strategy):
     # is built (`initialize`; `tensor_parallel.autotp_size` in its config)
     own_steps = frozenset({"tp"})
 
-    def __init__(self, cfg: ShardingSection, info: DistInfo, *, stage: int) -> None:
+    def __init__(self, cfg: EngineConfig, info: DistInfo, *, stage: int) -> None:
         deepspeed_config(cfg, device=info.device, numel=1)  # refuse a bad combination up front
         check_shard_group(cfg, info.world_size, info.local_world_size)  # ... and a hybrid group
         super().__init__(cfg, info, shards=True)
@@ -168,7 +168,7 @@ class DeepSpeedStrategy(Strategy):
         return self._torch
 
     def make_precision(self) -> Precision:
-        return DeepSpeedPrecision(self.cfg.precision, self.info.device)
+        return DeepSpeedPrecision(self.cfg.sharding.precision, self.info.device)
 
     # -- models -----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
@@ -256,7 +256,7 @@ class DeepSpeedStrategy(Strategy):
         # with offload (or on a CPU device) the user's optimizer steps DeepSpeed's fp32 partitions on the host
         runner.host_threads, kernel = step_on_host(
             optimizer, self.info.device, self.info.local_world_size,
-            offloaded=offload_spec(self.cfg.offload).any, kernel=self.cfg.host_kernel)
+            offloaded=offload_spec(self.cfg.sharding.offload).any, kernel=self.cfg.sharding.host_kernel)
         if kernel is not None:  # DeepSpeed's ZeRO optimizer steps the user's object through the kernel
             ds.step_through_kernel(model.ds_engine.optimizer, kernel)
         return runner
@@ -274,7 +274,7 @@ class DeepSpeedStrategy(Strategy):
             runner.end_step()  # a script's clip bound and num_items' rescale last one step
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        if self.cfg.precision != "fp16":
+        if self.cfg.sharding.precision != "fp16":
             loss.backward(**kwargs)  # DeepSpeed's output hooks run its prologue and epilogue
             return
         trained = [m.ds_engine for m in set(self._owner.values())
