@@ -10,7 +10,7 @@ The dimensions (torchtitan's `ParallelDims` is the model), outermost first:
 dp_replicate x dp_shard x cp x tp is the number of processes. A size may be -1 for "the
 processes the others leave" (dp_replicate or dp_shard, one of them). The section is where the
 sizes live: the flat keys `tensor_parallel_size`, `context_parallel_size` and
-`expert_parallel_size` are only other spellings of tp, cp and ep (`config.flat`), and
+`expert_parallel_size` are only other spellings of tp, cp and ep (`config.tree.FLAT_KEYS`), and
 `shard_group_size` (a count of processes: whole cp x tp groups) resolves to dp_shard here and
 nowhere else; ddp's ranks are all dp_replicate. Accelerate's
 `ParallelismConfig` (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) and an Accelerate

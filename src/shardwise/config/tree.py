@@ -1,5 +1,10 @@
 """The typed configuration tree: the single source of truth for how a run is sharded and launched.
 
+The root (`EngineConfig`) holds one section per part that owns its settings (`sharding`,
+`parallelism`, `blocks`, `training`, `checkpointing`, `supervision`, `observation`, `launch`, and
+the optimizer and scheduler to build); the sections hold the values. A flat key (`strategy`,
+`grad_accum_steps`: `FLAT_KEYS`) is another spelling of one section's field, moved there by `nest`.
+
 Every field carries a docstring right under it; the CLI turns them into its help. Values are
 validated at construction, so a bad value is refused before any process group, model or
 optimizer is touched. Files (YAML, DeepSpeed JSON, Accelerate YAML) and command-line flags only

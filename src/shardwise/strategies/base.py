@@ -57,7 +57,7 @@ class StepResult:
 
 
 def layout(cfg: EngineConfig, info: DistInfo, *, shards: bool, supported: frozenset[str]) -> ParallelDims:
-    """The run's `ParallelDims`: the config's `parallelism` sizes (today's flat keys translated
+    """The run's `ParallelDims`: the config's `parallelism` sizes (and shard_group_size, resolved
     into them by `config.parallelism.resolve_sizes`) on this world. `shards`: the strategy shards
     over dp_shard (a shard_group_size is resolved for it; ddp ignores one). A dimension of more
     than one process outside `supported` is refused in one line."""
