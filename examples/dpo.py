@@ -6,7 +6,8 @@ Policy and reference start as the same GPT-2 (built from its config, no download
 is frozen, so `prepare` readies it for inference only: under zero3 each process holds 1/N of it
 and gathers one block at a time for its forward, with no gradients and no optimizer state (a
 replica under ddp, zero1 and zero2), on either backend. The preference pairs are made here: a
-window of local text is "chosen", the same bytes shuffled are "rejected". Prints the DPO loss and
+window of local text (`--text FILE ...`; default: this repository's docs and source) is "chosen",
+the same bytes shuffled are "rejected". Prints the DPO loss and
 the reward accuracy (the share of pairs whose chosen reply the policy now favours more than the
 reference does).
 """
@@ -68,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--beta", type=float, default=0.1, help="DPO temperature")
+    ap.add_argument("--text", nargs="*", default=[], help="local text files (default: this repository)")
     add_common_args(ap, steps=20, batch=4, block=32)
     args, _ = ap.parse_known_args()
 
@@ -75,7 +77,8 @@ def main() -> None:
     policy = build_model(args.model, args.block_size)
     ref = copy.deepcopy(policy).requires_grad_(False).eval()  # the starting point, frozen
     optimizer, scheduler = make_optimizer(policy, args.lr, args.warmup, args.steps, decay=False)
-    loader = DataLoader(Pairs(read_text([]), args.block_size), batch_size=args.batch_size, shuffle=True)
+    pairs = Pairs(read_text(args.text), args.block_size)
+    loader = DataLoader(pairs, batch_size=args.batch_size, shuffle=True)
     ref = engine.prepare(ref)  # alone: prepared for inference only
     policy, optimizer, scheduler, loader = engine.prepare(policy, optimizer, scheduler, loader)
     engine.print(f"{args.model}: policy + frozen reference, {engine.config.sharding.strategy} on "

@@ -259,7 +259,7 @@ def test_auto_takes_tensor_parallelism_only_when_no_zero_plan_fits(monkeypatch: 
     import transformers
     from torch.utils.data import DataLoader
 
-    from shardwise.config.files import make_config
+    from shardwise.config import EngineConfig
     from shardwise.distributed.world import DistInfo
     from shardwise.plan import auto, plan_module
 
@@ -271,7 +271,7 @@ def test_auto_takes_tensor_parallelism_only_when_no_zero_plan_fits(monkeypatch: 
             for _ in range(8)]
     loader = DataLoader(data, batch_size=8)
     info = DistInfo(0, 2, 0, 2, torch.device("cpu"))
-    engine_cfg = make_config(strategy="auto", cpu=True)
+    engine_cfg = EngineConfig.of(strategy="auto", cpu=True)
     monkeypatch.setattr(auto, "device_memory", lambda _info: 64 * 2**30)
     out, plan = auto.choose(engine_cfg, info, [model], [loader])
     assert out.tensor_parallel_size == 1 and plan.best is not None

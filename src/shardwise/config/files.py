@@ -8,7 +8,6 @@ findings into one line that names the file, the key, what was expected and what 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import typing
 from collections.abc import Mapping
@@ -18,23 +17,13 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from .tree import FLAT_KEYS, ConfigError, EngineConfig, nest
+from .tree import FLAT_KEYS, ConfigError, EngineConfig, nest, suggest
 
 
 def field_names(cls: type) -> list[str]:
     """Names of a config dataclass's fields (used to suggest the closest valid key)."""
     return [f.name for f in dataclasses.fields(cls)]
 
-
-def suggest(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def make_config(**overrides: Any) -> EngineConfig:
-    """Build an `EngineConfig` from keywords in either spelling (sections or flat keys), refusing
-    unknown ones with the closest valid name."""
-    return EngineConfig.of(**overrides)
 
 _ADAPTER: TypeAdapter[EngineConfig] | None = None
 

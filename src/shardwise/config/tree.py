@@ -452,7 +452,7 @@ class EngineConfig:
         changes: dict[str, dict[str, Any]] = {}
         for key, value in keys.items():
             if key not in FLAT_KEYS:
-                raise ConfigError(f"with_keys: unknown setting {key!r}{_suggest(key, list(FLAT_KEYS))}")
+                raise ConfigError(f"with_keys: unknown setting {key!r}{suggest(key, list(FLAT_KEYS))}")
             section, name = FLAT_KEYS[key]
             changes.setdefault(section, {})[name] = value
         return replace(self, **{s: replace(getattr(self, s), **c) for s, c in changes.items()})
@@ -544,7 +544,8 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
 }
 
 
-def _suggest(key: str, valid: list[str]) -> str:
+def suggest(key: str, valid: list[str]) -> str:
+    """' (did you mean ...?)' naming the closest valid key, or nothing."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -573,7 +574,7 @@ def nest(data: Mapping[str, Any], source: str = "config", *, what: str = "key") 
         else:
             valid = [*_SECTION_TYPES, *FLAT_KEYS]
             raise ConfigError(f"{source + ': ' if source else ''}unknown {what} '{key}'"
-                              f"{_suggest(str(key), valid)}; valid {what}s: {', '.join(valid)}")
+                              f"{suggest(str(key), valid)}; valid {what}s: {', '.join(valid)}")
     for key, value in flat:
         section_name, name = FLAT_KEYS[key]
         if section_name == "parallelism" and name in ("tp", "cp", "ep"):  # (named as the user spelled it)

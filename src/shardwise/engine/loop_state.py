@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.storage import CheckpointError
-from ..config.files import config_with_code, make_config
+from ..config.files import config_with_code
 from ..config.specs import check_log_with
 from ..config.tree import ConfigError, EngineConfig
 from ..distributed.world import config_source
@@ -45,7 +45,7 @@ def config_from_code(config: EngineConfig | None, kwargs: dict[str, Any]) -> tup
     if config is not None:
         return config, []
     # the keywords alone first: a bad value is named as the code wrote it
-    make_config(**{k: v for k, v in kwargs.items() if k not in ("launch", "loss_scale")})
+    EngineConfig.of(**{k: v for k, v in kwargs.items() if k not in ("launch", "loss_scale")})
     return config_with_code(kwargs, config_source())
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config.tree import ConfigError
+from ..config.tree import ConfigError, EngineConfig
 from .fit import GiB
 from .planner import Plan, StrategyPlan
 
@@ -202,7 +202,7 @@ def plot(plan: Plan, path: str | Path) -> None:
 
 def write_config(plan: Plan, path: str | Path, chosen: StrategyPlan | None = None) -> None:
     """The chosen plan as a shardwise YAML `shardwise launch` reads (refuses if nothing fits)."""
-    from ..config.files import make_config, write_yaml
+    from ..config.files import write_yaml
 
     if chosen is None:  # the global-batch suggestion when asked for one, else the best plan
         chosen = plan.global_batch.plan if plan.global_batch is not None else plan.best
@@ -219,7 +219,7 @@ def write_config(plan: Plan, path: str | Path, chosen: StrategyPlan | None = Non
                                             "num_nodes": plan.nodes})
     if plan.context_parallel_size > 1:
         settings["context_parallel_size"] = plan.context_parallel_size
-    cfg = make_config(**settings)
+    cfg = EngineConfig.of(**settings)
     u = _unit(plan)
     header = (f"# written by shardwise plan for {plan.model}: {chosen.name}, predicted peak "
               f"{_g(chosen.peak, u)} of {_g(plan.device_memory, u)} {u} per device\n")

@@ -61,8 +61,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.sharded import kept_rng
-from ..config.files import make_config
-from ..config.tree import OffloadSpec
+from ..config.tree import EngineConfig, OffloadSpec
 from ..distributed.internals import is_sharded, local_tensor
 from ..distributed.world import init_distributed
 from ..engine.session import Session
@@ -258,7 +257,7 @@ def _enter_fake_world(job: TraceJob, counter: StorageCounter, stack: contextlib.
     ranks (made outside the fake mode), then the fake mode and the patches the trace runs under."""
 
     cand = job.candidate
-    cfg = make_config(strategy=cand.strategy, offload=cand.offload, cpu=True,
+    cfg = EngineConfig.of(strategy=cand.strategy, offload=cand.offload, cpu=True,
                       precision=_TRACED_AS.get(job.precision, job.precision),
                       activation_checkpointing=cand.activation_checkpointing,
                       activation_checkpointing_every=cand.activation_checkpointing_every,
