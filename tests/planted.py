@@ -1655,6 +1655,19 @@ def _lone_ema_not_replayed() -> None:
     _patch(LoneCalls, "_replay", lambda self, journal: None)
 
 
+@fault("lone_generate_unwatched", row="the main process's calls alone after `wait_for_everyone()`",
+       test="tests/test_lone_calls.py::test_planted_lone_generate_unwatched_is_caught")
+def _lone_generate_unwatched() -> None:
+    """A prepared model's generate left as the strategy made it: the engine's rendezvous comes at
+    its first forward, after FSDP2 gathered the root for the whole generation."""
+    from shardwise.engine.lone import LoneCalls
+
+    def watch_generate(self: Any, target: Any, before: Any) -> None:
+        return None
+
+    _patch(LoneCalls, "watch_generate", watch_generate)
+
+
 @fault("lone_done_drops_journal", row="the main process's calls alone after `wait_for_everyone()`",
        test="tests/test_lone_calls.py::test_planted_lone_done_drops_journal_is_caught")
 def _lone_done_drops_journal() -> None:

@@ -16,6 +16,11 @@ One run makes, in order:
 5. (a launched script) the main process's `save_pretrained` alone after `wait_for_everyone()`, at
    the end of a script that never calls `end_training()`: the other process serves it at its
    interpreter's exit.
+6. a transformers GPT-2: one training step, `wait_for_everyone()`, then the main process alone
+   runs a sampled `generate` (seeded) and a greedy one, and a no-grad forward, while the other
+   process is at a `gather`: served (the other runs each generate from the main process's random
+   state, its own kept), the tokens are the plain model's, token for token, and the next
+   training step and the weights are the plain run's.
 A lone forward with no barrier before it stays refused in one line (`test_accelerate_diffusers`).
 """
 
@@ -170,3 +175,95 @@ def test_a_lone_save_pretrained_at_the_end_of_a_script_is_served_at_its_exit(tmp
     saved = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).state_dict()
     for name, tensor in gathered.items():
         assert torch.equal(saved[name], tensor), name
+
+
+def _generate_run() -> dict[str, Any]:
+    import workloads as W
+
+    import shardwise
+
+    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, collective_timeout_s=30)
+    model = W.build("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = engine.prepare(model, opt)
+    data, rank, main = W.Tokens(5).data, engine.process_index, engine.is_main_process
+    out: dict[str, Any] = {"losses": []}
+
+    def train(i: int) -> None:
+        loss = W.lm_loss(model, data[2 * i + rank:2 * i + rank + 1])
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(engine.reduce(loss.detach(), "mean").item())
+
+    train(0)
+    rng = torch.get_rng_state()
+    engine.wait_for_everyone()
+    if main:  # alone: the other process is at the gather below
+        out.update(_generations(model, engine.unwrap_model(model), data[-1:, :4]))
+    out["gathered"] = engine.gather(torch.tensor([rank])).tolist()
+    out["rng_kept"] = torch.equal(rng, torch.get_rng_state())
+    train(1)
+    out["weights"] = engine.get_state_dict(model)
+    return out
+
+
+def _generations(model: torch.nn.Module, inner: Any, prompt: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(11)
+    sampled = model.generate(prompt, do_sample=True, top_k=0, max_new_tokens=4, pad_token_id=0)
+    greedy = inner.generate(prompt, do_sample=False, max_new_tokens=3, pad_token_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits
+    return {"sampled": sampled, "greedy": greedy, "logits": logits}
+
+
+def _generate_plain() -> dict[str, Any]:
+    import workloads as W
+
+    model = W.build("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = W.Tokens(5).data
+    out: dict[str, Any] = {"losses": []}
+    for i in range(2):
+        loss = (W.lm_loss(model, data[2 * i:2 * i + 1]) + W.lm_loss(model, data[2 * i + 1:2 * i + 2])) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        if i == 0:
+            out.update(_generations(model, model, data[-1:, :4]))
+    out["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def check_generate_served(fn: Any) -> None:
+    """`fn` on 2 processes (a hang or a failure fails the check) against one plain process."""
+    try:
+        runs = spawn(fn, 2, timeout=120)
+    except RuntimeError as err:
+        said = str(err).strip()
+        pytest.fail(f"the run failed: {said.splitlines()[-1]}\n{said[-2000:]}")
+    main, plain = runs[0], _generate_plain()
+    assert main["gathered"] == runs[1]["gathered"] == [0, 1]
+    assert runs[1]["rng_kept"], "the serving process's random state moved"
+    assert main["sampled"].shape == (1, 8) and torch.equal(main["sampled"], plain["sampled"]), \
+        (main["sampled"], plain["sampled"])
+    assert torch.equal(main["greedy"], plain["greedy"]), (main["greedy"], plain["greedy"])
+    torch.testing.assert_close(main["logits"], plain["logits"], rtol=1e-5, atol=1e-5)
+    for run in runs:
+        for a, b in zip(run["losses"], plain["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (run["losses"], plain["losses"])
+    for name, want in plain["weights"].items():
+        worst = (main["weights"][name] - want).abs().max().item()
+        assert worst <= 2e-5, f"{name}: {worst:.2e} from the plain run's"
+
+
+def test_a_lone_generate_after_a_barrier_is_served() -> None:
+    check_generate_served(_generate_run)
+
+
+def test_planted_lone_generate_unwatched_is_caught() -> None:
+    """`lone_generate_unwatched`: the engine's check is not put before the model's generate, so
+    FSDP2 gathers the root on the main process alone: the other process, waiting for the main
+    process's word, gives up after the collective timeout (30 s here), and the run fails."""
+    caught(check_generate_served, planted(_generate_run, "lone_generate_unwatched"))

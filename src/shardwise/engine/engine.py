@@ -241,6 +241,9 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         for model in of["model"]:  # the heartbeat that says who did not arrive if a collective hangs
             ready = prepared[id(model)]
             ready.register_forward_pre_hook(self._forward_started, prepend=True, with_kwargs=True)
+            # ... and before its generate (FSDP2 gathers the root for the whole generation first)
+            self._lone.watch_generate(self.unwrap_model(ready),
+                                      functools.partial(self._generate_started, ready))
             # its own save_pretrained, called on every process, gathers through this engine
             attach_full_weights(self.unwrap_model(ready), self._full_weights(ready))
         for ema in of["ema"]:  # an EMA of a prepared model: its shadows take the model's layout
@@ -382,11 +385,21 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         # prepared DataLoader nor accumulate() reaches it only here (a no-op when it was reached)
         if torch.is_grad_enabled():
             self._boundary()
-        elif not self._lone.forward(module, args, kwargs):  # (a lone one after a barrier: served)
+        else:
+            self._no_grad_call(module, args, kwargs, "forward")
+        self._supervisor.heartbeat("in its forward")
+
+    def _generate_started(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        with torch.no_grad():  # (generate's own no_grad is inside it)
+            self._no_grad_call(module, args, kwargs, "generate")
+
+    def _no_grad_call(self, module: nn.Module, args: Any, kwargs: Any, kind: str) -> None:
+        """A no-grad forward or a generate of a prepared model: a lone one after a barrier is
+        served (`engine.lone`); else, under the Accelerator, one on a process alone is refused."""
+        if not self._lone.forward(module, args, kwargs, kind):
             solo = getattr(module, "_shardwise_solo", None)  # the Accelerator's arrival check (sharded)
             if solo is not None:
                 solo(module, args)
-        self._supervisor.heartbeat("in its forward")
 
     def save_policy_checkpoints_with(self, save: Callable[[], Path]) -> None:
         """Checkpoints by policy (`checkpoint_every_*`, preemption, the end) call `save()`

@@ -15,15 +15,20 @@ training forward, a no-grad forward or a `save_pretrained` of a sharded model, `
 other process posts which event it is at in the process group's store and waits for the main
 process's word. The main process, at its own next event:
 - one the others make too (a training forward, a boundary, ...): the word is "together";
-- a no-grad forward or a `save_pretrained` of a sharded model: "together" when every other
-  process posted the same call (an evaluation every process runs), else "serve".
+- a no-grad forward, a `generate` or a `save_pretrained` of a sharded model: "together" when
+  every other process posted the same call (an evaluation every process runs), else "serve".
 
 **Serving.** Until the main process reaches an event the others make too, each of its
-no-grad forwards and `save_pretrained` gathers of a sharded model is sent to the others
+no-grad forwards, `generate`s and `save_pretrained` gathers of a sharded model is sent to the others
 (`broadcast_object_list` on a gloo group of its own, so it never interleaves with the
 training's collectives) and run by them as well, so every collective of it is matched:
 - a forward with the main process's inputs (as CPU tensors) and modules' train/eval modes,
   under no_grad, with the others' random state kept (`fork_rng`); its output is dropped;
+- a `generate` the same way, run from the main process's random state (so a sampled generation
+  takes the same path and as many forwards on every process), the others' own kept; the
+  forwards inside it are its own, never sent one by one. The engine's check comes before the
+  instance's `generate` (`watch_generate`), so before FSDP2 gathers the root's parameters for
+  the whole generation;
 - a gather of the whole weights (`Engine.get_state_dict`; the main process writes);
 - before each, the EMA calls the main process made since the barrier (diffusers' `EMAModel`
   `store`, `copy_to`, `restore` on a prepared model's parameters, `weights.ema`) are replayed:
@@ -36,18 +41,16 @@ some prepared model holds a shard (under ddp and zero1/2 nothing changes: a lone
 runs alone). Limits: the lone calls are told from the others' by what the others are at; when
 they are at the same kind of call (a no-grad forward of the same model), the main process's
 lone forward counts as theirs, as it did before. A lone call's other changes to the model on the
-main process (an in-place edit of its own parameters) are not mirrored, only the EMA calls. A
-lone `generate` of a transformers model is not served: FSDP2 gathers the root's parameters for
-the whole generation before its first forward, so it waits as before (run `generate` on every
-process; `strategies.direct_calls`).
+main process (an in-place edit of its own parameters) are not mirrored, only the EMA calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,6 +63,7 @@ from ..weights.ema import PreparedEMA
 
 _KEY = "shardwise/lone"
 _POLL_S = 0.002
+_WATCHED = "_shardwise_lone_generate"  # marks a generate `watch_generate` put on an instance
 
 
 class LoneCalls:
@@ -76,6 +80,7 @@ class LoneCalls:
         self.armed = False  # after a barrier, until this process's first event
         self.serving = False  # the main process: the others run its calls
         self.replaying = False  # another process: inside a call it serves
+        self.generating = 0  # inside a prepared model's generate (nested calls counted)
         self.journal: list[tuple[int, str, int]] = []  # main: (EMA, method, model) since the barrier
         self._calls: dict[str, int] = {}  # the main process: calls sent in this service, by kind
         self._group: dist.ProcessGroup | None = None
@@ -126,15 +131,39 @@ class LoneCalls:
         if (self.armed or self.serving) and dist.is_initialized():
             self.common("the end of the script")
 
-    def forward(self, module: nn.Module, args: Any, kwargs: Any) -> bool:
-        """A no-grad forward of a prepared model (the engine's forward hook): `maybe_alone` when a
-        rendezvous or a service is pending and the model is sharded; False (nothing read, no
-        parameter walked) otherwise, as in every evaluation loop with nothing pending."""
+    def forward(self, module: nn.Module, args: Any, kwargs: Any, kind: str = "forward") -> bool:
+        """A no-grad forward (the engine's forward hook) or a `generate` (`kind`) of a prepared
+        model: `maybe_alone` when a rendezvous or a service is pending and the model is sharded;
+        False (nothing read, no parameter walked) otherwise, as in every evaluation loop with
+        nothing pending. A forward inside a generate the others run too is decided (True)."""
         if not (self.armed or self.serving or self.replaying) or not self.sharded(module):
             return False
+        if kind == "forward" and self.generating and self.serving:
+            return True  # (the main process: inside its generate, which the others run)
         index = self.index(module)
+        event = "a no-grad forward" if kind == "forward" else "a generate"
         return index is not None and self.maybe_alone(
-            f"a no-grad forward of model {index}", lambda: self.forward_command(module, args, kwargs))
+            f"{event} of model {index}", lambda: self.forward_command(module, args, kwargs, kind))
+
+    def watch_generate(self, target: nn.Module, before: Callable[[Any, Any], None]) -> None:
+        """Put `before(args, kwargs)` (the engine's checks) ahead of `target`'s own `generate`, the
+        instance's that the strategy set on a sharded model (`sync_generate`; FSDP2 gathers the
+        root in it, before any forward); nothing when it set none."""
+        generate = target.__dict__.get("generate")
+        if not callable(generate) or getattr(generate, _WATCHED, False):
+            return
+
+        @functools.wraps(generate)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            before(args, kwargs)
+            self.generating += 1
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.generating -= 1
+
+        setattr(watched, _WATCHED, True)
+        target.__dict__["generate"] = watched
 
     def maybe_alone(self, event: str, command: Callable[[], tuple[Any, ...]]) -> bool:
         """A call the main process may make alone (a no-grad forward or a `save_pretrained` of a
@@ -177,11 +206,14 @@ class LoneCalls:
         if which and model:
             self.journal.append((which[0], method, model[0]))
 
-    def forward_command(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:
-        """What the others run for the main process's forward of `module` (a prepared model)."""
+    def forward_command(self, module: nn.Module, args: Any, kwargs: Any,
+                        kind: str = "forward") -> tuple[Any, ...]:
+        """What the others run for the main process's forward or generate (`kind`) of `module` (a
+        prepared model): its inputs, its modules' modes and, for a generate, its random state."""
         cpu = _moved((args, kwargs), lambda t: t.detach().cpu())
         modes = [m.training for m in module.modules()]
-        return ("forward", self.index(module), cpu, modes)  # (a prepared model: `index` is known)
+        rng = _rng_state(self.info.device) if kind == "generate" else None
+        return (kind, self.index(module), cpu, modes, rng)  # (a prepared model: `index` is known)
 
     @staticmethod
     def sharded(module: nn.Module) -> bool:
@@ -232,10 +264,9 @@ class LoneCalls:
             self._calls[command[0]] = self._calls.get(command[0], 0) + 1
 
     def _counts(self) -> str:
-        forwards, gathers = self._calls.get("forward", 0), self._calls.get("gather", 0)
-        said = [f"{forwards} no-grad forward(s)" if forwards else "",
-                f"{gathers} save_pretrained gather(s)" if gathers else ""]
-        return " and ".join(x for x in said if x)
+        names = {"generate": "generate(s)", "forward": "no-grad forward(s)",
+                 "gather": "save_pretrained gather(s)"}
+        return " and ".join(f"{self._calls[k]} {name}" for k, name in names.items() if self._calls.get(k))
 
     def _serve(self) -> None:
         """Another process: run the main process's calls until it says "done"."""
@@ -262,7 +293,7 @@ class LoneCalls:
         if command[0] == "gather":
             self.gather(model)
             return
-        _, _, (args, kwargs), modes = command
+        kind, _, (args, kwargs), modes, rng = command
         device = self.info.device
         args, kwargs = _moved((args, kwargs), lambda t: t.to(device))
         modules = list(model.modules())
@@ -272,10 +303,26 @@ class LoneCalls:
         devices = [device] if device.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                model(*args, **kwargs)
+                if kind == "generate":
+                    _set_rng_state(rng, device)  # the main process's: the same samples, as many forwards
+                    cast(Callable[..., Any], self.unwrap(model).generate)(*args, **kwargs)
+                else:
+                    model(*args, **kwargs)
         finally:
             for m, mode in zip(modules, before):
                 m.training = mode
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state and, on a GPU, the device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    cpu, gpu = state
+    torch.set_rng_state(cpu)
+    if gpu is not None:
+        torch.cuda.set_rng_state(gpu, device)
 
 
 def _moved(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -32,7 +32,7 @@ class MemoryReport:
         staging = f", checkpoint staging {self.staging / mib:.2f} MiB" if self.staging else ""
         return (
             f"params {self.params / mib:.2f} MiB, grads {self.grads / mib:.2f} MiB, "
-            f"optimizer {self.optimizer / mib:.2f} MiB{staging} (on host: {self.host / mib:.2f} MiB)"
+            f"optimizer {self.optimizer / mib:.2f} MiB{staging}; {self.host / mib:.2f} MiB of it on the host"
         )
 
 
