@@ -16,11 +16,13 @@ One run makes, in order:
 5. (a launched script) the main process's `save_pretrained` alone after `wait_for_everyone()`, at
    the end of a script that never calls `end_training()`: the other process serves it at its
    interpreter's exit.
-6. a transformers GPT-2: one training step, `wait_for_everyone()`, then the main process alone
-   runs a sampled `generate` (seeded) and a greedy one, and a no-grad forward, while the other
-   process is at a `gather`: served (the other runs each generate from the main process's random
-   state, its own kept), the tokens are the plain model's, token for token, and the next
-   training step and the weights are the plain run's.
+6. (the Accelerator) a transformers GPT-2: one training step, `wait_for_everyone()`, then the
+   main process alone runs a sampled `generate` (seeded) and a greedy one, and a no-grad
+   forward, while the other process is at a `gather`: served (the other runs each generate from
+   the main process's random state, its own kept), the tokens are the plain model's, token for
+   token, and the next training step and the weights are the plain run's; then a lone
+   `generate` with no barrier before it, while the other process waits at the next barrier:
+   refused in one line within seconds, not hung.
 A lone forward with no barrier before it stays refused in one line (`test_accelerate_diffusers`).
 """
 
@@ -182,29 +184,38 @@ def _generate_run() -> dict[str, Any]:
 
     import shardwise
 
-    engine = shardwise.Engine(strategy="zero3", cpu=True, seed=W.SEED, collective_timeout_s=30)
+    acc = shardwise.Accelerator(cpu=True, strategy="zero3", seed=W.SEED, collective_timeout_s=30)
     model = W.build("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = engine.prepare(model, opt)
-    data, rank, main = W.Tokens(5).data, engine.process_index, engine.is_main_process
+    model, opt = acc.prepare(model, opt)
+    data, rank, main = W.Tokens(5).data, acc.process_index, acc.is_main_process
     out: dict[str, Any] = {"losses": []}
 
     def train(i: int) -> None:
         loss = W.lm_loss(model, data[2 * i + rank:2 * i + rank + 1])
-        engine.backward(loss)
+        acc.backward(loss)
         opt.step()
         opt.zero_grad()
-        out["losses"].append(engine.reduce(loss.detach(), "mean").item())
+        out["losses"].append(acc.reduce(loss.detach(), "mean").item())
 
     train(0)
     rng = torch.get_rng_state()
-    engine.wait_for_everyone()
+    acc.wait_for_everyone()
     if main:  # alone: the other process is at the gather below
-        out.update(_generations(model, engine.unwrap_model(model), data[-1:, :4]))
-    out["gathered"] = engine.gather(torch.tensor([rank])).tolist()
+        out.update(_generations(model, acc.unwrap_model(model), data[-1:, :4]))
+    out["gathered"] = acc.gather(torch.tensor([rank])).tolist()
     out["rng_kept"] = torch.equal(rng, torch.get_rng_state())
     train(1)
-    out["weights"] = engine.get_state_dict(model)
+    if main:  # alone with no barrier before it: refused in one line, not hung
+        start = time.monotonic()
+        try:
+            model.generate(data[-1:, :4], max_new_tokens=2, pad_token_id=0)
+            out["unsettled"] = "ran"
+        except RuntimeError as err:
+            out["unsettled"] = str(err)
+        out["unsettled_s"] = time.monotonic() - start
+    acc.wait_for_everyone()
+    out["weights"] = acc.get_state_dict(model)
     return out
 
 
@@ -249,6 +260,8 @@ def check_generate_served(fn: Any) -> None:
     assert main["sampled"].shape == (1, 8) and torch.equal(main["sampled"], plain["sampled"]), \
         (main["sampled"], plain["sampled"])
     assert torch.equal(main["greedy"], plain["greedy"]), (main["greedy"], plain["greedy"])
+    assert main["unsettled"].startswith("a forward of the sharded GPT2LMHeadModel ran on one process alone") \
+        and "\n" not in main["unsettled"] and main["unsettled_s"] < 10, main["unsettled"]
     torch.testing.assert_close(main["logits"], plain["logits"], rtol=1e-5, atol=1e-5)
     for run in runs:
         for a, b in zip(run["losses"], plain["losses"], strict=True):
