@@ -1012,6 +1012,17 @@ def _flat_key_overrides_section() -> None:
     _patch(tree, "_default_of", lambda cls, name: _AnyValue())
 
 
+@fault("refusal_names_one_spelling", row="one config tree: sections and flat keys",
+       test="tests/test_config.py::test_a_refusal_naming_the_other_spelling_is_caught")
+def _refusal_names_one_spelling() -> None:
+    """A refusal names the setting as its check does (a flat key, or a type error's section
+    path), whichever spelling the file or the keywords used."""
+    from shardwise.config import files, tree
+
+    for module in (files, tree):
+        _patch(module, "as_written", lambda message, spelled: message)
+
+
 @fault("clip_bound_unchecked", row="careless calls: `clip_grad_norm_(ps, -1.0)`",
        test="tests/test_errors.py::test_a_clip_bound_left_unchecked_is_caught")
 def _clip_bound_unchecked() -> None:

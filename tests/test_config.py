@@ -178,6 +178,48 @@ def test_a_flat_key_overriding_its_section_is_caught() -> None:
     check_one_tree()  # undone: the disagreement is refused again
 
 
+# (a setting, as a file or `Engine(...)` spells it; what the refusal must begin with)
+AS_WRITTEN = [
+    ({"checkpointing": {"every_steps": 0}}, "checkpointing.every_steps=0 must be an integer >= 1"),
+    ({"checkpoint_every_steps": 0}, "checkpoint_every_steps=0 must be an integer >= 1"),
+    ({"training": {"grad_accum_steps": 0}}, "training.grad_accum_steps=0 must be an integer >= 1"),
+    ({"training": {"cpu": "maybe"}}, "training.cpu: expected a valid boolean"),
+    ({"cpu": "maybe"}, "cpu: expected a valid boolean"),
+    ({"sharding": {"strategy": "zero4"}}, "sharding.strategy"),
+    ({"strategy": "zero4"}, "strategy"),
+    ({"parallelism": {"tp": 0}}, "parallelism.tp=0 must be an integer >= 1"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be an integer >= 1"),
+    ({"launch": {"nnodes": 2}}, "unknown key 'launch.nnodes' (did you mean 'num_nodes'?)"),
+]
+
+
+def check_refusals_as_written(folder: Path) -> None:
+    """Each refusal names the setting as it was written: a file's (after the file's name) and
+    `EngineConfig.of`'s keywords (`Engine(...)`'s; no type coercion there, so only the name)."""
+    import yaml
+
+    for i, (data, want) in enumerate(AS_WRITTEN):
+        path = folder / f"bad{i}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert str(err.value).startswith(f"{path}: {want}"), (data, str(err.value))
+        with pytest.raises(ConfigError) as err:
+            EngineConfig.of(**data)
+        name, said = want.split(":")[0].split("=")[0], str(err.value)
+        after = said[len(name):len(name) + 1]
+        assert said.startswith(name) and not (after.isalnum() or after in "._"), (data, said)
+
+
+def test_a_refusal_names_the_setting_as_it_was_written(tmp_path: Path) -> None:
+    check_refusals_as_written(tmp_path)
+
+
+def test_a_refusal_naming_the_other_spelling_is_caught(tmp_path: Path) -> None:
+    with planted_here("refusal_names_one_spelling"):
+        caught(check_refusals_as_written, tmp_path)
+
+
 def test_missing_script_is_named(no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["launch", "--nproc-per-node", "2", "nope.py"]) == 2
     assert "training script 'nope.py' not found" in capsys.readouterr().err and not no_torchrun

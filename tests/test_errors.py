@@ -30,6 +30,8 @@ from shardwise.strategies.precision import check_device_supports
         ({"mixed_precision": "fp8"}, ["mixed_precision='fp8'", "no, bf16, fp16"]),
         ({"collective_timeout_s": 0.05}, ["collective_timeout_s=0.05 is too short", "at least 5"]),
         ({"resume": "yes"}, ["resume='yes' is not valid", "auto, required, never"]),
+        ({"progress": "yes"}, ["progress='yes' must be true, false or None"]),
+        ({"training": {"grad_accum_steps": 0}}, ["training.grad_accum_steps=0 must be an integer >= 1"]),
     ],
 )
 def test_bad_engine_settings(kwargs: dict, needles: list[str]) -> None:

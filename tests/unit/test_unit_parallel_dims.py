@@ -132,7 +132,7 @@ def test_the_section_and_the_flat_keys_resolve_to_one_layout(config: dict, sizes
     ({"parallelism": {"dp_shard": -1, "dp_replicate": -1}}, "both ask for the rest"),
     ({"parallelism": {"cp": 0}}, "parallelism.cp=0 must be an integer >= 1"),
     ({"parallelism": {"tp": -1}}, "parallelism.tp=-1 must be an integer >= 1"),
-    ({"parallelism": {"pp": 2}}, "unexpected keyword argument 'pp'"),
+    ({"parallelism": {"pp": 2}}, "unknown key 'parallelism.pp'"),
 ])
 def test_bad_sizes_are_refused_at_construction(config: dict, message: str) -> None:
     from shardwise.config import EngineConfig

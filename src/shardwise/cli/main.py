@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from ..config.batch import check_train_batch
 from ..config.docs import field_docs
-from ..config.files import build, load_layers, merge, read_file, to_yaml, write_yaml
+from ..config.files import build, load_layers, merge, read_file, to_yaml, write_yaml, written_flat
 from ..config.parallelism import DIMS
 from ..config.tree import FLAT_KEYS, ConfigError, EngineConfig, LaunchConfig, ParallelismConfig
 from .env import environment, run_env
@@ -146,7 +146,7 @@ def resolve(ns: argparse.Namespace, extra: dict[str, Any] | None = None) -> tupl
     path = _config_path(ns)
     flags = merge(_flag_settings(ns), extra or {})
     data, dropped = load_layers(path, flags)
-    return build(data, path or "flags"), dropped
+    return build(data, path or "flags", written_flat(path, flags)), dropped
 
 
 # -- launch -----------------------------------------------------------------------------------

@@ -141,7 +141,10 @@ def config_reference() -> str:
     for name, cls in SECTIONS:
         lines += _section(name, cls)
     lines += ["## Flat keys", "", "Each flat key is another spelling of one section's field; a file or",
-              "`Engine(...)` may use either (a setting given both ways must agree).", "",
+              "`Engine(...)` may use either (a setting given both ways must agree). A refusal names the",
+              "setting as it was written: `checkpointing: {every_steps: 0}` is refused as",
+              "`checkpointing.every_steps=0 must be ...`, `checkpoint_every_steps: 0` as",
+              "`checkpoint_every_steps=0 must be ...`.", "",
               "| flat key | is |", "|---|---|"]
     lines += [f"| `{key}` | `{section}.{name}` |" for key, (section, name) in FLAT_KEYS.items()]
     return "\n".join(lines).rstrip("\n") + "\n"

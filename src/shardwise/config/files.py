@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from .tree import FLAT_KEYS, ConfigError, EngineConfig, nest, suggest
+from .tree import FLAT_KEYS, ConfigError, EngineConfig, as_written, flat_spellings, nest, suggest
 
 
 def field_names(cls: type) -> list[str]:
@@ -112,16 +112,30 @@ def _all_config_classes() -> list[type]:
     return out
 
 
-def build(data: Mapping[str, Any], source: str = "config") -> EngineConfig:
-    """Validate settings (sections, flat keys or both) into an `EngineConfig`."""
+def build(data: Mapping[str, Any], source: str = "config",
+          spelled: Mapping[tuple[str, str], str] | None = None) -> EngineConfig:
+    """Validate settings (sections, flat keys or both) into an `EngineConfig`. A refusal names
+    the setting as it was written: by its flat key where `spelled` (`written_flat`; default: the
+    flat keys in `data`) holds it, else by its section's path."""
+    spelled = flat_spellings(data) if spelled is None else spelled
     data = nest(data, source)
     check_keys(data, EngineConfig, source)
     try:
         return _adapter().validate_python(dict(data))
     except ValidationError as err:
-        raise ConfigError(f"{source}: {_describe([dict(e) for e in err.errors()])}") from None
+        said = _describe([dict(e) for e in err.errors()])
+        raise ConfigError(f"{source}: {as_written(said, spelled)}") from None
     except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
+        raise ConfigError(f"{source}: {as_written(str(err), spelled)}") from None
+
+
+def written_flat(path: str | Path | None, flags: Mapping[str, Any] | None) -> dict[tuple[str, str], str]:
+    """The settings a shardwise file and flags give by their flat keys (`flat_spellings`):
+    `load_layers` nests them, so `build` is told."""
+    raw = read_file(path) if path is not None else {}
+    if looks_like_deepspeed(raw) or looks_like_accelerate(raw):
+        raw = {}  # (translated: no key of these was written as ours)
+    return {**flat_spellings(raw), **flat_spellings(flags or {})}
 
 
 def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -189,7 +203,7 @@ def load_layers(
 def load_config(path: str | Path | None, flags: Mapping[str, Any] | None = None) -> EngineConfig:
     """Defaults < DeepSpeed JSON < file < flags, validated."""
     data, _ = load_layers(path, flags)
-    return build(data, str(path) if path is not None else "flags")
+    return build(data, str(path) if path is not None else "flags", written_flat(path, flags))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ fill this tree (see `config.files`); precedence is defaults < file < flags < `En
 from __future__ import annotations
 
 import difflib
+import re
 import signal
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -445,7 +446,11 @@ class EngineConfig:
     def of(cls, **keys: Any) -> EngineConfig:
         """A config from keywords in either spelling: sections (`sharding={"strategy": "zero3"}`)
         or flat keys (`strategy="zero3"`); an unknown keyword is refused with the closest name."""
-        return cls(**nest(keys, "", what="setting"))
+        nested = nest(keys, "", what="setting")  # (its refusals name what they were given)
+        try:
+            return cls(**nested)
+        except ConfigError as err:
+            raise ConfigError(as_written(str(err), flat_spellings(keys))) from None
 
     def with_keys(self, **keys: Any) -> EngineConfig:
         """A copy with the settings `keys` (flat keys, as `of` takes them) changed, checked again."""
@@ -471,6 +476,11 @@ class EngineConfig:
         for name, cls in _SECTION_TYPES.items():  # sections given as mappings (a file's, a keyword's)
             value = getattr(self, name)
             if isinstance(value, Mapping):
+                valid = [f.name for f in fields(cls)]
+                for key in value:
+                    if key not in valid:
+                        raise ConfigError(f"unknown key '{name}.{key}'{suggest(str(key), valid)}; valid keys "
+                                          f"in {name}: {', '.join(valid)}")
                 setattr(self, name, cls(**value))
             elif value is not None and not isinstance(value, cls):
                 raise ConfigError(f"{name}={value!r} must be a mapping of its settings ({cls.__name__})")
@@ -578,7 +588,10 @@ def nest(data: Mapping[str, Any], source: str = "config", *, what: str = "key") 
     for key, value in flat:
         section_name, name = FLAT_KEYS[key]
         if section_name == "parallelism" and name in ("tp", "cp", "ep"):  # (named as the user spelled it)
-            _int_at_least_1(key, value, what="")
+            try:
+                _int_at_least_1(key, value, what="")
+            except ConfigError as err:
+                raise ConfigError(f"{source + ': ' if source else ''}{err}") from None
         given = out.get(section_name)
         section = {} if given is None else _as_mapping(given)
         default = _default_of(_SECTION_TYPES[section_name], name)
@@ -589,6 +602,28 @@ def nest(data: Mapping[str, Any], source: str = "config", *, what: str = "key") 
                               f"{key}={value!r} disagree; set one of them")
         out[section_name] = section
     return out
+
+
+def flat_spellings(data: Mapping[str, Any]) -> dict[tuple[str, str], str]:
+    """The settings `data` gives by their flat keys: (section, field) -> the key."""
+    return {FLAT_KEYS[key]: key for key in data if key in FLAT_KEYS}
+
+
+def as_written(message: str, spelled: Mapping[tuple[str, str], str]) -> str:
+    """A refusal that begins with the setting it refuses, by its flat key (a check's
+    `checkpoint_every_steps=0 must be ...`) or by its section's path (a type error's
+    `training.cpu: expected ...`), with that setting named as it was written: by the flat key
+    when `spelled` (`flat_spellings`) holds it, else by its section's path."""
+    head = re.match(r"([a-z_]+)(?:\.([a-z_]+))?(?=[=:])", message)
+    if head is None:
+        return message
+    if head[2] is None and head[1] in FLAT_KEYS:
+        section, name = FLAT_KEYS[head[1]]
+    elif head[1] in _SECTION_TYPES and head[2] is not None:
+        section, name = head[1], head[2]
+    else:
+        return message
+    return spelled.get((section, name), f"{section}.{name}") + message[len(head[0]):]
 
 
 def _default_of(cls: type, name: str) -> Any:
@@ -651,6 +686,8 @@ def _check_training(t: TrainingConfig) -> None:
     accum = t.grad_accum_steps
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ConfigError(f"grad_accum_steps={t.grad_accum_steps!r} must be an integer >= 1")
+    if not isinstance(t.cpu, bool):
+        raise ConfigError(f"cpu={t.cpu!r} must be true or false")
     if t.seed is not None and (isinstance(t.seed, bool) or not isinstance(t.seed, int)):
         raise ConfigError(f"seed={t.seed!r} must be an integer (or None: the engine seeds nothing)")
     if t.max_grad_norm is not None:
@@ -680,6 +717,9 @@ def _check_observation(o: ObservationConfig) -> None:
         o.log_with = check_log_with(o.log_with)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if o.progress is not None and not isinstance(o.progress, bool):
+        raise ConfigError(f"progress={o.progress!r} must be true, false or None (a bar when the output is a "
+                          "terminal)")
     every = o.log_every_steps
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ConfigError(f"log_every_steps={every!r} must be an integer >= 0 (0: no records)")
