@@ -16,18 +16,19 @@ One run makes, in order:
 5. (a launched script) the main process's `save_pretrained` alone after `wait_for_everyone()`, at
    the end of a script that never calls `end_training()`: the other process serves it at its
    interpreter's exit.
-6. (the Accelerator) a transformers GPT-2: one training step, `wait_for_everyone()`, then the
-   main process alone runs a sampled `generate` (seeded) and a greedy one, and a no-grad
-   forward, while the other process is at a `gather`: served (the other runs each generate from
-   the main process's random state, its own kept), the tokens are the plain model's, token for
-   token, and the next training step and the weights are the plain run's; then a lone
-   `generate` with no barrier before it, while the other process waits at the next barrier:
-   refused in one line within seconds, not hung.
+6. (the Accelerator, zero3 on each backend: FSDP2 and DeepSpeed ZeRO-3) a transformers GPT-2:
+   one training step, `wait_for_everyone()`, then the main process alone runs a sampled
+   `generate` (seeded) and a greedy one, and a no-grad forward, while the other process is at a
+   `gather`: served (the other runs each generate from the main process's random state, its own
+   kept), the tokens are the plain model's, token for token, and the next training step and the
+   weights are the plain run's; then a lone `generate` with no barrier before it, while the
+   other process waits at the next barrier: refused in one line within seconds, not hung.
 A lone forward with no barrier before it stays refused in one line (`test_accelerate_diffusers`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -179,12 +180,13 @@ def test_a_lone_save_pretrained_at_the_end_of_a_script_is_served_at_its_exit(tmp
         assert torch.equal(saved[name], tensor), name
 
 
-def _generate_run() -> dict[str, Any]:
+def _generate_run(backend: str) -> dict[str, Any]:
     import workloads as W
 
     import shardwise
 
-    acc = shardwise.Accelerator(cpu=True, strategy="zero3", seed=W.SEED, collective_timeout_s=30)
+    acc = shardwise.Accelerator(cpu=True, strategy="zero3", backend=backend, seed=W.SEED,
+                                collective_timeout_s=30)
     model = W.build("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = acc.prepare(model, opt)
@@ -271,12 +273,16 @@ def check_generate_served(fn: Any) -> None:
         assert worst <= 2e-5, f"{name}: {worst:.2e} from the plain run's"
 
 
-def test_a_lone_generate_after_a_barrier_is_served() -> None:
-    check_generate_served(_generate_run)
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_a_lone_generate_after_a_barrier_is_served(backend: str) -> None:
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    check_generate_served(functools.partial(_generate_run, backend))
 
 
 def test_planted_lone_generate_unwatched_is_caught() -> None:
     """`lone_generate_unwatched`: the engine's check is not put before the model's generate, so
     FSDP2 gathers the root on the main process alone: the other process, waiting for the main
     process's word, gives up after the collective timeout (30 s here), and the run fails."""
-    caught(check_generate_served, planted(_generate_run, "lone_generate_unwatched"))
+    run = functools.partial(_generate_run, "torch")
+    caught(check_generate_served, planted(run, "lone_generate_unwatched"))

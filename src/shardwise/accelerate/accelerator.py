@@ -36,7 +36,7 @@ from ..checkpoint import runlock
 from ..checkpoint.naming import NumberedFolders, prune_checkpoints
 from ..checkpoint.sharded import rng_state, save_rng_after_hooks
 from ..config.tree import ConfigError, EngineConfig
-from ..distributed.internals import flatten_mesh
+from ..distributed.internals import flatten_mesh, holds_partitions
 from ..engine.data import PreparedDataLoader
 from ..engine.engine import Engine
 from ..engine.loop_rules import LoopRules
@@ -346,13 +346,15 @@ class Accelerator(ProcessHelpers):
         self.engine.set_rules(self._rules())
         out = self.engine.prepare(*objects)
         for obj in out if isinstance(out, tuple) else (out,):
-            if isinstance(obj, nn.Module) and isinstance(obj, FSDPModule) and self.num_processes > 1 \
-                    and not hasattr(obj, "_shardwise_solo"):
-                # read by the engine's forward hook, before FSDP's all-gather, for a no-grad forward
+            sharded = isinstance(obj, FSDPModule) or (isinstance(obj, nn.Module) and holds_partitions(obj))
+            if sharded and self.num_processes > 1 and not hasattr(obj, "_shardwise_solo"):
+                # read by the engine's forward hook, before the all-gathers (FSDP2's, DeepSpeed
+                # ZeRO-3's), for a no-grad forward
                 # that no wait_for_everyone() rendezvous settled (`engine.lone`)
                 check = SoloForwardCheck(self.num_processes, self.is_main_process,
                                          self.config.supervision.collective_timeout_s, lambda: self.step,
-                                         self.engine.others_moved_on)
+                                         self.engine.others_moved_on,
+                                         type(self.unwrap_model(obj)).__name__.removeprefix("FSDP"))
                 object.__setattr__(obj, "_shardwise_solo", check)
         return out
 

@@ -98,8 +98,8 @@ class SoloForwardCheck:
     construction and never come here."""
 
     def __init__(self, world: int, is_main: bool, wait_s: float, step: Callable[[], int],
-                 moved_on: Callable[[], bool]) -> None:
-        self.world, self.is_main, self.wait_s = world, is_main, wait_s
+                 moved_on: Callable[[], bool], noun: str) -> None:
+        self.world, self.is_main, self.wait_s, self.noun = world, is_main, wait_s, noun
         self.step, self.moved_on = step, moved_on
         self.calls: dict[int, int] = {}
 
@@ -109,7 +109,7 @@ class SoloForwardCheck:
         if not arrived_together(self.calls, "forward", self.step(), self.world, self.is_main, self.wait_s,
                                 self.moved_on):
             raise RuntimeError(
-                f"a forward of the sharded {type(module).__name__.removeprefix('FSDP')} ran on one process "
+                f"a forward of the sharded {self.noun} ran on one process "
                 "alone: its parameters are sharded across processes and gathered by all of them; call "
                 "accelerator.wait_for_everyone() on every process first (the others then run its forwards "
                 "with it), run it on every process, or use a full "

@@ -60,6 +60,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup, Store
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
@@ -74,8 +75,8 @@ Hook = Callable[..., Any]
 
 __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "ddp_ignore", "default_store", "dynamo_graphs",
-    "graph_break_error",
-    "is_fake", "is_sharded", "is_strided", "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
+    "graph_break_error", "holds_partitions", "holds_shards", "is_fake", "is_sharded", "is_strided",
+    "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
     "member_groups", "no_grad_trunc_normal", "one_block_placements", "shard_box", "step_post_hooks",
     "step_pre_hooks", "storage_ref", "strided_shard", "terminate_handler", "tree_map", "version_of",
     "view_base",
@@ -91,6 +92,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def is_sharded(t: torch.Tensor) -> bool:
     """`t` is a DTensor (or DeepSpeed-partitioned tensor is asked elsewhere): a shard of a whole."""
     return isinstance(t, DTensor)
+
+
+def holds_shards(module: nn.Module) -> bool:
+    """Some parameter of `module` is held in part by each process, so its forward is a collective:
+    a DTensor (FSDP2, tensor parallelism) or a DeepSpeed ZeRO-3 parameter (`holds_partitions`)."""
+    return any(isinstance(p, DTensor) for p in module.parameters()) or holds_partitions(module)
+
+
+def holds_partitions(module: nn.Module) -> bool:
+    """Some parameter of `module` is DeepSpeed ZeRO-3's (its partition `ds_tensor` beside it)."""
+    return any(hasattr(p, "ds_tensor") for p in module.parameters())
 
 
 def shard_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -3,9 +3,9 @@
 diffusers' `train_unconditional.py`, like many scripts written for Accelerate, ends each epoch
 with `accelerator.wait_for_everyone()` and then, under `if accelerator.is_main_process:`, swaps
 its EMA weights into the model, samples with it and saves it. On a model whose parameters are
-sharded across processes (zero3, hybrid) every forward all-gathers each layer from every
-process, and `save_pretrained` gathers the weights: alone, the main process would wait for the
-others forever. Here the others serve those calls.
+sharded across processes (zero3 on either backend, hybrid) every forward all-gathers each layer
+from every process, and `save_pretrained` gathers the weights: alone, the main process would
+wait for the others forever. Here the others serve those calls.
 
 **The rendezvous.** After each `wait_for_everyone()` barrier, every process's next call of a
 kind that involves the others (its "event": a pass of a prepared DataLoader, a step boundary, a
@@ -37,11 +37,12 @@ At its next event the others make too, the main process sends "done" (after its 
 calls, a `restore`) and every process goes on with that event.
 
 Cost: one store round trip per process at the first event after each barrier, and only while
-some prepared model holds a shard (under ddp and zero1/2 nothing changes: a lone call there
-runs alone). Limits: the lone calls are told from the others' by what the others are at; when
-they are at the same kind of call (a no-grad forward of the same model), the main process's
-lone forward counts as theirs, as it did before. A lone call's other changes to the model on the
-main process (an in-place edit of its own parameters) are not mirrored, only the EMA calls.
+some prepared model holds a shard (`holds_shards`: FSDP2's or DeepSpeed ZeRO-3's; under ddp and
+zero1/2 nothing changes: a lone call there runs alone). Limits: the lone calls are told from
+the others' by what the others are at; when they are at the same kind of call (a no-grad
+forward of the same model), the main process's lone forward counts as theirs, as it did before.
+A lone call's other changes to the model on the main process (an in-place edit of its own
+parameters) are not mirrored, only the EMA calls.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.internals import default_store, is_sharded
+from ..distributed.internals import default_store, holds_shards
 from ..distributed.world import DistInfo, new_background_group
 from ..runtime.supervision import say
 from ..weights.ema import PreparedEMA
@@ -218,8 +219,8 @@ class LoneCalls:
     @staticmethod
     def sharded(module: nn.Module) -> bool:
         """Some parameter of `module` (a prepared model) is held in part by each process, so a
-        forward of it is a collective."""
-        return any(is_sharded(p) for p in module.parameters())
+        forward of it is a collective (FSDP2's or DeepSpeed ZeRO-3's)."""
+        return holds_shards(module)
 
     def index(self, module: nn.Module) -> int | None:
         """`module`'s place among the prepared models (None: not one of them, e.g. after
