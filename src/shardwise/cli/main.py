@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from ..config.batch import check_train_batch
 from ..config.docs import field_docs
-from ..config.files import build, load_layers, merge, read_file, to_yaml, write_yaml, written_flat
+from ..config.files import build, load_layers, merge, read_file, to_yaml, write_yaml
 from ..config.parallelism import DIMS
 from ..config.tree import FLAT_KEYS, ConfigError, EngineConfig, LaunchConfig, ParallelismConfig
 from .env import environment, run_env
@@ -145,8 +145,8 @@ def resolve(ns: argparse.Namespace, extra: dict[str, Any] | None = None) -> tupl
     """Defaults < DeepSpeed JSON < config file < flags; validated."""
     path = _config_path(ns)
     flags = merge(_flag_settings(ns), extra or {})
-    data, dropped = load_layers(path, flags)
-    return build(data, path or "flags", written_flat(path, flags)), dropped
+    data, dropped, spelled = load_layers(path, flags)
+    return build(data, path or "flags", spelled), dropped
 
 
 # -- launch -----------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _scheduler_settings(ns: argparse.Namespace,
     if scheduler is None:
         return None, {}
     path = _config_path(ns)
-    from_file = load_layers(path)[0].get("launch", {}) if path else {}
+    from_file = load_layers(path).data.get("launch", {}) if path else {}
     explicit = {**(from_file if isinstance(from_file, dict) else {}),
                 **_flag_settings(ns).get("launch", {}), **folded}
     return scheduler, derive(scheduler, explicit)

@@ -12,12 +12,12 @@ import json
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from .tree import FLAT_KEYS, ConfigError, EngineConfig, as_written, flat_spellings, nest, suggest
+from .tree import FLAT_KEYS, ConfigError, EngineConfig, as_written, flat_spellings, nest, unknown_key
 
 
 def field_names(cls: type) -> list[str]:
@@ -77,10 +77,7 @@ def check_keys(data: Mapping[str, Any], cls: type, source: str, prefix: str = ""
     valid = field_names(cls)
     for key, value in data.items():
         if key not in valid:
-            raise ConfigError(
-                f"{source}: unknown key '{prefix}{key}'{suggest(str(key), valid)}; "
-                f"valid keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(valid)}"
-            )
+            raise ConfigError(f"{source}: {unknown_key(str(key), valid, prefix)}")
         sub = _dataclass_of(hints[key])
         if sub is not None and isinstance(value, Mapping):
             check_keys(value, sub, source, f"{prefix}{key}.")
@@ -115,8 +112,8 @@ def _all_config_classes() -> list[type]:
 def build(data: Mapping[str, Any], source: str = "config",
           spelled: Mapping[tuple[str, str], str] | None = None) -> EngineConfig:
     """Validate settings (sections, flat keys or both) into an `EngineConfig`. A refusal names
-    the setting as it was written: by its flat key where `spelled` (`written_flat`; default: the
-    flat keys in `data`) holds it, else by its section's path."""
+    the setting as it was written: by its flat key where `spelled` (`Layers.spelled`; default:
+    the flat keys in `data`) holds it, else by its section's path."""
     spelled = flat_spellings(data) if spelled is None else spelled
     data = nest(data, source)
     check_keys(data, EngineConfig, source)
@@ -127,15 +124,6 @@ def build(data: Mapping[str, Any], source: str = "config",
         raise ConfigError(f"{source}: {as_written(said, spelled)}") from None
     except ConfigError as err:
         raise ConfigError(f"{source}: {as_written(str(err), spelled)}") from None
-
-
-def written_flat(path: str | Path | None, flags: Mapping[str, Any] | None) -> dict[tuple[str, str], str]:
-    """The settings a shardwise file and flags give by their flat keys (`flat_spellings`):
-    `load_layers` nests them, so `build` is told."""
-    raw = read_file(path) if path is not None else {}
-    if looks_like_deepspeed(raw) or looks_like_accelerate(raw):
-        raw = {}  # (translated: no key of these was written as ours)
-    return {**flat_spellings(raw), **flat_spellings(flags or {})}
 
 
 def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -162,28 +150,37 @@ def looks_like_accelerate(data: Mapping[str, Any]) -> bool:
     return bool({"distributed_type", "compute_environment"} & set(data))
 
 
-def load_layers(
-    path: str | Path | None, flags: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any], list[str]]:
-    """The settings a file (and the DeepSpeed JSON it names) and flags give, unvalidated,
-    plus the DeepSpeed or Accelerate keys that have no equivalent here. The file may be a
-    shardwise YAML, a DeepSpeed JSON or an Accelerate YAML (translated as `shardwise config
-    --from-accelerate` translates it)."""
+class Layers(NamedTuple):
+    """What `load_layers` read: the settings (nested), the DeepSpeed or Accelerate keys that have
+    no equivalent here, and the settings the shardwise file and the flags gave by their flat keys
+    (`flat_spellings`: how `build` names them in a refusal)."""
+
+    data: dict[str, Any]
+    dropped: list[str]
+    spelled: dict[tuple[str, str], str]
+
+
+def load_layers(path: str | Path | None, flags: Mapping[str, Any] | None = None) -> Layers:
+    """The settings a file (and the DeepSpeed JSON it names) and flags give, unvalidated (see
+    `Layers`). The file may be a shardwise YAML, a DeepSpeed JSON or an Accelerate YAML
+    (translated as `shardwise config --from-accelerate` translates it)."""
     from .translate import from_accelerate, from_deepspeed
 
     data: dict[str, Any] = read_file(path) if path is not None else {}
     layered: dict[str, Any] = {}
     dropped: list[str] = []
+    spelled = flat_spellings(flags or {})  # (a translated file's keys were written as no one's)
     if path is not None and looks_like_accelerate(data):
         here = Path(path).parent
         data, dropped = from_accelerate(data, source=str(path), read_json=lambda p: read_file(
             p if Path(p).is_absolute() else here / p))
         data.pop("deepspeed_config", None)  # (its JSON is translated in already)
-        return merge(nest(data, str(path)), nest(flags or {}, "flags")), dropped
+        return Layers(merge(nest(data, str(path)), nest(flags or {}, "flags")), dropped, spelled)
     flags = nest(flags or {}, "flags")
     if path is not None and looks_like_deepspeed(data):  # a DeepSpeed JSON given as the config
         ds_path, data = str(path), {}
     else:
+        spelled = {**flat_spellings(data), **spelled}
         data = nest(data, str(path))
         if path is not None:
             check_keys(data, EngineConfig, str(path))
@@ -197,13 +194,13 @@ def load_layers(
         layered = nest({**layered, "deepspeed_config": str(ds_path)}, str(ds_path))
     layered = merge(layered, data)
     layered = merge(layered, flags)
-    return layered, dropped
+    return Layers(layered, dropped, spelled)
 
 
 def load_config(path: str | Path | None, flags: Mapping[str, Any] | None = None) -> EngineConfig:
     """Defaults < DeepSpeed JSON < file < flags, validated."""
-    data, _ = load_layers(path, flags)
-    return build(data, str(path) if path is not None else "flags", written_flat(path, flags))
+    data, _, spelled = load_layers(path, flags)
+    return build(data, str(path) if path is not None else "flags", spelled)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -245,7 +242,7 @@ def config_with_code(kwargs: dict[str, Any], path: str | Path | None) -> tuple[E
     top, and the keys where the two disagree. A resolved file holds every field; one still at
     its default was not set by anyone, so code changing it is no conflict (the launcher's own
     file would otherwise warn on every run)."""
-    data, _ = load_layers(path) if path else ({}, [])
+    data = load_layers(path).data if path else {}
     defaults = to_dict(EngineConfig())
     conflicts = []
     for k, v in kwargs.items():

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .parallelism import ConfigError
+
 
 @dataclass(frozen=True, slots=True)
 class OffloadSpec:
@@ -155,3 +157,31 @@ def check_log_with(log_with: Any) -> tuple[str, ...]:
             )
         names.append(name)
     return tuple(dict.fromkeys(names))
+
+
+def check_strategy(strategy: str, offload: str, backend: str) -> None:
+    """Refuse a strategy, offload and backend that do not go together (the table's rules)."""
+    if strategy == "auto":
+        if backend != "torch":
+            raise ConfigError(
+                f"strategy='auto' plans for the torch backend; with backend={backend!r} name the "
+                "strategy (zero1, zero2 or zero3), e.g. the one `shardwise plan` suggests"
+            )
+        return  # auto plans only among the plans with the offload given
+    spec = STRATEGY_TABLE[strategy]
+    if backend not in spec.backends:
+        names = [n for n, s in STRATEGY_TABLE.items() if backend in s.backends]
+        runs = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+        raise ConfigError(
+            f"strategy={strategy!r} is not run by backend={backend!r}; choose {runs} there, or "
+            f"backend={spec.backends[0]!r} for {strategy}"
+        )
+    if offload not in spec.offloads:
+        if offload == "params":
+            raise ConfigError(
+                f"offload='params' needs strategy='zero3' (got strategy={strategy!r}): only "
+                "stage 3 shards parameters. Use offload='optimizer' with zero1/zero2, or zero3."
+            )
+        raise ConfigError(
+            f"offload={offload!r} needs a sharded strategy (zero1, zero2 or zero3), got strategy={strategy!r}"
+        )

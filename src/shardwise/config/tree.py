@@ -38,6 +38,7 @@ from .specs import (
     StrategySpec as StrategySpec,
     backend_spec as backend_spec,
     check_log_with,
+    check_strategy as check_strategy,
     is_auto as is_auto,
     offload_spec as offload_spec,
     plan_choices as plan_choices,
@@ -64,40 +65,9 @@ MIN_COLLECTIVE_TIMEOUT_S = 5.0  # below it a healthy run's start-up or checkpoin
 
 
 
-def check_strategy(strategy: str, offload: str, backend: str) -> None:
-    """Refuse a strategy, offload and backend that do not go together (the table's rules)."""
-    if strategy == "auto":
-        if backend != "torch":
-            raise ConfigError(
-                f"strategy='auto' plans for the torch backend; with backend={backend!r} name the "
-                "strategy (zero1, zero2 or zero3), e.g. the one `shardwise plan` suggests"
-            )
-        return  # auto plans only among the plans with the offload given
-    spec = STRATEGY_TABLE[strategy]
-    if backend not in spec.backends:
-        names = [n for n, s in STRATEGY_TABLE.items() if backend in s.backends]
-        runs = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
-        raise ConfigError(
-            f"strategy={strategy!r} is not run by backend={backend!r}; choose {runs} there, or "
-            f"backend={spec.backends[0]!r} for {strategy}"
-        )
-    if offload not in spec.offloads:
-        if offload == "params":
-            raise ConfigError(
-                f"offload='params' needs strategy='zero3' (got strategy={strategy!r}): only "
-                "stage 3 shards parameters. Use offload='optimizer' with zero1/zero2, or zero3."
-            )
-        raise ConfigError(
-            f"offload={offload!r} needs a sharded strategy (zero1, zero2 or zero3), got strategy={strategy!r}"
-        )
-
-
 def _choice(field_name: str, value: object, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
-        hint = ""
-        if isinstance(value, str):
-            close = difflib.get_close_matches(value, choices, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = suggest(value, list(choices), cutoff=0.6) if isinstance(value, str) else ""
         raise ConfigError(
             f"{field_name}={value!r} is not valid{hint}; choose one of: {', '.join(choices)}"
         )
@@ -479,8 +449,7 @@ class EngineConfig:
                 valid = [f.name for f in fields(cls)]
                 for key in value:
                     if key not in valid:
-                        raise ConfigError(f"unknown key '{name}.{key}'{suggest(str(key), valid)}; valid keys "
-                                          f"in {name}: {', '.join(valid)}")
+                        raise ConfigError(unknown_key(str(key), valid, f"{name}."))
                 setattr(self, name, cls(**value))
             elif value is not None and not isinstance(value, cls):
                 raise ConfigError(f"{name}={value!r} must be a mapping of its settings ({cls.__name__})")
@@ -554,10 +523,17 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
 }
 
 
-def suggest(key: str, valid: list[str]) -> str:
-    """' (did you mean ...?)' naming the closest valid key, or nothing."""
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+def suggest(key: str, valid: list[str], cutoff: float = 0.5) -> str:
+    """' (did you mean ...?)' naming the closest valid key (`difflib`'s `cutoff`), or nothing."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_key(key: str, valid: list[str], prefix: str = "") -> str:
+    """The refusal of `key` (inside the section `prefix`, "launch." say): the closest valid key, and
+    all of them."""
+    return (f"unknown key '{prefix}{key}'{suggest(key, valid)}; "
+            f"valid keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(valid)}")
 
 
 def _as_mapping(value: Any) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def is_sharded(t: torch.Tensor) -> bool:
 def holds_shards(module: nn.Module) -> bool:
     """Some parameter of `module` is held in part by each process, so its forward is a collective:
     a DTensor (FSDP2, tensor parallelism) or a DeepSpeed ZeRO-3 parameter (`holds_partitions`)."""
-    return any(isinstance(p, DTensor) for p in module.parameters()) or holds_partitions(module)
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in module.parameters())
 
 
 def holds_partitions(module: nn.Module) -> bool:
