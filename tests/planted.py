@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -104,16 +105,43 @@ def fault_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, FAULT_ENV: name, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
-def caught(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
-    """Run a guarantee's check on a planted run's results; it must fail. Returns its message
-    (printed, so `pytest -rA` shows what the check said about the fault)."""
+# what a check's failure says when a worker crashed (a traceback, spawn's error): never a catch
+CRASHED = ("Traceback (most recent call last)", "worker failed:", "workers exited with [")
+
+
+def caught(check: Callable[..., Any], *args: Any, must: str | None = None, **kwargs: Any) -> str:
+    """Run a guarantee's check on a planted run's results; it must fail, for the right reason:
+    its message must match `must` (a regular expression, searched in the whole message: what the
+    fault makes the check find, a value or a field). A crash is never a catch: an error that is
+    not the check's assertion propagates, and an assertion that carries a worker's traceback is
+    refused. Returns the message's first line (printed, so `pytest -rA` shows what the check said
+    about the fault)."""
     try:
         check(*args, **kwargs)
     except (AssertionError, pytest.fail.Exception) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        whole = str(err).strip()
+        message = whole.splitlines()[0] if whole else type(err).__name__
+        _record(message, whole)
+        if any(mark in whole for mark in CRASHED):
+            raise AssertionError(f"{check.__qualname__} failed on a crash, not on the planted fault's "
+                                 f"numbers: {message[:300]}") from err
+        if must is not None and not re.search(must, whole):
+            raise AssertionError(f"{check.__qualname__} failed for another reason than the planted fault's: "
+                                 f"{message[:300]!r} does not match {must!r}") from err
         print(f"planted fault caught: {message[:500]}")
         return message
     raise AssertionError(f"the planted fault went unnoticed by {check.__qualname__}")
+
+
+def _record(message: str, whole: str) -> None:
+    """SHARDWISE_CAUGHT_RECORD=file: each catch's test and message, one JSON line (to write `must`)."""
+    path = os.environ.get("SHARDWISE_CAUGHT_RECORD")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "message": message,
+                                "whole": whole[:3000]}) + "\n")
 
 
 def _patch(owner: Any, name: str, replacement: Callable[..., Any]) -> None:
@@ -188,7 +216,7 @@ def _reorder_gather() -> None:
 
 
 # -- tensor/sequence-parallel refusals, two nodes (test_tp_refusals, test_multinode) -------------
-@fault("no_plan_not_refused", row="refusals: no plan, a pattern naming nothing",
+@fault("no_plan_not_refused", row="tensor parallelism (`tests/test_tensor_parallel.py`",
        test="tests/test_tp_refusals.py::test_planted_no_plan_not_refused_is_caught")
 def _no_plan_not_refused() -> None:
     """A model without a tensor-parallel plan is left unsplit instead of refused: the run goes on
@@ -203,7 +231,7 @@ def _no_plan_not_refused() -> None:
     _patch(steps, "apply_tensor_parallel", apply_tensor_parallel)
 
 
-@fault("refusal_two_lines", row="refusals in one line: a sequence tp does not divide",
+@fault("refusal_two_lines", row="sequence parallelism (`tests/test_sequence_parallel.py`",
        test="tests/test_tp_refusals.py::test_planted_refusal_two_lines_is_caught")
 def _refusal_two_lines() -> None:
     """Sequence parallelism's refusal of a model it cannot cut gains a hint on a second line."""
@@ -709,6 +737,38 @@ def _context_loss_not_summed() -> None:
     _patch(ContextParallel, "whole_loss", lambda self, output: output)
 
 
+@fault("aux_loss_dropped", row="expert parallelism (`tests/test_expert_parallel.py`",
+       test="tests/test_expert_parallel.py::test_a_load_balancing_loss_dropped_is_caught")
+def _aux_loss_dropped() -> None:
+    """The router's load-balancing loss switched off for every prepared model (its config's
+    output_router_logits set False when the experts are split): the run trains the language
+    loss alone, which a check against shardwise's own run with the same fault cannot see."""
+    from shardwise.strategies import steps
+
+    def split(model: Any, dims: Any) -> Any:
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "output_router_logits", False):
+            config.output_router_logits = False
+        return split.__wrapped__(model, dims)  # type: ignore[attr-defined]
+
+    _patch(steps, "expert_parallel_step", split)
+
+
+@fault("context_mask_dropped", row="context parallelism (`tests/test_context_parallel.py`",
+       test="tests/test_context_parallel.py::test_a_dropped_attention_mask_is_caught")
+def _context_mask_dropped() -> None:
+    """The split forgets the batch's attention mask (every key attendable): right-padded rows
+    never show it (their padding comes after every real token, and its labels are -100), left-
+    padded ones do (the real tokens attend to the padding before them)."""
+    from shardwise.strategies.context_parallel import ContextParallel
+
+    def split_inputs(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        return split_inputs.__wrapped__(self, args, {k: v for k, v in kwargs.items()  # type: ignore[attr-defined]
+                                                     if k != "attention_mask"})
+
+    _patch(ContextParallel, "split_inputs", split_inputs)
+
+
 @fault("experts_gradient_summed", row="expert parallelism (`tests/test_expert_parallel.py`",
        test="tests/test_expert_parallel.py::test_experts_gradients_left_summed_are_caught")
 def _experts_gradient_summed() -> None:
@@ -996,20 +1056,21 @@ def _loop_checks_skipped() -> None:
 @fault("flat_key_overrides_section", row="one config tree: sections and flat keys",
        test="tests/test_config.py::test_a_flat_key_overriding_its_section_is_caught")
 def _flat_key_overrides_section() -> None:
-    """The agreement of a flat key with its section's field reads every field as at its default:
-    `parallelism: {tp: 2}` with `tensor_parallel_size: 4` runs with 4, silently."""
+    """The agreement of a flat key with its section's field reads every field of the section as
+    unwritten: `parallelism: {tp: 2}` with `tensor_parallel_size: 4` runs with 4, silently."""
     from shardwise.config import tree
 
-    class _AnyValue:
-        def __eq__(self, other: object) -> bool:
-            return True
+    _patch(tree, "_written", lambda given, cls: {})
 
-        def __ne__(self, other: object) -> bool:
-            return False
 
-        __hash__ = None  # type: ignore[assignment]
+@fault("section_value_always_wins", row="one config tree: sections and flat keys",
+       test="tests/test_config.py::test_a_section_value_always_winning_is_caught")
+def _section_value_always_wins() -> None:
+    """Where a section and a flat key both write a field, the section's value is taken and the
+    flat key ignored, silently: `parallelism: {tp: 1}` with `tensor_parallel_size: 2` runs tp 1."""
+    from shardwise.config import tree
 
-    _patch(tree, "_default_of", lambda cls, name: _AnyValue())
+    _patch(tree, "_agreed", lambda path, written, key, value: written.get(path.split(".", 1)[1], value))
 
 
 @fault("refusal_names_one_spelling", row="one config tree: sections and flat keys",
@@ -1427,7 +1488,54 @@ def _caught_accepts_a_pass() -> None:
     _patch(sys.modules[__name__], "caught", accepts)
 
 
+@fault("caught_accepts_any_failure", row="the tests of the tests",
+       test="tests/unit/test_unit_planted.py::test_planted_caught_accepts_any_failure_is_caught")
+def _caught_accepts_any_failure() -> None:
+    """`caught` counts any failure of the check as the fault's: a worker's crash turned into an
+    assertion, or a finding that is not the one the fault makes (the check failed on something
+    else), passes every planted test."""
+    import sys
+
+    def accepts(check: Callable[..., Any], *args: Any, must: str | None = None, **kwargs: Any) -> str:
+        try:
+            check(*args, **kwargs)
+        except (AssertionError, pytest.fail.Exception) as err:
+            return str(err).strip().splitlines()[0]
+        raise AssertionError("went unnoticed")
+
+    _patch(sys.modules[__name__], "caught", accepts)
+
+
+@fault("lone_generate_raises", row="the tests of the tests",
+       test="tests/test_lone_calls.py::test_a_fault_that_only_raises_is_not_caught")
+def _lone_generate_raises() -> None:
+    """A "fault" that only makes the run fail: the main process's generate raises. It breaks no
+    promise a check can see; `caught` must not count it (the worker's error propagates)."""
+    from shardwise.engine.lone import LoneCalls
+
+    def watch_generate(self: Any, target: Any, before: Any) -> None:
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("planted: generate raised")
+
+        target.__dict__["generate"] = generate
+
+    _patch(LoneCalls, "watch_generate", watch_generate)
+
+
 # -- launched examples and scripts ------------------------------------------------------------------
+@fault("adapter_b_dropped", row="`examples/finetune_lora.py` under `shardwise launch`",
+       test="tests/test_examples.py::test_planted_adapter_b_dropped_is_caught")
+def _adapter_b_dropped() -> None:
+    """The adapter export filters its tensors by one name too narrowly: lora_A is written,
+    lora_B (the half that starts at zero and carries what training learned) is not; peft loads
+    the folder with B at zero, the base model unchanged."""
+    from shardwise.weights import adapters
+
+    def save(module: Any, state: dict[str, Any], target: Any) -> None:
+        save.__wrapped__(module, {k: v for k, v in state.items() if "lora_B" not in k}, target)  # type: ignore[attr-defined]
+
+    _patch(adapters, "_save_adapter", save)
+
 @fault("optimizer_bound_by_name", row="`examples/dpo.py` under `shardwise launch`",
        test="tests/test_examples.py::test_planted_optimizer_bound_by_name_is_caught")
 def _optimizer_bound_by_name() -> None:
@@ -1627,6 +1735,16 @@ def _repeat_signal_exits() -> None:
     _patch(supervision._Process, "_on_signal", on_signal)
 
 
+@fault("signal_arrival_unwatched", row="failures (`tests/test_resilience.py`",
+       test="tests/test_resilience.py::test_a_signal_seen_only_by_its_handler_is_caught")
+def _signal_arrival_unwatched() -> None:
+    """No wakeup fd: the watch thread learns of a stop signal only when its Python handler runs,
+    which a main thread waiting in a collective never lets happen."""
+    from shardwise.runtime import supervision
+
+    _patch(supervision._Process, "_set_wakeup", lambda self: None)
+
+
 @fault("resume_counts_processes", row="faults under N-D layouts",
        test="tests/test_resilience_nd.py::test_planted_resume_counts_processes_is_caught")
 def _resume_counts_processes() -> None:
@@ -1677,6 +1795,17 @@ def _lone_generate_unwatched() -> None:
         return None
 
     _patch(LoneCalls, "watch_generate", watch_generate)
+
+
+@fault("lone_generate_own_rng", row="the main process's calls alone after `wait_for_everyone()`",
+       test="tests/test_lone_calls.py::test_planted_lone_generate_own_rng_is_caught")
+def _lone_generate_own_rng() -> None:
+    """The serving process runs the main process's generate from its own random state: a sampled
+    generation draws other tokens there (the forwards stay as many: synced_gpus keeps them in
+    step), so nothing but the served tokens can show it."""
+    from shardwise.engine import lone
+
+    _patch(lone, "_set_rng_state", lambda state, device: None)
 
 
 @fault("lone_done_drops_journal", row="the main process's calls alone after `wait_for_everyone()`",

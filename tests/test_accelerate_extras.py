@@ -243,7 +243,7 @@ def test_parallelism_config_becomes_the_parallelism_section() -> None:
     hybrid = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     kwargs: dict[str, object] = {"parallelism_config": hybrid}
     read_parallelism(kwargs, 4)
-    assert kwargs == {"parallelism": {"dp_replicate": 2, "dp_shard": 2, "tp": 1}}
+    assert kwargs == {"parallelism": {"dp_replicate": 2, "dp_shard": 2}}  # (tp_size 1: not written)
     assert resolved(kwargs) == (2, 2, 1)  # hybrid sharding: groups of 2
     kwargs = {"parallelism_config": ParallelismConfig(dp_shard_size=4)}
     read_parallelism(kwargs, 4)

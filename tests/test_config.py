@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import shardwise
 from shardwise import cli
 from shardwise.config import EngineConfig
 from shardwise.config.files import load_config
-from shardwise.config.tree import ConfigError, ShardingConfig
+from shardwise.config.tree import ConfigError, ParallelismConfig, ShardingConfig
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "fixtures"
@@ -157,9 +159,10 @@ def check_one_tree() -> None:
     assert flat.with_keys(tensor_parallel_size=4).parallelism.tp == 4 and flat.parallelism.tp == 2
     # a setting given both ways agrees, or the config is refused in one line naming both
     assert EngineConfig.of(parallelism={"tp": 2}, tensor_parallel_size=2).parallelism.tp == 2
-    assert EngineConfig.of(parallelism={"tp": 2}, tensor_parallel_size=1).parallelism.tp == 2  # (a default)
     with pytest.raises(ConfigError, match=r"parallelism.tp=2 and tensor_parallel_size=4 disagree"):
         EngineConfig.of(parallelism={"tp": 2}, tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match=r"parallelism.tp=2 and tensor_parallel_size=1 disagree"):
+        EngineConfig.of(parallelism={"tp": 2}, tensor_parallel_size=1)  # (a default written is written)
     with pytest.raises(ConfigError, match=r"unknown setting 'stratgy' \(did you mean 'strategy'\?\)"):
         EngineConfig.of(stratgy="zero3")
     with pytest.raises(AttributeError):  # a flat read is read-only: the section holds the value
@@ -176,6 +179,85 @@ def test_a_flat_key_overriding_its_section_is_caught() -> None:
     with planted_here("flat_key_overrides_section"):
         caught(check_one_tree)
     check_one_tree()  # undone: the disagreement is refused again
+
+
+# (a setting written in both spellings, one of them at its default; what the refusal says)
+BOTH_WRITTEN = [
+    ({"parallelism": {"cp": 1}, "context_parallel_size": 2}, "parallelism.cp=1 and context_parallel_size=2"),
+    ({"training": {"grad_accum_steps": 1}, "grad_accum_steps": 4},
+     "training.grad_accum_steps=1 and grad_accum_steps=4"),
+    ({"parallelism": {"cp": 2, "cp_method": "ring"}, "context_parallel": "ulysses"},
+     "parallelism.cp_method='ring' and context_parallel='ulysses'"),
+    ({"parallelism": {"tp": 1}, "tensor_parallel_size": 2}, "parallelism.tp=1 and tensor_parallel_size=2"),
+    ({"parallelism": {"tp": 2}, "tensor_parallel_size": 1}, "parallelism.tp=2 and tensor_parallel_size=1"),
+]
+# (a setting written in one spelling, the other's field only implied; the field it runs with)
+IMPLIED = [
+    ({"tensor_parallel_size": 2}, "parallelism", "tp", 2),
+    ({"parallelism": {"tp": 2}}, "parallelism", "tp", 2),
+    ({"parallelism": {"dp_replicate": 2}, "tensor_parallel_size": 2}, "parallelism", "tp", 2),
+    ({"parallelism": {"cp": 2}, "context_parallel": "ulysses"}, "parallelism", "cp_method", "ulysses"),
+    ({"parallelism": {"cp_method": "ulysses"}, "context_parallel_size": 2}, "parallelism", "cp", 2),
+    ({"training": {"seed": 3}, "grad_accum_steps": 4}, "training", "grad_accum_steps", 4),
+    ({"parallelism": {"tp": 1}, "tensor_parallel_size": 1}, "parallelism", "tp", 1),  # (written alike)
+]
+
+
+def _refusal(what: str, field: str, make: Callable[[], object]) -> str:
+    """The one-line refusal `make` raises; a config (or Engine) it let through fails, naming the
+    value `field` (`parallelism.cp`) ran with."""
+    try:
+        made = make()
+    except ConfigError as err:
+        assert "\n" not in str(err), str(err)
+        return str(err)
+    section, name = field.split(".")
+    cfg = made if isinstance(made, EngineConfig) else getattr(made, "config", None)
+    ran = getattr(getattr(cfg, section), name) if cfg is not None else made
+    raise AssertionError(f"{what} was not refused: it runs with {field}={ran!r}")
+
+
+def check_both_spellings_agree(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A setting written in both spellings must agree, a default included, or it is refused in
+    one line naming both: in a file (`load_config`, `shardwise config show`), in `EngineConfig.of`
+    and in `Engine(...)`'s keywords. A field only implied (not written) yields to the spelling
+    that wrote it."""
+    import yaml
+
+    for i, (data, want) in enumerate(BOTH_WRITTEN):
+        path = folder / f"both{i}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        field = want.split("=")[0]
+        said = [_refusal(f"a file of {data}", field, partial(load_config, path)),
+                _refusal(f"EngineConfig.of(**{data})", field, partial(EngineConfig.of, **data)),
+                _refusal(f"Engine(**{data})", field, partial(shardwise.Engine, cpu=True, **data))]
+        for message in said:
+            assert f"{want} disagree; set one of them" in message, (data, message)
+        assert cli.main(["config", "show", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{want} disagree" in err, err
+    for i, (data, section, name, value) in enumerate(IMPLIED):
+        path = folder / f"implied{i}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        for cfg in (load_config(path), EngineConfig.of(**data)):
+            got = getattr(getattr(cfg, section), name)
+            assert got == value, f"{data}: {section}.{name}={got!r}, not the written {value!r}"
+    # a section given as its object: a field at its default cannot be told from an unwritten one
+    cfg = EngineConfig.of(parallelism=ParallelismConfig(dp_shard=2), strategy="zero3", tensor_parallel_size=2)
+    assert (cfg.parallelism.dp_shard, cfg.parallelism.tp) == (2, 2)
+
+
+def test_a_setting_written_both_ways_agrees_even_at_its_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    check_both_spellings_agree(tmp_path, capsys)
+
+
+def test_a_section_value_always_winning_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with planted_here("section_value_always_wins"):
+        message = caught(check_both_spellings_agree, tmp_path, capsys)
+    assert "was not refused: it runs with parallelism.cp=1" in message, message
+    check_both_spellings_agree(tmp_path, capsys)  # undone: refused again
 
 
 # (a setting, as a file or `Engine(...)` spells it; what the refusal must begin with)
@@ -501,21 +583,44 @@ def test_parallelism_config_object_fields_and_yaml_keys_agree() -> None:
     from shardwise.config.translate import from_parallelism
 
     fields = {"dp_replicate_size": 2, "dp_shard_size": 4, "tp_size": 1, "cp_size": None}
-    want = {"dp_replicate": 2, "dp_shard": 4, "tp": 1}
+    want = {"dp_replicate": 2, "dp_shard": 4}  # (tp_size=1: not set, left implied)
     assert from_parallelism(fields, 8) == want  # a ParallelismConfig's attributes (None: unset)
     assert from_parallelism({f"parallelism_config_{k}": v for k, v in fields.items()}, 8) == want
-    assert from_parallelism({"dp_shard_size": 8}, 8) == {"dp_replicate": 1, "dp_shard": 8, "tp": 1}
+    assert from_parallelism({"dp_shard_size": 8}, 8) == {"dp_replicate": 1, "dp_shard": 8}
     assert from_parallelism({}, 8) is None
     # context parallelism's size goes into the section (the method: ring, as Accelerate's)
     assert from_parallelism({"dp_shard_size": 2, "cp_size": 2}, 4) == {"dp_replicate": 1, "dp_shard": 2,
-                                                                       "tp": 1, "cp": 2}
+                                                                       "cp": 2}
     # sp_size (Accelerate's Ulysses, through DeepSpeed there): the same dimension, shardwise's Ulysses
-    assert from_parallelism({"sp_size": 2, "sp_backend": "deepspeed"}, 2) == {"tp": 1, "cp": 2,
-                                                                              "cp_method": "ulysses"}
+    assert from_parallelism({"sp_size": 2, "sp_backend": "deepspeed"}, 2) == {"cp": 2, "cp_method": "ulysses"}
     from shardwise.config.translate import from_accelerate
 
     yaml, _dropped = from_accelerate(_fsdp_yaml(None, processes=4, dp_shard_size=2, sp_size=2))
     assert yaml["parallelism"]["cp_method"] == "ulysses" and yaml["parallelism"]["cp"] == 2
+
+
+def test_a_parallelism_config_writes_only_what_was_set() -> None:
+    """Accelerate's `ParallelismConfig` (every size defaults to 1) fills the section with the sizes
+    set above 1 only: a size of 1 stays implied and yields to another spelling of it, where a
+    written `tp: 1` would have to agree with `tensor_parallel_size`."""
+    from types import SimpleNamespace
+
+    from shardwise.accelerate.rules import read_parallelism
+    from shardwise.config.translate import from_parallelism
+
+    sizes = SimpleNamespace(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=2, sp_size=1)
+    assert from_parallelism(vars(sizes), 2) == {"cp": 2}
+    kwargs: dict[str, object] = {"parallelism_config": sizes, "context_parallel": "ring"}
+    read_parallelism(kwargs, 2)  # (`Accelerator(parallelism_config=...)` on 2 processes)
+    assert kwargs == {"parallelism": {"cp": 2}, "context_parallel": "ring"}
+    assert EngineConfig.of(**kwargs).parallelism.cp == 2
+    # the process count unknown (a YAML without num_processes): the unset tp_size yields to the flat key
+    cfg = EngineConfig.of(parallelism=from_parallelism(vars(sizes)), tensor_parallel_size=2)
+    assert (cfg.parallelism.cp, cfg.parallelism.tp, cfg.parallelism.cp_method) == (2, 2, "ring")
+    with pytest.raises(ConfigError, match=r"parallelism.tp=1 and tensor_parallel_size=2 disagree"):
+        EngineConfig.of(parallelism={"tp": 1, "cp": 2}, tensor_parallel_size=2)  # (what it wrote before)
+    ulysses = SimpleNamespace(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=2)
+    assert from_parallelism(vars(ulysses), 2) == {"cp": 2, "cp_method": "ulysses"}
 
 
 @pytest.mark.parametrize(("acc", "message"), [

@@ -49,6 +49,7 @@ SEQ, VOCAB, BATCH, STEPS, LR = 64, 64, 2, 3, 1e-2
 LOSS_TOL, WEIGHT_TOL, MEMORY_SHARE, TILE = 1e-5, 5e-5, 0.55, 8
 TWO = [("ring", "plain", "zero3"), ("ring", "padding", "zero3"), ("ring", "packed", "zero3"),
        ("ulysses", "plain", "zero3"), ("ulysses", "padding", "zero3"), ("ulysses", "packed", "zero3"),
+       ("ring", "left", "zero3"), ("ulysses", "left", "zero3"),
        ("ring", "plain", "ddp"), ("ring", "plain", "zero1"), ("ring", "plain", "zero2"),
        ("ring", "padding", "zero3", "offload params"), ("ulysses", "plain", "zero2", "offload optimizer"),
        ("ring", "packed", "zero3", "checkpointing"), ("ulysses", "padding", "zero3", "checkpointing")]
@@ -58,8 +59,11 @@ OFFLOAD = {"offload params": {"offload": "params"}, "offload optimizer": {"offlo
 # dp_replicate 2, each sharded over its cp pair), tp2 (cp 2 x tp 2)
 FOUR = [("ring", "plain", "zero3", "dp2"), ("ulysses", "plain", "zero3", "dp2"),
         ("ring", "plain", "zero3", "hybrid"), ("ring", "plain", "zero3", "tp2"),
-        ("ulysses", "padding", "zero3", "tp2")]
-LAYOUT = {"dp2": {}, "hybrid": {"parallelism": {"dp_replicate": 2}}, "tp2": {"tensor_parallel_size": 2}}
+        ("ulysses", "padding", "zero3", "tp2"), ("ring", "left", "zero3", "tp2"),
+        ("ring", "left", "zero3", "dp2"), ("ulysses", "left", "zero3", "dp2"),
+        ("ring", "left", "zero3", "cp4"), ("ulysses", "left", "zero3", "cp4")]
+LAYOUT = {"dp2": {}, "hybrid": {"parallelism": {"dp_replicate": 2}}, "tp2": {"tensor_parallel_size": 2},
+          "cp4": {"context_parallel_size": 4}}
 
 
 def build(kind: str) -> nn.Module:
@@ -74,7 +78,10 @@ def build(kind: str) -> nn.Module:
 
 class Batches(Dataset):
     """Samples as dicts: plain (input_ids, labels), padding (right padding: attention_mask,
-    labels -100 there), packed (two documents per row: position_ids restarting)."""
+    labels -100 there), left (left padding, as generation batches and many collators pad: the
+    first tokens' queries have no key to attend to, and the last pad token's shifted label is the
+    first real token, so that row reaches the loss), packed (two documents per row: position_ids
+    restarting)."""
 
     def __init__(self, n: int, kind: str) -> None:
         g = torch.Generator().manual_seed(7)
@@ -88,8 +95,8 @@ class Batches(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids, n = self.ids[i], int(self.lengths[i])
         out = {"input_ids": ids, "labels": ids.clone()}
-        if self.kind == "padding":
-            keep = torch.arange(SEQ) < n
+        if self.kind in ("padding", "left"):
+            keep = torch.arange(SEQ) < n if self.kind == "padding" else torch.arange(SEQ) >= SEQ - n
             out["attention_mask"] = keep.long()
             out["labels"] = torch.where(keep, ids, -100)
         elif self.kind == "packed":
@@ -99,14 +106,23 @@ class Batches(Dataset):
 
 @functools.cache
 def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]:
-    """One plain process on the global batches (dp x BATCH samples each, in order)."""
+    """One plain process on the global batches (dp x BATCH samples each, in order), each step's
+    loss the mean of the dp ranks' losses on their BATCH samples, as data parallelism averages
+    them (`shares`: each rank's, what its context group computes)."""
     model = build(kind)
     model.config._attn_implementation = attention
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms, saved = [], [], 0
+    losses, norms, saved, shares = [], [], 0, []
     for i, batch in enumerate(DataLoader(Batches(dp * BATCH * STEPS, kind), batch_size=dp * BATCH)):
         with SavedActivations() as seen:
-            loss = model(**batch).loss
+            if dp == 1:
+                loss = model(**batch).loss
+                shares.append([loss.item()])
+            else:  # data parallelism's loss: its ranks' mean (of token means of unequal counts when padded)
+                parts = [model(**{k: v[r * BATCH:(r + 1) * BATCH] for k, v in batch.items()}).loss
+                         for r in range(dp)]
+                shares.append([p.item() for p in parts])
+                loss = sum(parts) / dp
         saved = saved or seen.total
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
@@ -114,7 +130,7 @@ def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]
         opt.zero_grad()
         losses.append(loss.item())
         del i
-    return {"losses": losses, "norms": norms, "saved": saved,
+    return {"losses": losses, "norms": norms, "saved": saved, "shares": shares,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -123,9 +139,9 @@ def _train(method: str, kind: str, strategy: str, tiles: bool = True, **layout: 
     TILE tokens, so a 32-token share is 4 tiles; off: the activations as they are."""
     import shardwise
 
-    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, context_parallel_size=2,
-                              context_parallel=method, tile_tokens=TILE, tiled_mlp=tiles, tiled_loss=tiles,
-                              **layout)
+    layout.setdefault("context_parallel_size", 2)
+    engine = shardwise.Engine(strategy=strategy, cpu=True, seed=0, context_parallel=method, tile_tokens=TILE,
+                              tiled_mlp=tiles, tiled_loss=tiles, **layout)
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = Batches(engine.parallel_dims.dp_size * BATCH * STEPS, kind)
@@ -142,8 +158,9 @@ def _train(method: str, kind: str, strategy: str, tiles: bool = True, **layout: 
         opt.zero_grad()
         losses.append((loss.item(), engine.reduce(loss.detach(), "mean").item()))
     state = engine.get_state_dict(model)
+    dp_rank = engine.parallel_dims.dp_rank(engine.process_index)
     engine.free_memory()
-    return {"losses": losses, "norms": norms, "saved": saved, "state": state,
+    return {"losses": losses, "norms": norms, "saved": saved, "state": state, "dp_rank": dp_rank,
             "mesh": (tuple(mesh.shape), mesh.mesh_dim_names)}
 
 
@@ -224,11 +241,12 @@ def _check(runs: list[dict[Any, Any]], case: tuple[Any, ...], dp: int = 1) -> No
         run = res[case]
         own = [own for own, _ in run["losses"]]
         mean = [mean for _, mean in run["losses"]]
-        # every rank's own loss is a whole loss (its context group's sequences), the mean is one process's
+        # every rank's own loss is a whole loss (its context group's sequences: its data-parallel
+        # rank's share of the batch), the mean is one process's
         assert mean == pytest.approx(ref["losses"], abs=LOSS_TOL), (case, rank, mean, ref["losses"])
         assert run["norms"] == pytest.approx(ref["norms"], abs=LOSS_TOL), (case, rank)
-        if len(runs) == 2:
-            assert own == pytest.approx(ref["losses"], abs=LOSS_TOL), (case, rank)
+        share = [step[run["dp_rank"]] for step in ref["shares"]]
+        assert own == pytest.approx(share, abs=LOSS_TOL), (case, rank, "own loss", own, share)
     state = runs[0][case]["state"]
     assert state.keys() == ref["state"].keys()
     worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
@@ -293,11 +311,12 @@ def test_cp2_with_dp2_or_tp2_matches_one_process(four: list[dict[Any, Any]], cas
     """At 4 processes: against one process on the global batch; the parameters sharded over the
     data x context ranks (all 4), over each replica's cp pair (hybrid), or over the cp pair of
     each tp rank."""
-    meshes = {"dp2": ((4,), ("fsdp",)), "hybrid": ((2, 2), ("dp_replicate", "cp")), "tp2": ((2,), ("cp",))}
+    meshes = {"dp2": ((4,), ("fsdp",)), "hybrid": ((2, 2), ("dp_replicate", "cp")), "tp2": ((2,), ("cp",)),
+              "cp4": ((4,), ("cp",))}
     # (Ulysses under tp 2: each tp rank's 2 query heads split again over cp 2, its 1 key/value head
-    # repeated to them)
+    # repeated to them; at cp 4 each rank attends with 1 query head, the 2 key/value heads repeated)
     assert all(res[case]["mesh"] == meshes[case[3]] for res in four), [res[case]["mesh"] for res in four]
-    dp = 1 if case[3] == "tp2" else 2
+    dp = 1 if case[3] in ("tp2", "cp4") else 2
     _check(four, case, dp)
 
 
@@ -308,6 +327,18 @@ def _planted_case() -> dict[Any, Any]:
 def test_a_loss_left_unsummed_is_caught() -> None:
     """The equivalence check fails on a run whose ranks keep their own share of the loss."""
     caught(_check, spawn(planted(_planted_case, "context_loss_not_summed"), 2), TWO[0])
+
+
+def _planted_left() -> dict[Any, Any]:
+    return {case: _train(*case) for case in TWO if case[1] == "left"}  # (the real test's left-padded runs)
+
+
+def test_a_dropped_attention_mask_is_caught() -> None:
+    """The split losing the attention mask: the left-padded runs (ring and Ulysses) leave one
+    process's numbers; the right-padded ones could not tell."""
+    runs = spawn(planted(_planted_left, "context_mask_dropped"), 2)
+    for case in [c for c in TWO if c[1] == "left"]:
+        caught(_check, runs, case)
 
 
 def test_a_ring_standing_still_is_caught() -> None:

@@ -32,6 +32,10 @@ from shardwise.strategies.precision import check_device_supports
         ({"resume": "yes"}, ["resume='yes' is not valid", "auto, required, never"]),
         ({"progress": "yes"}, ["progress='yes' must be true, false or None"]),
         ({"training": {"grad_accum_steps": 0}}, ["training.grad_accum_steps=0 must be an integer >= 1"]),
+        ({"strategy": "ddp", "expert_parallel_size": 2},
+         ["expert_parallel_size=2 needs strategy zero1, zero2 or zero3 (got ddp)"]),
+        ({"training": {"grad_accum_steps": 1}, "grad_accum_steps": 4},
+         ["training.grad_accum_steps=1 and grad_accum_steps=4 disagree; set one of them"]),
     ],
 )
 def test_bad_engine_settings(kwargs: dict, needles: list[str]) -> None:

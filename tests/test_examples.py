@@ -76,12 +76,31 @@ def test_classification_metrics_equal_across_strategies(tmp_path: Path) -> None:
 
 def test_finetune_lora_example(tmp_path: Path) -> None:
     """finetune_lora.py under zero3: token-weighted LoRA steps, generate() evals, the adapter saved."""
+    check_lora_example(tmp_path)
+
+
+def test_planted_adapter_b_dropped_is_caught(tmp_path: Path) -> None:
+    """`adapter_b_dropped`: the export writes lora_A alone; the folder loads as the base model."""
+    caught(check_lora_example, tmp_path, "adapter_b_dropped", must=r"lora_B of 0 of the 8 adapted modules")
+
+
+def check_lora_example(tmp_path: Path, fault: str | None = None) -> None:
+    """The run logs its steps and evals, and the adapter folder holds what training made: lora_A
+    and lora_B of each of the 8 adapted modules (2 blocks x c_attn, attn.c_proj, c_fc,
+    mlp.c_proj), each B trained away from its zero start."""
+    from safetensors.torch import load_file
+
     out = _launch("zero3.yaml", "finetune_lora.py", "--steps", "4", "--eval-every", "2",
-                  "--output-dir", str(tmp_path / "adapter"), cwd=tmp_path)
+                  "--output-dir", str(tmp_path / "adapter"), cwd=tmp_path, fault=fault)
     assert "eval step     2" in out and "eval step     4" in out and "step     4  loss" in out
     saved = sorted(p.name for p in (tmp_path / "adapter").iterdir())
     assert saved == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    a = [k for k in tensors if ".lora_A." in k]
+    b = [k for k in tensors if ".lora_B." in k and tensors[k].abs().max() > 0]
+    assert len(a) == 8 and len(b) == 8, \
+        f"lora_A of {len(a)} and trained lora_B of {len(b)} of the 8 adapted modules"
 
 
 def _corpus(path: Path, words: int = 6000) -> Path:

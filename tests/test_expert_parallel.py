@@ -70,8 +70,8 @@ FOUR = [("mixtral", "zero2", 4), ("mixtral", "zero3", 4), ("mixtral", "zero3", 2
 
 def build(family: str, aux: bool = False) -> nn.Module:
     torch.manual_seed(1234)
-    if family == "own":
-        return OwnMoE()
+    if family in ("own", "skewed"):
+        return OwnMoE(skewed=family == "skewed")
     if family == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -114,11 +114,14 @@ class OwnMoE(nn.Module):
     """A user's own model: embedding, a top-2 router and OwnExperts, a head; `(input_ids,
     labels) -> loss` as transformers models are called."""
 
-    def __init__(self) -> None:
+    def __init__(self, skewed: bool = False) -> None:
         super().__init__()
         torch.manual_seed(1234)
-        self.embed, self.router = nn.Embedding(VOCAB, 32), nn.Linear(32, 4, bias=False)
+        self.embed, self.router = nn.Embedding(VOCAB, 32), nn.Linear(32, 4, bias=skewed)
         self.experts, self.head = OwnExperts(4, 32, 24), nn.Linear(32, VOCAB)
+        if skewed:  # every token's top 2 are experts 0 and 1: experts 2 and 3 (rank 1's at ep 2) get none
+            with torch.no_grad():
+                self.router.bias.copy_(torch.tensor([20.0, 20.0, -20.0, -20.0]))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
         h = self.embed(input_ids).reshape(-1, 32)
@@ -142,6 +145,26 @@ def reference(family: str, dp: int) -> dict[str, Any]:
     losses, norms = [], []
     for batch in DataLoader(samples(dp * BATCH * STEPS), batch_size=dp * BATCH):
         loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "state": state}
+
+
+@functools.cache
+def reference_per_rank(family: str, dp: int) -> dict[str, Any]:
+    """One plain process with the router's load-balancing loss on, a statistic of each rank's
+    batch: each step's loss is the mean of the dp ranks' losses, each on its BATCH samples of the
+    global batch (what data parallelism averages), then one backward of that mean."""
+    model = build(family, aux=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for batch in DataLoader(samples(dp * BATCH * STEPS), batch_size=dp * BATCH):
+        parts = [model(**{k: v[r * BATCH:(r + 1) * BATCH] for k, v in batch.items()}).loss for r in range(dp)]
+        loss = sum(parts) / dp
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
@@ -298,7 +321,12 @@ def _per_expert(folder: str, family: str, strategy: str) -> dict[str, Any]:
 def _two(folder: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {case: _train(*case, ep=2) for case in TWO}
     out["aux"] = _train("mixtral", "zero3", ep=2, aux=True)
-    out["aux", "plain"] = _train("mixtral", "zero3", ep=1, aux=True)
+    out["aux", "qwen"] = _train("qwen", "zero1", ep=2, aux=True)
+    out["aux", "tiled"] = _train("mixtral", "zero3", ep=2, aux=True, tiled_loss=True)
+    out["skewed"] = _train("skewed", "zero3", ep=2)
+    out["skewed", "zero1"] = _train("skewed", "zero1", ep=2)
+    out["generate"] = {strategy: _generate(strategy) for strategy in ("zero1", "zero2", "zero3")}
+    out["accumulated"] = _counted_with_accumulation(folder)
     out["resume"] = _resume(folder)
     out["empty"] = _empty("mixtral", "zero3", 2, f"{folder}/export")
     out["empty", "qwen"] = _empty("qwen", "zero2", 2)
@@ -306,6 +334,50 @@ def _two(folder: str) -> dict[Any, Any]:
     out["per_expert", "qwen"] = _per_expert(folder, "qwen", "zero1")
     out["metrics"] = _metrics(folder)
     return out
+
+
+PROMPTS = torch.randint(0, VOCAB, (2, 2, 5), generator=torch.Generator().manual_seed(11))  # [rank, row, tok]
+NEW_TOKENS = (3, 7)  # each rank's max_new_tokens: rank 0's generation ends first
+
+
+def _generate(strategy: str) -> dict[str, Any]:
+    """ep 2 (each forward's tokens dispatched over both ranks): each rank generates greedily from
+    its own prompts with its own max_new_tokens, through the prepared model and through
+    `unwrap_model`; the rank that finishes first keeps dispatching until the other is done."""
+    engine, model, _ = _prepared("mixtral", strategy, 2)
+    rank = engine.process_index
+    prompts, new = PROMPTS[rank], NEW_TOKENS[rank]
+    out = {"prepared": model.generate(prompts, max_new_tokens=new, do_sample=False, pad_token_id=0),
+           "unwrapped": engine.unwrap_model(model).generate(prompts, max_new_tokens=new, do_sample=False,
+                                                            pad_token_id=0)}
+    engine.free_memory()
+    return out
+
+
+def generate_plain() -> list[torch.Tensor]:
+    """One plain process's greedy generation from each rank's prompts and length."""
+    model = build("mixtral")
+    return [model.generate(PROMPTS[r], max_new_tokens=NEW_TOKENS[r], do_sample=False, pad_token_id=0)
+            for r in range(2)]
+
+
+def _counted_with_accumulation(folder: str) -> dict[str, Any]:
+    """ep 2, zero3, 2 micro-batches per step, a metrics record every step: the tokens per expert
+    of a step are those of both its micro-batches (and of both ranks)."""
+    engine, model, opt = _prepared("mixtral", "zero3", 2, grad_accum_steps=2, log_with="jsonl",
+                                   project_dir=f"{folder}/accumulated", log_every_steps=1, progress=False)
+    engine.init_trackers("moe")
+    rank = engine.process_index
+    data = samples(2 * 2 * BATCH * STEPS)
+    for s in range(STEPS):
+        mine = data[(2 * s * 2 + 2 * rank) * BATCH:(2 * s * 2 + 2 * rank + 2) * BATCH]
+        for micro in (mine[:BATCH], mine[BATCH:]):
+            with engine.accumulate(model):
+                engine.backward(model(**{k: torch.stack([d[k] for d in micro]) for k in data[0]}).loss)
+                opt.step()
+                opt.zero_grad()
+    engine.free_memory()
+    return {"run": f"{folder}/accumulated/logs/moe"}
 
 
 def _accumulated(strategy: str, **extra: Any) -> dict[str, Any]:
@@ -385,11 +457,76 @@ def test_ep2_matches_one_process(two: tuple[list[dict[Any, Any]], str], case: tu
         _check_zero1_state(runs, case, 2)
 
 
-def test_the_load_balancing_loss_is_the_data_parallel_runs(two: tuple[list[dict[Any, Any]], str]) -> None:
-    """With the router's auxiliary loss on, ep 2 equals zero3 without expert parallelism at the
-    same 2 processes (each computes the statistic on its own batch), not one process."""
-    plain = two[0][0]["aux", "plain"]
-    _check(two[0], "aux", {"losses": plain["losses"], "norms": plain["norms"], "state": plain["state"]})
+def check_aux(runs: list[dict[Any, Any]], case: Any, family: str) -> None:
+    """With the router's load-balancing loss on (a statistic of each rank's batch), against one
+    plain process computing it per rank's half of each global batch and averaging the losses
+    (`reference_per_rank`): without the aux loss the weights land 4e-3 away."""
+    _check(runs, case, reference_per_rank(family, 2))
+
+
+@pytest.mark.parametrize("case", [("aux",), ("aux", "qwen"), ("aux", "tiled")],
+                         ids=["mixtral-zero3", "qwen-zero1", "mixtral-zero3-tiled_loss"])
+def test_the_load_balancing_loss_is_each_ranks(two: tuple[list[dict[Any, Any]], str],
+                                               case: tuple[str, ...]) -> None:
+    key = case[0] if len(case) == 1 else case
+    check_aux(two[0], key, "qwen" if "qwen" in case else "mixtral")
+
+
+def _planted_aux() -> dict[Any, Any]:
+    return {"aux": _train("mixtral", "zero3", ep=2, aux=True)}  # (as the real test's first case)
+
+
+def test_a_load_balancing_loss_dropped_is_caught() -> None:
+    caught(check_aux, spawn(planted(_planted_aux, "aux_loss_dropped"), 2), "aux", "mixtral")
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero1"])
+def test_an_expert_and_a_rank_that_get_no_tokens(two: tuple[list[dict[Any, Any]], str],
+                                                 strategy: str) -> None:
+    """A router whose bias sends every token to experts 0 and 1 (rank 0's at ep 2): rank 1 and
+    its experts receive no token; the run still equals one process, the idle experts unchanged."""
+    key = "skewed" if strategy == "zero3" else ("skewed", "zero1")
+    _check(two[0], key, reference("skewed", 2))
+    model = build("skewed")  # (the case is what it says: one process routes every token to experts 0-1)
+    ids = torch.stack([s["input_ids"] for s in samples(2 * BATCH * STEPS)])
+    chosen = torch.topk(model.router(model.embed(ids).reshape(-1, 32)).softmax(-1), 2, dim=-1).indices
+    assert set(chosen.unique().tolist()) == {0, 1}, chosen.unique()
+
+
+def check_generate_in_step(runs: list[dict[Any, Any]]) -> None:
+    """Each rank's greedy generation, its own prompts and length, equals one plain process's,
+    through the prepared model and through unwrap_model, on every strategy."""
+    plain = generate_plain()
+    for rank, res in enumerate(runs):
+        for strategy, out in res["generate"].items():
+            for route in ("prepared", "unwrapped"):
+                assert torch.equal(out[route], plain[rank]), (strategy, route, rank, out[route], plain[rank])
+
+
+def test_generate_stays_in_step_when_experts_are_split(two: tuple[list[dict[Any, Any]], str]) -> None:
+    check_generate_in_step(two[0])
+
+
+def test_tokens_per_expert_count_every_micro_batch(two: tuple[list[dict[Any, Any]], str]) -> None:
+    """2 micro-batches per step: each record's tokens per expert are both micro-batches' of both
+    ranks (k = 2 per token: 2 x 2 x 2 samples x 16 tokens = 256 per layer), the first step's
+    equal to one process's routing of its 8 samples."""
+    import json
+    from pathlib import Path
+
+    run = Path(two[0][0]["accumulated"]["run"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["tokens_per_expert"] for r in records if "tokens_per_expert" in r]
+    # (a step's record is written at the next step's boundary; this run ends with free_memory, not
+    # end_training, which writes the last one: the spawn's last run, `_metrics`, does that)
+    assert len(loads) == STEPS - 1, records
+    assert all(sum(layer) == 2 * 2 * 2 * BATCH * SEQ for load in loads for layer in load), loads
+    model, seen = build("mixtral"), []
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts"):
+            m.register_forward_hook(lambda mod, args, out: seen.append(args[1].clone()))
+    model(**next(iter(DataLoader(samples(2 * 2 * BATCH * STEPS), batch_size=2 * 2 * BATCH))))
+    assert loads[0] == [torch.bincount(c.reshape(-1), minlength=4).tolist() for c in seen]
 
 
 def test_a_checkpoint_resumes_across_expert_parallel_sizes(two: tuple[list[dict[Any, Any]], str]) -> None:

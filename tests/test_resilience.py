@@ -222,6 +222,58 @@ def test_a_hung_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> Non
     assert leftover.stdout.strip() == "", leftover.stdout  # no process left behind
 
 
+# -- every rank stuck in a collective: a stop signal still ends the run within the grace ----------
+GRACE, STUCK_TIMEOUT = 5, 45
+
+
+def _stuck(folder: Path, planted_fault: str | None = None) -> tuple[int | None, str, float]:
+    """tests/scripts/resilient.py with every rank waiting at step 3 in a collective that never
+    completes, then SIGTERM to the launcher alone: (its exit code, stderr, seconds to exit)."""
+    config = _config(folder, strategy="zero3", preempt_grace_s=GRACE, collective_timeout_s=STUCK_TIMEOUT)
+    env = fault_env(planted_fault, _env("stuck:3")) if planted_fault else _env("stuck:3")
+    proc = subprocess.Popen(_command(config, folder), env=env, cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all((folder / f"stuck.{r}").is_file() for r in range(2)):
+        time.sleep(0.1)
+    time.sleep(1.0)  # (inside the collective)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=STUCK_TIMEOUT + 60)
+    except subprocess.TimeoutExpired:
+        from spawn import kill_tree
+
+        kill_tree(proc.pid)
+        _, err = proc.communicate()
+        err = f"(still running {STUCK_TIMEOUT + 60} s after SIGTERM)\n{err}"
+    return proc.returncode, err, time.monotonic() - start
+
+
+def check_stuck_stopped(code: int | None, err: str, took: float) -> None:
+    """Ended by SIGTERM within preempt_grace_s (+ 15 s for the launcher and teardown), not by the
+    collective's timeout: exit 128 + SIGTERM, each rank's line saying it had no step boundary."""
+    assert took <= GRACE + 15 and code == 128 + signal.SIGTERM, \
+        f"the stuck run ended after {took:.0f} s with exit code {code}: {err.strip().splitlines()[-1:]}"
+    said = f"no step boundary within preempt_grace_s={GRACE} s of SIGTERM; exiting (143) without a checkpoint"
+    assert said in err, err[-3000:]
+    assert "stopped by SIGTERM; nothing could be saved" in err, err[-3000:]
+
+
+def test_sigterm_ends_a_run_stuck_in_a_collective_within_the_grace(tmp_path: Path) -> None:
+    """Python runs a signal's handler only when the main thread returns to the interpreter, which a
+    rank waiting inside gloo never does: the watch thread sees the signal arrive (its wakeup fd)
+    and ends the process preempt_grace_s later, not after collective_timeout_s."""
+    check_stuck_stopped(*_stuck(tmp_path))
+
+
+def test_a_signal_seen_only_by_its_handler_is_caught(tmp_path: Path) -> None:
+    """`signal_arrival_unwatched`: the watch thread learns of a signal only from its Python
+    handler; the stuck run ends at the collective's timeout (45 s), with its error."""
+    caught(check_stuck_stopped, *_stuck(tmp_path, "signal_arrival_unwatched"),
+           must=r"the stuck run ended after (4\d|5\d) s with exit code 1")
+
+
 # -- elastic world size: the global batch is kept ---------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Elastic:

@@ -13,6 +13,9 @@ the end, the gathered weights to <folder>/final.pt.
   raise:STEP:RANK  RANK raises a ValueError inside optimizer step STEP
   full:STEP:RANK   RANK's files may not grow past 1 kB from optimizer step STEP on (a file-size limit,
                    the kernel's EFBIG, as a full disk): the checkpoint saved after step STEP fails
+  stuck:STEP       every rank, at optimizer step STEP, waits in a collective that never completes
+                   (each on a group of its own making: the main thread inside gloo, where Python
+                   runs no signal handler), after writing <folder>/stuck.<rank>
   lostsave:STEP:RANK  on the first attempt, RANK SIGKILLs itself in the middle of saving the
                    checkpoint of step STEP (every process's tensors written, the checkpoint not
                    committed): a node lost mid-write
@@ -68,6 +71,10 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
     model, opt, loader = engine.prepare(model, opt, loader)
     if kind == "lostsave" and attempt == 0 and engine.process_index == who:
         _die_in_save(engine, int(at))
+    if kind == "stuck":  # two groups of the same ranks: each rank waits on its own, never met
+        import torch.distributed as dist
+
+        apart = [dist.new_group(list(range(engine.num_processes))) for _ in range(2)]
     resumed = engine.load_state()
     if engine.is_main_process:
         print(f"attempt {attempt}: starting at step {resumed or 0}", flush=True)
@@ -79,6 +86,9 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
                     time.sleep(10**6)
                 if kind == "slow":
                     time.sleep(at)
+                if kind == "stuck" and step == at:
+                    (out / f"stuck.{engine.process_index}").write_text("")
+                    dist.all_reduce(torch.ones(1), group=apart[engine.process_index % 2])
                 if kind == "raise" and step == at and engine.process_index == who:
                     raise ValueError(f"bad batch in step {step}")
                 if kind == "full" and step == at and engine.process_index == who:

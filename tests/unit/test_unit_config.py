@@ -116,7 +116,7 @@ def test_accelerates_processes_must_divide_among_its_machines() -> None:
 
 def test_parallelism_sizes_fill_the_parallelism_section() -> None:
     assert from_parallelism({"dp_replicate_size": 2, "dp_shard_size": 4}, 8) == {
-        "dp_replicate": 2, "dp_shard": 4, "tp": 1}
+        "dp_replicate": 2, "dp_shard": 4}  # (tp_size unset: left implied, it yields to another spelling)
     assert from_parallelism({"dp_shard_size": 4, "tp_size": 2}, 8) == {  # tp inside, dp around it
         "dp_replicate": 1, "dp_shard": 4, "tp": 2}
     with pytest.raises(ConfigError, match="x tp_size=2 must equal the 8 processes"):

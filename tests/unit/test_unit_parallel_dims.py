@@ -153,6 +153,12 @@ def test_bad_sizes_are_refused_at_construction(config: dict, message: str) -> No
      "expert_parallel_size=2: this version splits experts without context or tensor parallelism"),
     (8, {"strategy": "zero3", "parallelism": {"ep": 3}}, "ep=3 does not divide dp_shard x cp = 8"),
     (6, {"strategy": "zero3", "parallelism": {"tp": 4}}, "tensor_parallel_size=4 does not divide the 6"),
+    # the strategy is the reason, not the dp_shard of 1 that ddp leaves the experts
+    (2, {"strategy": "ddp", "expert_parallel_size": 2},
+     "expert_parallel_size=2 needs strategy zero1, zero2 or zero3 (got ddp)"),
+    (2, {"strategy": "ddp", "parallelism": {"ep": 2}}, "needs strategy zero1, zero2 or zero3 (got ddp)"),
+    (4, {"strategy": "zero3", "parallelism": {"ep": 2, "dp_replicate": 4}},
+     "ep=2 does not divide dp_shard x cp = 1"),
 ])
 def test_sizes_that_do_not_fit_the_world_are_refused_in_one_line(world: int, config: dict,
                                                                  message: str) -> None:
@@ -161,6 +167,27 @@ def test_sizes_that_do_not_fit_the_world_are_refused_in_one_line(world: int, con
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
         _layout(world, **config)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("world", "config", "message"), [
+    (4, {"context_parallel_size": 2, "shard_group_size": 1},
+     "shard_group_size=1 (1 processes) does not hold whole context-parallel groups of 2 processes: choose a "
+     "multiple of context_parallel_size=2 (a group of G processes is G / 2 data-parallel ranks)"),
+    (4, {"tensor_parallel_size": 2, "shard_group_size": 1},
+     "shard_group_size=1 (1 processes) does not hold whole tensor-parallel groups of 2 processes: choose a "
+     "multiple of tensor_parallel_size=2 (a group of G processes is G / 2 data-parallel ranks)"),
+    (8, {"context_parallel_size": 2, "tensor_parallel_size": 2, "shard_group_size": 2},
+     "shard_group_size=2 (2 processes) does not hold whole context x tensor-parallel groups of 4 processes: "
+     "choose a multiple of context_parallel_size=2 x tensor_parallel_size=2 = 4 (a group of G processes is "
+     "G / 4 data-parallel ranks)"),
+])
+def test_a_sharding_group_that_cuts_a_rank_names_the_dimensions_in_use(world: int, config: dict,
+                                                                        message: str) -> None:
+    from shardwise.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        _layout(world, strategy="zero3", **config)
+    assert str(refused.value) == message
 
 
 def test_deepspeed_declares_its_dimensions_and_refuses_the_rest() -> None:

@@ -141,9 +141,11 @@ def config_reference() -> str:
     for name, cls in SECTIONS:
         lines += _section(name, cls)
     lines += ["## Flat keys", "", "Each flat key is another spelling of one section's field; a file or",
-              "`Engine(...)` may use either (a setting given both ways must agree). A refusal names the",
-              "setting as it was written: `checkpointing: {every_steps: 0}` is refused as",
-              "`checkpointing.every_steps=0 must be ...`, `checkpoint_every_steps: 0` as",
+              "`Engine(...)` may use either. A setting written both ways must agree, a default included",
+              "(`parallelism: {tp: 1}` beside `tensor_parallel_size: 2` is refused in one line naming",
+              "both); a field only implied, not written, yields to the spelling that wrote it.",
+              "A refusal names the setting as it was written: `checkpointing: {every_steps: 0}` is",
+              "refused as `checkpointing.every_steps=0 must be ...`, `checkpoint_every_steps: 0` as",
               "`checkpoint_every_steps=0 must be ...`.", "",
               "| flat key | is |", "|---|---|"]
     lines += [f"| `{key}` | `{section}.{name}` |" for key, (section, name) in FLAT_KEYS.items()]

@@ -195,13 +195,13 @@ def resolve_sizes(section: ParallelismConfig, *, shards: bool, shard_group: int 
                 raise ParallelismError(f"parallelism.{name}={value} does not divide the {dp} data-parallel "
                                        f"ranks ({world} processes / cp {cp} x tp {tp})")
         if not sized:  # neither given a size: shard_group_size's ranks, else every data-parallel rank
-            shard = dp if shard_group is None else _group_ranks(shard_group, tp * cp, group_said)
+            shard = dp if shard_group is None else _group_ranks(shard_group, cp, tp, group_said)
             replicate = dp // shard
         elif "dp_shard" not in sized:
             shard = dp // sized["dp_replicate"]
         elif "dp_replicate" not in sized:
             replicate = dp // sized["dp_shard"]
-        if sized and shard_group is not None and _group_ranks(shard_group, tp * cp, group_said) != shard:
+        if sized and shard_group is not None and _group_ranks(shard_group, cp, tp, group_said) != shard:
             raise ParallelismError(f"shard_group_size ({shard_group} processes: "
                                    f"{shard_group // (tp * cp)} data-parallel ranks) and parallelism."
                                    f"dp_shard={shard} disagree; set one of them")
@@ -216,13 +216,20 @@ def resolve_sizes(section: ParallelismConfig, *, shards: bool, shard_group: int 
     return Sizes(replicate, shard, cp, tp, section.ep)
 
 
-def _group_ranks(group: int, per_rank: int, said: Any = None) -> int:
-    """A sharding group of `group` processes in data-parallel ranks of `per_rank` processes."""
+def _group_ranks(group: int, cp: int, tp: int, said: Any = None) -> int:
+    """A sharding group of `group` processes in data-parallel ranks of cp x tp processes; a group
+    that cuts one is refused naming the dimensions in use (context, tensor parallel or both)."""
+    per_rank = cp * tp
     if group % per_rank:
+        used = [(kind, key, size) for kind, key, size in (("context", "context_parallel_size", cp),
+                                                          ("tensor", "tensor_parallel_size", tp)) if size > 1]
+        kinds = " x ".join(kind for kind, _, _ in used)
+        sizes = " x ".join(f"{key}={size}" for _, key, size in used)
         raise ParallelismError(
             f"shard_group_size={group if said is None else said!r} ({group} processes) does not hold whole "
-            f"tensor-parallel groups of {per_rank} processes: choose a multiple of tensor_parallel_size="
-            f"{per_rank} (a group of G processes is G / {per_rank} data-parallel ranks)")
+            f"{kinds}-parallel groups of {per_rank} processes: choose a multiple of {sizes}"
+            f"{f' = {per_rank}' if len(used) > 1 else ''} (a group of G processes is G / {per_rank} "
+            "data-parallel ranks)")
     return group // per_rank
 
 

@@ -379,7 +379,9 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
                      source: str = "parallelism_config") -> dict[str, Any] | None:
     """Accelerate's `ParallelismConfig` sizes -> shardwise's `parallelism` section
     (`config.parallelism`): dp_replicate, dp_shard and tp by their own names, or None where they
-    ask for nothing (every size 1, as Accelerate's defaults).
+    ask for nothing (every size 1, as Accelerate's defaults). The section holds only what was set:
+    tp and cp above 1 (a size of 1 is left implied, so it yields to `tensor_parallel_size` and
+    the like), both data-parallel sizes where either is above 1.
 
     `sizes` holds its fields by name (`dp_replicate_size`, `dp_shard_size`, `tp_size`, ...) or
     as an Accelerate YAML's `parallelism_config` section spells them (`parallelism_config_`
@@ -412,11 +414,14 @@ def from_parallelism(sizes: Mapping[str, Any], num_processes: int | None = None,
     if replicas > 1 and shard == 1:
         raise ConfigError(f"{source}: dp_replicate_size={replicas} with dp_shard_size=1 is pure data "
                           "parallelism, which Accelerate refuses here too; use strategy ddp instead")
-    # Accelerate's cp is a ring (shardwise's default method); its sp is Ulysses (cp_method)
-    context: dict[str, Any] = {"cp": cp, **method} if cp > 1 else {}
+    # only what the user set (a size above 1, Ulysses): a field left out is implied and yields to
+    # another spelling of it (`tensor_parallel_size`, ...), where a written 1 would have to agree.
+    # Accelerate's cp is a ring (shardwise's default method); its sp is Ulysses (cp_method).
+    section: dict[str, Any] = {"tp": tp} if tp > 1 else {}
+    section.update({"cp": cp, **method} if cp > 1 else {})
     if replicas == shard == 1:
-        return {"tp": tp, **context}  # the data-parallel ranks: the rest, laid out as the strategy does
-    return {"dp_replicate": replicas, "dp_shard": shard, "tp": tp, **context}
+        return section  # the data-parallel ranks: the rest, laid out as the strategy does
+    return {"dp_replicate": replicas, "dp_shard": shard, **section}  # (no other spelling: both, as given)
 
 
 _FSDP_HYBRID = ("4", "5", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")

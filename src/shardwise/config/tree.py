@@ -210,9 +210,9 @@ class ShardingConfig:
     """Processes per sharding group (hybrid sharding): zero1-3 shard within each group of this
     many consecutive ranks and replicate across groups, all-reducing gradients across groups once
     per optimizer step. None: all processes (one group); "node": the processes of one node
-    (LOCAL_WORLD_SIZE). Must divide the world size; with tensor_parallel_size T it holds whole tp
-    groups (a multiple of T: G processes are G / T data-parallel ranks). ddp has nothing to shard
-    and ignores it."""
+    (LOCAL_WORLD_SIZE). Must divide the world size; with context_parallel_size C and
+    tensor_parallel_size T it holds whole groups of C x T processes (a multiple of C x T: G
+    processes are G / (C x T) data-parallel ranks). ddp has nothing to shard and ignores it."""
     offload_bucket_numel: int = 2**24
     """Optimizer offload pipelines gradient copies, host steps and parameter copies in buckets
     of about this many elements (on deepspeed: its reduce and all-gather bucket sizes)."""
@@ -545,8 +545,9 @@ def _as_mapping(value: Any) -> dict[str, Any]:
 
 def nest(data: Mapping[str, Any], source: str = "config", *, what: str = "key") -> dict[str, Any]:
     """Settings in either spelling as the tree's sections: each flat key moves to its section's
-    field. A setting given both ways must agree (a value at its default yields to the other
-    spelling's). Unknown keys are refused with the closest valid one."""
+    field. A setting written both ways must agree, a default included (`_agreed`); a field its
+    section only implies (not written: its default) yields to the flat key. Unknown keys are
+    refused with the closest valid one."""
     out: dict[str, Any] = {}
     flat: list[tuple[str, Any]] = []
     for key, value in data.items():
@@ -561,6 +562,7 @@ def nest(data: Mapping[str, Any], source: str = "config", *, what: str = "key") 
             valid = [*_SECTION_TYPES, *FLAT_KEYS]
             raise ConfigError(f"{source + ': ' if source else ''}unknown {what} '{key}'"
                               f"{suggest(str(key), valid)}; valid {what}s: {', '.join(valid)}")
+    written = {name: _written(value, _SECTION_TYPES[name]) for name, value in out.items()}
     for key, value in flat:
         section_name, name = FLAT_KEYS[key]
         if section_name == "parallelism" and name in ("tp", "cp", "ep"):  # (named as the user spelled it)
@@ -570,14 +572,41 @@ def nest(data: Mapping[str, Any], source: str = "config", *, what: str = "key") 
                 raise ConfigError(f"{source + ': ' if source else ''}{err}") from None
         given = out.get(section_name)
         section = {} if given is None else _as_mapping(given)
-        default = _default_of(_SECTION_TYPES[section_name], name)
-        if name not in section or section[name] == default:
-            section[name] = value
-        elif value != default and value != section[name]:
-            raise ConfigError(f"{source + ': ' if source else ''}{section_name}.{name}={section[name]!r} and "
-                              f"{key}={value!r} disagree; set one of them")
+        try:
+            section[name] = _agreed(f"{section_name}.{name}", written.get(section_name, {}), key, value)
+        except ConfigError as err:
+            raise ConfigError(f"{source + ': ' if source else ''}{err}") from None
         out[section_name] = section
     return out
+
+
+def _written(given: Any, cls: type) -> dict[str, Any]:
+    """The fields a section wrote: every key of a mapping (a file's, a keyword's); of a section
+    object (`ShardingConfig(...)`), the fields away from their defaults, since one left at its
+    default cannot be told from one never written."""
+    if isinstance(given, Mapping):
+        return dict(given)
+    if given is None or not isinstance(given, cls):
+        return {}  # (not a section: the tree refuses it when it is made)
+    return {f.name: getattr(given, f.name) for f in fields(cls)
+            if not _same(getattr(given, f.name), _default_of(cls, f.name))}
+
+
+def _agreed(path: str, written: Mapping[str, Any], key: str, value: Any) -> Any:
+    """The value of the field `path` (`parallelism.tp`) that its flat key `key` gives as `value`:
+    where the section wrote the field too (`written`), both must say the same, a default included
+    (`parallelism: {cp: 1}` beside `context_parallel_size: 2` is refused, not run at either)."""
+    name = path.split(".", 1)[1]
+    if name in written and not _same(written[name], value):
+        raise ConfigError(f"{path}={written[name]!r} and {key}={value!r} disagree; set one of them")
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two spellings of one value (a YAML list and a keyword's tuple alike)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return bool(a == b)
 
 
 def flat_spellings(data: Mapping[str, Any]) -> dict[tuple[str, str], str]:

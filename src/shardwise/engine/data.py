@@ -441,6 +441,21 @@ class PreparedDataLoader(DataLoader[Any]):
             self._on_end(self)
 
 
+def check_unsplit(loader: Any) -> None:
+    """Refuse in one line a DataLoader split over the ranks already (a DistributedSampler of more
+    than one replica): prepare splits it over the data-parallel ranks, and a second split would
+    train each rank on a fraction of its share, silently."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1:
+        raise ValueError(f"prepare: this DataLoader's sampler is a DistributedSampler over "
+                         f"{sampler.num_replicas} replicas, and prepare splits the data over the "
+                         "data-parallel ranks itself (it would be split twice); pass a DataLoader over the "
+                         "whole dataset "
+                         "(shuffle=True in place of the sampler)")
+
+
 def is_dataloader(obj: object) -> bool:
     return isinstance(obj, DataLoader) and not isinstance(obj, PreparedDataLoader)
 

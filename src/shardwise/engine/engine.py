@@ -51,7 +51,7 @@ from ..strategies.steps import model_parallel_trial
 from ..weights.adapters import attach_full_weights
 from ..weights.ema import PreparedEMA, adopt_at_first_step, bind, journal_calls, shard
 from . import boundary
-from .data import PreparedDataLoader, first_samples, move_to_device
+from .data import PreparedDataLoader, check_unsplit, first_samples, move_to_device
 from .items import per_item
 from .lone import LoneCalls
 from .loop_rules import LoopRules
@@ -288,11 +288,15 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         seedable = rules.seedable_sampler and rules.data_seed is not None
         seed = rules.data_seed if seedable else self.config.training.seed
         dims = self.session.strategy.dims  # the data-parallel ranks split the data (`distributed.mesh`)
-        if dims.tp > 1 and loader.batch_size is not None:  # (sized by num_processes: twice the batch)
-            say(self._info, f"tensor_parallel_size {dims.tp}: the DataLoader is split over {dims.dp_size} "
-                f"data-parallel rank(s), not {self.num_processes} processes (the {dims.tp} processes of a "
-                f"tp group take the same batch): {loader.batch_size} x {dims.dp_size} = "
-                f"{loader.batch_size * dims.dp_size} samples per micro-step")
+        check_unsplit(loader)
+        same = dims.tp * dims.cp  # the processes that take the same batch
+        if same > 1 and loader.batch_size is not None:  # (sized by num_processes: a fraction of the batch)
+            named = (("tensor_parallel_size", dims.tp), ("context_parallel_size", dims.cp))
+            sizes = " x ".join(f"{key} {n}" for key, n in named if n > 1)
+            say(self._info, f"{sizes}: the DataLoader is split over {dims.dp_size} data-parallel rank(s), "
+                f"not {self.num_processes} processes (the {same} processes of a tp x cp group take the same "
+                f"batch): {loader.batch_size} x {dims.dp_size} = {loader.batch_size * dims.dp_size} samples "
+                "per micro-step")
         return PreparedDataLoader(
             loader, world=dims.dp_size, rank=dims.dp_rank(self.process_index), device=self.device,
             on_batch=self._on_batch, seed=seed, tail=rules.tail, split_batches=rules.split_batches,

@@ -24,7 +24,11 @@ Signals: the configured preempt_signals (SIGTERM, SIGUSR1) set a flag. Scheduler
 Kubernetes) signal every process of the job at once, and `shardwise launch` passes its own signal
 on, so a worker gets the same signal twice or more: the repeats change nothing. A process that
 reaches no boundary within preempt_grace_s of the first signal (a hung or stalled process) exits
-with 128 + the signal, without saving: the scheduler would kill it anyway.
+with 128 + the signal, without saving: the scheduler would kill it anyway. Python runs a signal's
+handler only when the main thread comes back to the interpreter, which a main thread waiting in a
+collective that never completes does not: so the signal is also seen at the C level, through
+`signal.set_wakeup_fd`, by the watch thread (under a launcher), whose preempt_grace_s clock then
+runs from the signal's arrival.
 The stop goes into the run record of `shardwise launch` (`checkpoint.run_record`) after the saves.
 Launcher: a thread notices when the parent process changes (the launcher was SIGKILLed: the
 process was handed to init); the run then stops at its next boundary, as on preemption, or
@@ -39,6 +43,7 @@ import contextlib
 import datetime
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -111,6 +116,8 @@ class _Process:
         self.supervisor: Supervisor | None = None  # the newest Engine's: it reports an uncaught timeout
         self.previous_hook: Callable[..., Any] | None = None
         self.pid = os.getpid()  # the process the handlers are for (a forked child is not it)
+        self.wakeup: int | None = None  # the read end of signal.set_wakeup_fd's pipe (None: not set)
+        self.arrived, self.arrived_at = 0, 0.0  # a stop signal seen by the watch (its handler may not run)
 
     def install(self, signals: tuple[str, ...], grace: float, rank: int) -> None:
         self.grace, self.rank, self.pid = grace, rank, os.getpid()
@@ -119,6 +126,7 @@ class _Process:
                 signum = getattr(signal, name)
                 if signum not in self.handlers:
                     self.handlers[signum] = signal.signal(signum, self._on_signal)
+            self._set_wakeup()
         # the launcher watch: only under torchrun (a launcher to outlive); a thread in every
         # process would also make fork() (multiprocessing pools) unsafe there. Elsewhere it
         # starts with the first signal, to keep the preempt_grace_s bound.
@@ -151,6 +159,41 @@ class _Process:
             runlock.release_all()  # os._exit skips atexit, where the run lock goes
             os._exit(1)
 
+    def _set_wakeup(self) -> None:
+        """Have every signal's number written to a pipe as it arrives (Python's C-level handler
+        does it, whatever the main thread is doing), for the watch thread; not where another
+        owner (an asyncio loop) set the wakeup fd already: theirs stays."""
+        if self.wakeup is not None:
+            return
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        try:
+            old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:  # (not the main thread of the main interpreter)
+            old = -2
+        if old != -1:
+            if old >= 0:
+                signal.set_wakeup_fd(old)
+            os.close(read)
+            os.close(write)
+            return
+        self.wakeup = read
+        os.register_at_fork(after_in_child=_forget_wakeup)  # (a forked child's signals are its own)
+
+    def _read_wakeup(self, seconds: float) -> None:
+        """Wait up to `seconds` for a signal's arrival; a stop signal starts the grace clock."""
+        if self.wakeup is None:
+            time.sleep(seconds)
+            return
+        ready, _, _ = select.select([self.wakeup], [], [], seconds)
+        if not ready:
+            return
+        with contextlib.suppress(OSError):
+            for signum in os.read(self.wakeup, 64):
+                if signum in self.handlers and not self.arrived:
+                    self.arrived, self.arrived_at = signum, time.monotonic()
+
     def _start_watch(self) -> None:
         if self.watch is None:
             self.watch = threading.Thread(target=self._watch_loop, name="shardwise-watch", daemon=True)
@@ -180,14 +223,17 @@ class _Process:
 
     def _watch_loop(self) -> None:
         while True:
-            time.sleep(0.2 if self.preempted else 1.0)
+            self._read_wakeup(0.2 if self.preempted or self.arrived else 1.0)
             if self.under_launcher and not self.launcher_gone and os.getppid() != self.parent:
                 self.launcher_gone, self.since = True, time.monotonic()
                 log.warning("rank %d: the launcher (pid %d) is gone; stopping at the next step boundary",
                             self.rank, self.parent)
-            waiting = (self.preempted or self.launcher_gone) and not self.at_boundary
-            if waiting and time.monotonic() - self.since > self.grace:
-                code = 128 + (self.preempted or signal.SIGTERM)
+            # a signal whose handler has not run (the main thread waits in a collective) counts
+            # from its arrival; once the handler ran, from then (a boundary restarts the clock)
+            since = self.since if self.preempted or self.launcher_gone else self.arrived_at
+            waiting = (self.preempted or self.launcher_gone or self.arrived) and not self.at_boundary
+            if waiting and time.monotonic() - since > self.grace:
+                code = 128 + (self.preempted or self.arrived or signal.SIGTERM)
                 print(f"shardwise: rank {self.rank}: no step boundary within preempt_grace_s={self.grace:g} "
                       f"s of {self.why()}; exiting ({code}) without a checkpoint",
                       file=sys.stderr, flush=True)
@@ -195,7 +241,15 @@ class _Process:
                 os._exit(code)
 
     def why(self) -> str:
-        return signal.Signals(self.preempted).name if self.preempted else "the launcher's exit"
+        signum = self.preempted or self.arrived
+        return signal.Signals(signum).name if signum else "the launcher's exit"
+
+
+def _forget_wakeup() -> None:
+    """In a forked child: its signals are not written to the parent's pipe."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+    PROCESS.wakeup, PROCESS.arrived = None, 0
 
 
 PROCESS = _Process()
@@ -343,7 +397,9 @@ class Supervisor:
         who = f"; {behind} did not arrive" if behind else ""
         return (f"rank {self.info.rank}: step {self.step_in_progress}: a collective did not complete within "
                 f"collective_timeout_s={self.section.collective_timeout_s:g} s{who}. The run stops; restart "
-                "it (shardwise launch --max-restarts N) to resume from the newest checkpoint")
+                "it (shardwise launch --max-restarts N) to resume from the newest checkpoint, unless the "
+                "processes were making different calls (a generate or a collective on some processes only, "
+                "or with other lengths): a restart would stop there again")
 
     def _seen(self, rank: int) -> tuple[int, str, str] | None:
         """Another process's newest heartbeat (count, step, where), None when it sent none."""

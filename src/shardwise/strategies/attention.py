@@ -48,10 +48,13 @@ class Split:
     """The ring's chunk of tokens (sequence / 2N: each rank holds two), the unit whose pairs it
     computes or skips (0: a rank's tokens as one)."""
 
-    def block_mask(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def block_mask(self, q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """[batch, 1, len(q), len(k)] bool: which of the keys at positions `k` the queries at
-        positions `q` attend to."""
+        positions `q` attend to (`window`: a layer's sliding window, as transformers masks it: a
+        query sees the `window` latest keys, itself included)."""
         causal = k[None, :] <= q[:, None]
+        if window is not None:
+            causal = causal & (k[None, :] > q[:, None] - window)
         same = self.doc[:, q][:, :, None] == self.doc[:, k][:, None, :]
         return (causal[None] & same & self.valid[:, k][:, None, :]).unsqueeze(1)
 
@@ -107,6 +110,32 @@ def sum_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _SumOver.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
 
 
+class _GatherSeq(torch.autograd.Function):
+    """all_gather along dim 1 (each rank's tokens, concatenated in rank order); the backward, like
+    `_SumOver`'s, sums the gradients over the group (every rank used the whole tensor) and keeps
+    this rank's tokens."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), x.shape[1]
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out.narrow(1, ctx.rank * ctx.size, ctx.size).contiguous(), None
+
+
+def gather_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's `x` along dim 1, concatenated in rank order, on each of them (differentiable:
+    the gradient each rank's part gets is the group's sum, as `sum_over`'s)."""
+    return _GatherSeq.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
 # -- Ulysses ------------------------------------------------------------------------------------
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
     """[B, H, S/N, D] (this rank's tokens, every head) -> [B, H/N, S, D] (every token, this rank's
@@ -126,7 +155,7 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Te
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Split,
-                      group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+                      group: dist.ProcessGroup, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens ([B, H, S/N, D] each; contiguous chunks in rank order) to
     the whole sequence; returns [B, H, S/N, D]."""
     n = dist.get_world_size(group)
@@ -134,23 +163,16 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
         k, v = (repeat_heads(t, q.shape[1] // t.shape[1]) for t in (k, v))
     q, k, v = (_seq_to_heads(t, group, n) for t in (q, k, v))
     k, v = (repeat_heads(t, q.shape[1] // t.shape[1]) for t in (k, v))
-    if split.causal_only:  # (the fused kernel: no mask, no saved attention matrix)
+    if split.causal_only and window is None:  # (the fused kernel: no mask, no saved attention matrix)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         every = torch.cat(split.index)
-        mask = _never_empty(split.block_mask(every, every))
+        # (a query row with no key to attend to, a left-padded row's first tokens, gets a zero
+        # output from torch's kernel, as in one process and the ring: the last pad token's
+        # shifted label is the first real token, so that row reaches the loss)
+        mask = split.block_mask(every, every, window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return _heads_to_seq(out, group, n)
-
-
-def _never_empty(mask: torch.Tensor) -> torch.Tensor:
-    """A query row with no key to attend to (a padding token at the very start) attends to its
-    own position instead of producing NaN; its output only ever reaches padding."""
-    empty = ~mask.any(-1, keepdim=True)
-    if not bool(empty.any()):
-        return mask
-    eye = torch.eye(mask.shape[-2], mask.shape[-1], dtype=torch.bool, device=mask.device)
-    return mask | (empty & eye)
 
 
 # -- Ring ---------------------------------------------------------------------------------------
@@ -174,7 +196,8 @@ def _chunks(n: int, chunk: int) -> list[slice]:
     return [slice(a, a + step) for a in range(0, n, step)]
 
 
-def _pairs(split: Split, qi: torch.Tensor, ki: torch.Tensor) -> list[tuple[slice, slice, torch.Tensor]]:
+def _pairs(split: Split, qi: torch.Tensor, ki: torch.Tensor,
+           window: int | None = None) -> list[tuple[slice, slice, torch.Tensor]]:
     """The (query chunk, key chunk, mask) pairs of one block with any key to attend to: with the
     zigzag split every rank gets as many, and as large, as every other under the causal mask."""
     out = []
@@ -182,7 +205,7 @@ def _pairs(split: Split, qi: torch.Tensor, ki: torch.Tensor) -> list[tuple[slice
         for ks in _chunks(len(ki), split.chunk):
             if int(qi[qs][-1]) < int(ki[ks][0]):  # the whole key chunk lies in the future
                 continue
-            mask = split.block_mask(qi[qs], ki[ks])
+            mask = split.block_mask(qi[qs], ki[ks], window)
             if bool(mask.any()):
                 out.append((qs, ks, mask))
     return out
@@ -226,14 +249,14 @@ def _unpack(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Te
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Split,
-                group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+                group: dist.ProcessGroup, scale: float, window: int | None) -> torch.Tensor:
         ring = _Ring(group)
         qi = split.index[ring.rank]
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         kb, vb = k, v  # the key/value block held at each step: this rank's first, then the ring's
         for step in range(ring.n):
-            for qs, ks, mask in _pairs(split, qi, split.index[ring.source(step)]):
+            for qs, ks, mask in _pairs(split, qi, split.index[ring.source(step)], window):
                 s = (q[:, :, qs].float() @ kb[:, :, ks].float().transpose(-1, -2)) * scale
                 s = s.masked_fill(~mask, -math.inf)
                 block_lse = torch.logsumexp(s, dim=-1)
@@ -248,7 +271,7 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.n - 1:
                 kb, vb = _unpack(ring.pass_on(_pack(kb, vb)), (kb, vb))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.split, ctx.group, ctx.scale = split, group, scale
+        ctx.split, ctx.group, ctx.scale, ctx.window = split, group, scale, window
         return out.to(q.dtype)
 
     @staticmethod
@@ -263,7 +286,7 @@ class _RingAttention(torch.autograd.Function):
         kb, vb = k, v
         dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for step in range(ring.n):
-            for qs, ks, mask in _pairs(split, qi, split.index[ring.source(step)]):
+            for qs, ks, mask in _pairs(split, qi, split.index[ring.source(step)], ctx.window):
                 qf, kf, vf = q[:, :, qs].float(), kb[:, :, ks].float(), vb[:, :, ks].float()
                 s = (qf @ kf.transpose(-1, -2)) * scale
                 p = torch.exp(s - lse[:, :, qs, None]).masked_fill(~mask, 0.0).nan_to_num(0.0)
@@ -278,12 +301,12 @@ class _RingAttention(torch.autograd.Function):
                 kb, vb, dk, dv = _unpack(ring.pass_on(_pack(kb, vb, dk, dv)), (kb, vb, dk, dv))
             else:
                 dk, dv = _unpack(ring.pass_on(_pack(dk, dv)), (dk, dv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Split,
-                   group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+                   group: dist.ProcessGroup, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens ([B, H, S/N, D]) to the whole sequence over the ring;
     returns [B, H, S/N, D]."""
     k, v = (repeat_heads(t, q.shape[1] // t.shape[1]) for t in (k, v))
-    return _RingAttention.apply(q, k, v, split, group, scale)  # type: ignore[no-any-return,no-untyped-call]
+    return _RingAttention.apply(q, k, v, split, group, scale, window)  # type: ignore[no-any-return,no-untyped-call]

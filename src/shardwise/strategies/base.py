@@ -60,8 +60,10 @@ def layout(cfg: EngineConfig, info: DistInfo, *, shards: bool, supported: frozen
     """The run's `ParallelDims`: the config's `parallelism` sizes (and shard_group_size, resolved
     into them by `config.parallelism.resolve_sizes`) on this world. `shards`: the strategy shards
     over dp_shard (a shard_group_size is resolved for it; ddp ignores one). A dimension of more
-    than one process outside `supported` is refused in one line."""
+    than one process outside `supported` is refused in one line, and expert parallelism under a
+    strategy or layout it does not split in (`expert_parallel.check_layout`) before any size."""
     world, local = info.world_size, info.local_world_size
+    check_expert_layout(cfg.parallelism, cfg.sharding.strategy, cfg.sharding.backend)  # (before the sizes)
     given = shards and cfg.sharding.shard_group_size is not None
     group = resolve_shard_group(cfg.sharding.shard_group_size, world, local) if given else None
     sizes = resolve_sizes(cfg.parallelism, shards=shards, shard_group=group, world=world, local_world=local,
@@ -73,10 +75,8 @@ def layout(cfg: EngineConfig, info: DistInfo, *, shards: bool, supported: frozen
                           f"along {'it' if len(unsupported) == 1 else 'them'} (it splits "
                           f"{', '.join(d for d in DIMS if d in supported)}); set "
                           f"{', '.join(u.split('=')[0] for u in unsupported)} to 1")
-    dims = ParallelDims(sizes.dp_replicate, sizes.dp_shard, world, info.device.type, tp=sizes.tp, cp=sizes.cp,
+    return ParallelDims(sizes.dp_replicate, sizes.dp_shard, world, info.device.type, tp=sizes.tp, cp=sizes.cp,
                         ep=sizes.ep)
-    check_expert_layout(dims, cfg.sharding.strategy, cfg.sharding.backend)
-    return dims
 
 
 def zero_step(optimizer: torch.optim.Optimizer, params: Sequence[Sequence[torch.Tensor]]) -> None:

@@ -34,6 +34,7 @@ from ..distributed.world import DistInfo
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .expert_parallel import experts_held_whole, gradient_sync, sum_over_replicas
 from .frozen import for_inference
+from .fsdp import sync_generate
 from .sharded_optim import Ranks, optimizer_runner
 
 log = logging.getLogger("shardwise")
@@ -44,6 +45,15 @@ def _say_ignored(value: int | str) -> None:
     """One log line per process and value (free_memory builds the strategy again)."""
     log.warning("shard_group_size=%r is ignored: ddp shards nothing (every process keeps the whole model "
                 "and optimizer)", value)
+
+
+def _generate_in_step(model: nn.Module) -> nn.Module:
+    """A replica whose forward is collective (its experts or layers split over processes: each
+    forward dispatches tokens or gathers activations) generates in step on every process
+    (`fsdp.sync_generate`: a process whose sequences end first keeps calling forward)."""
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        sync_generate(model, lambda: None)
+    return model
 
 
 class DDPStrategy(Strategy):
@@ -62,7 +72,7 @@ class DDPStrategy(Strategy):
 
     def setup_model(self, model: nn.Module, empty: EmptyModel | None = None) -> nn.Module:
         if for_inference(model):  # a frozen reference: nothing to all-reduce, no DDP wrapper
-            return self.replicate(model, empty)
+            return _generate_in_step(self.replicate(model, empty))
         if empty is not None:  # replicas: every process holds the whole model anyway
             self.fill(model, empty, self.info.device)
         model.to(self.info.device)
@@ -78,6 +88,9 @@ class DDPStrategy(Strategy):
         # each step) and the gradients take no memory beside the buckets
         wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         sum_over_replicas(model)  # (the experts' other holders, once the model is laid out)
+        _generate_in_step(model)
+        if callable(getattr(model, "generate", None)):  # (the prepared model's generate: the model's own)
+            wrapped.__dict__["generate"] = model.generate
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:

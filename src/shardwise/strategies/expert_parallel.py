@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..config.tree import ConfigError
+from ..config.tree import ConfigError, ParallelismConfig
 from ..distributed.mesh import ParallelDims
 
 log = logging.getLogger("shardwise")
@@ -85,8 +85,11 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def check_layout(dims: ParallelDims, strategy: str, backend: str) -> None:
-    """One-line refusals for what this version does not split experts under."""
+def check_layout(dims: ParallelDims | ParallelismConfig, strategy: str, backend: str) -> None:
+    """One-line refusals for what this version does not split experts under. It reads ep, cp and
+    tp only, which the `parallelism` section gives as they run, so the layout asks it before the
+    data-parallel sizes are resolved: a strategy that shards nothing is named as the reason, not
+    the dp_shard its ranks then lack."""
     if dims.ep == 1:
         return
     where = f"expert_parallel_size={dims.ep}"

@@ -60,6 +60,7 @@ from .blocks import find_blocks, keep_ties_whole
 from .direct_calls import generate_as_forward, route_fsdp_calls
 from .expert_parallel import expert_params, expert_units, gradient_sync, sum_over_replicas
 from .frozen import for_inference
+from .quantized import refuse_sharded_quantized
 from .sharded_optim import optimizer_runner
 
 
@@ -227,6 +228,7 @@ class FSDPStrategy(Strategy):
         replica instead, and under zero3 it is sharded like any other (see `strategies.frozen`)."""
         if self.stage < 3 and for_inference(model):
             return self.replicate(model, empty)
+        refuse_sharded_quantized(model, f"zero{self.stage}")
         offload_params = offload_spec(self.cfg.sharding.offload).params_on_host
         if offload_params and self.info.device.type != "cpu" and expert_params(model):
             raise ConfigError(f"expert_parallel_size={self.dims.ep} with offload: params on "

@@ -38,7 +38,7 @@ def tiling_step(model: nn.Module, cfg: BlocksConfig, *, context_parallel: bool) 
             raise ConfigError("tiled_mlp: true, but no block of this model has an `mlp` to tile (a "
                               "transformers decoder block's); set tiled_mlp to false")
     if loss:
-        if not _is_causal_lm(model):
+        if not is_causal_lm(model):
             if cfg.tiled_loss:
                 name = type(model).__name__
                 raise ConfigError(f"tiled_loss: true, but {name} is not a transformers causal LM (an output "
@@ -52,11 +52,15 @@ def _tiles(x: torch.Tensor, tokens: int) -> list[torch.Tensor]:
 
 
 def tile_mlps(model: nn.Module, wrap: tuple[Any, ...], tokens: int) -> int:
-    """Give each block's `mlp` a forward over `tokens` tokens at a time; returns how many."""
+    """Give each block's `mlp` a forward over `tokens` tokens at a time; returns how many. A
+    mixture of experts' block is left whole: its router routes (and records its logits for the
+    load-balancing loss) once per forward, over every token."""
     count = 0
     for block in find_blocks(model, wrap):
         mlp = getattr(block, "mlp", None)
         if not isinstance(mlp, nn.Module) or getattr(mlp.forward, _TILED, False):
+            continue
+        if any(hasattr(m, "num_experts") for m in mlp.modules()):
             continue
         mlp.__dict__["forward"] = _tiled_mlp(mlp.forward, tokens)
         count += 1
@@ -75,7 +79,7 @@ def _tiled_mlp(forward: Callable[..., torch.Tensor], tokens: int) -> Callable[..
     return tiled
 
 
-def _is_causal_lm(model: nn.Module) -> bool:
+def is_causal_lm(model: nn.Module) -> bool:
     import inspect
 
     head = getattr(model, "get_output_embeddings", None)
@@ -87,13 +91,29 @@ def _is_causal_lm(model: nn.Module) -> bool:
         return False
 
 
+# a causal LM config's changes to its logits after the head: honoured (the final softcap) or refused
+_LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+NO_LOGITS = ("tiled_loss: a forward with labels never makes the logits (its loss is computed a tile of "
+             "tokens at a time); set tiled_loss: false to read outputs.logits, or call the model without "
+             "labels")
+
+
 def tile_loss(model: nn.Module, tokens: int) -> None:
     """A forward with labels that computes the head and the cross entropy per tile of `tokens`
-    tokens (the logits of the whole sequence never exist: the output's `logits` is None)."""
+    tokens (the logits of the whole sequence never exist: reading the output's `logits` is refused
+    in one line, `NO_LOGITS`). The model's final logit softcapping is applied per tile, and a
+    mixture of experts' load-balancing loss is added as the model adds it."""
     forward = model.forward
     if getattr(forward, _TILED, False):
         return
     head = model.get_output_embeddings()  # type: ignore[operator]
+    config = getattr(model, "config", None)
+    for key in _LOGIT_SCALES:
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            raise ConfigError(f"tiled_loss: {type(model).__name__}'s config scales its logits ({key}="
+                              f"{getattr(config, key)!r}), which the tiled loss does not; set tiled_loss to "
+                              "false")
+    cap = getattr(config, "final_logit_softcapping", None)
 
     def tiled(*args: Any, **kwargs: Any) -> Any:
         labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
@@ -113,23 +133,59 @@ def tile_loss(model: nn.Module, tokens: int) -> None:
         hidden = out.hidden_states[-1]
         if not asked:
             out.hidden_states = None
-        total = sum((_tile_loss_sum(head, h, y, ignore) for h, y in
+        total = sum((_tile_loss_sum(head, h, y, ignore, cap) for h, y in
                      zip(_tiles(hidden, tokens), _tiles(shift.to(hidden.device), tokens), strict=True)),
                     hidden.new_zeros((), dtype=torch.float32))
         count = (shift != ignore).sum() if items is None else items
-        out.loss = total / (count.to(total.device) if isinstance(count, torch.Tensor) else count)
-        out.logits = None
-        return out
+        loss = total / (count.to(total.device) if isinstance(count, torch.Tensor) else count)
+        aux = out.get("aux_loss")
+        if isinstance(aux, torch.Tensor):  # (a mixture of experts' router loss, as the model adds it)
+            loss = loss + float(getattr(model, "router_aux_loss_coef")) * aux.to(loss.dtype)  # noqa: B009
+        return without_logits(out, loss)
 
     setattr(tiled, _TILED, True)
     model.__dict__["forward"] = tiled
-    log.info("prepare: the loss of %s is computed over %d tokens at a time (tiled_loss: its logits are None)",
+    log.info("prepare: the loss of %s is computed over %d tokens at a time (tiled_loss: a forward with "
+             "labels makes no logits)",
              type(model).__name__, tokens)
 
 
-def _tile_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ignore: int) -> torch.Tensor:
+class NoLogits:
+    """What a tiled loss's output holds for `logits`: any use of it (an attribute, an index, a
+    torch function) is refused in one line (`NO_LOGITS`); `is None` checks see something there,
+    and torch's pytree and FSDP see a leaf that is not a tensor."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (protocol lookups, e.g. copy's and pickle's, find nothing)
+            raise AttributeError(name)
+        raise AttributeError(NO_LOGITS)
+
+    def __getitem__(self, key: Any) -> Any:
+        raise TypeError(NO_LOGITS)
+
+    def __iter__(self) -> Any:
+        raise TypeError(NO_LOGITS)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise TypeError(NO_LOGITS)
+
+    def __repr__(self) -> str:
+        return "NoLogits(tiled_loss)"
+
+
+def without_logits(out: Any, loss: torch.Tensor) -> Any:
+    """`out` (a transformers ModelOutput) with `loss` first and `NoLogits` for its logits."""
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    return type(out)(loss=loss, logits=NoLogits(), **fields)
+
+
+def _tile_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ignore: int,
+                   cap: float | None) -> torch.Tensor:
     def part(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head(h).float()
+        if cap is not None:  # (Gemma 2's final softcapping, as its forward applies it)
+            logits = torch.tanh(logits / cap) * cap
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=ignore,
                                reduction="sum")
 

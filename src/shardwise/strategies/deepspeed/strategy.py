@@ -62,6 +62,7 @@ from ..frozen import for_inference
 from ..fsdp import sync_generate
 from ..host_step import step_on_host
 from ..precision import Precision
+from ..quantized import refuse_sharded_quantized
 from . import internals as ds
 from .runner import DeepSpeedRunner
 from .setup import check_shard_group, deepspeed_config, import_deepspeed
@@ -177,6 +178,8 @@ class DeepSpeedStrategy(Strategy):
             self._inference.add(out)
             self.frozen.precision.apply_to(model)  # DeepSpeed's autocast lives in its engine: ours here
             return out
+        if self.stage == 3:
+            refuse_sharded_quantized(model, "zero3 (backend deepspeed)")
         if empty is not None:  # whole on each process until DeepSpeed partitions it (zero.Init is not used)
             self.fill(model, empty, "cpu")
         model.to(self.info.device)
