@@ -586,6 +586,16 @@ def _split_group_unchecked() -> None:
     _patch(steps, "_split_already", split_already)
 
 
+@fault("split_twice", row="a model split by transformers (`tests/test_parallel_dims.py`",
+       test="tests/test_parallel_dims.py::test_planted_split_twice_is_caught")
+def _split_twice() -> None:
+    """A model that arrives split (transformers' tp_plan="auto") is not recognized as split: the
+    run's plan splits it again."""
+    from shardwise.strategies import steps
+
+    _patch(steps, "_split_already", lambda model, dims: False)
+
+
 @fault("sum_across_nodes", row="two nodes for real (`tests/test_multinode.py`)",
        test="tests/test_multinode.py::test_planted_sum_across_nodes_is_caught")
 def _sum_across_nodes() -> None:
@@ -1440,6 +1450,16 @@ def _ring_own_block_only() -> None:
     from shardwise.strategies import attention
 
     _patch(attention._Ring, "source", lambda self, step: self.rank)
+
+
+@fault("ring_merge_in_bf16", row="context parallelism (`tests/test_context_parallel.py`",
+       test="tests/test_context_parallel.py::test_a_ring_merging_in_bf16_is_caught")
+def _ring_merge_in_bf16() -> None:
+    """The ring's online softmax kept in its inputs' dtype: under bf16 every block's merge rounds
+    the output and the log-sum-exp again (the losses stay within bf16's own distance of fp32)."""
+    from shardwise.strategies import attention
+
+    attention.MERGE_DTYPE = None  # type: ignore[assignment]
 
 
 # -- the package's shape, bad checkpoints, the tests of the tests (in process) -------------------

@@ -36,9 +36,12 @@ TORCH_CASES: dict[str, dict[str, Any]] = {
     "tp_plugin": {"tensor_parallel_size": 2},
 }
 DS_CASES: dict[str, dict[str, Any]] = {
-    "ds_zero2_offload": {"backend": "deepspeed", "strategy": "zero2", "offload": "optimizer"},
-    "ds_zero3_dict": {"backend": "deepspeed", "strategy": "zero3"},
-    "ds_zero3_file": {"backend": "deepspeed", "strategy": "zero3"},
+    "ds_zero2_offload": {"backend": "deepspeed", "strategy": "zero2", "offload": "optimizer",
+                         "max_grad_norm": 1.0, "micro_batch_size": "auto", "train_batch_size": "auto"},
+    "ds_zero3_dict": {"backend": "deepspeed", "strategy": "zero3", "max_grad_norm": 1.0,
+                      "micro_batch_size": "auto"},
+    "ds_zero3_file": {"backend": "deepspeed", "strategy": "zero3", "max_grad_norm": 1.0,
+                      "micro_batch_size": "auto"},
 }
 DS_JSON = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0,
            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
@@ -88,10 +91,22 @@ def _one(case: str, ds_file: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     state = accelerator.get_state_dict(model)
-    settings = {k: getattr(cfg, k) for k in ("strategy", "backend", "offload", "wrap", "shard_group_size",
-                                             "activation_checkpointing", "tensor_parallel_size")}
-    return {"losses": losses, "norms": norms, "state": state, "settings": settings,
+    return {"losses": losses, "norms": norms, "state": state, "settings": fields(cfg),
             "end": accelerator.end_training}
+
+
+def fields(cfg: Any) -> dict[str, Any]:
+    """Every field of a config tree, by its section's path (`sharding.strategy`, ...)."""
+    import dataclasses
+
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section):
+            out.update({f"{f.name}.{g.name}": getattr(section, g.name) for g in dataclasses.fields(section)})
+        else:
+            out[f.name] = section
+    return out
 
 
 def _cases(cases: list[str], ds_file: str) -> dict[str, Any]:
@@ -106,10 +121,13 @@ def _cases(cases: list[str], ds_file: str) -> dict[str, Any]:
 
 def _check(runs: list[dict[str, Any]], cases: dict[str, dict[str, Any]], tol: dict[str, float]) -> None:
     ref = W.reference("llama", world=2, batch=GLOBAL // 2, accum=1, steps=STEPS)
-    for case, want in cases.items():
-        settings = runs[0][case]["settings"]
-        for key, value in want.items():
-            assert settings[key] == value, (case, key, settings[key], value)
+    from shardwise.config.tree import EngineConfig
+
+    for case, want in cases.items():  # every field: the config the same settings give as shardwise's own
+        settings, same = runs[0][case]["settings"], fields(EngineConfig.of(cpu=True, seed=W.SEED, **want))
+        differ = {k: (settings.get(k), v) for k, v in same.items() if settings.get(k) != v}
+        assert not differ and settings.keys() == same.keys(), \
+            f"{case}: fields (the plugin's, shardwise's): {differ}"
         for rank in runs:
             got = rank[case]
             assert W.close(got["losses"], ref.losses) < tol.get(case, 1e-5), (case, got["losses"], ref.losses)
@@ -127,7 +145,7 @@ def test_a_plugin_field_dropped_is_caught() -> None:
     are detected anyway: the same numbers); the settings' check must fail."""
     case = "fsdp2_full_shard"
     runs = spawn(planted(_cases, "plugin_wrap_dropped"), 2, [case], "")
-    caught(_check, runs, {case: TORCH_CASES[case]}, {})
+    caught(_check, runs, {case: TORCH_CASES[case]}, {}, must=r"fsdp2_full_shard: fields .*'blocks\.wrap'")
 
 
 def test_deepspeed_plugins_train_what_one_process_trains(tmp_path: Path) -> None:

@@ -69,8 +69,24 @@ def _engine_sized_by_dp(**layout: Any) -> dict[str, Any]:
     return out
 
 
+def split_hooks(model: Any) -> dict[str, int]:
+    """The forward hooks torch's tensor-parallel styles put on each of the first block's linear
+    layers (a style's input and output hooks: a layer split twice carries two sets)."""
+    layer = model.model.layers[0]
+    named = {"q_proj": layer.self_attn.q_proj, "o_proj": layer.self_attn.o_proj, "up_proj": layer.mlp.up_proj,
+             "down_proj": layer.mlp.down_proj}
+    return {k: len(m._forward_pre_hooks) + len(m._forward_hooks) for k, m in named.items()}
+
+
+def check_split_once(run: dict[str, Any]) -> None:
+    """The model transformers split arrives as it is: prepare adds no tensor-parallel hook."""
+    before, after = run["hooks"]
+    assert after == before, \
+        f"the split layers carry {after} forward hooks after prepare, {before} before: split twice"
+
+
 def _accelerate_pattern(sizes: dict[str, int], pretrained: str | None = None, *,
-                        plugin: bool = False) -> dict[str, Any]:
+                        plugin: bool = False, forward: bool = True) -> dict[str, Any]:
     from accelerate import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -94,8 +110,11 @@ def _accelerate_pattern(sizes: dict[str, int], pretrained: str | None = None, *,
         model = LlamaForCausalLM.from_pretrained(pretrained, tp_plan="auto", device_mesh=mesh)
     opt = W.make_optimizer(model)
     loader = DataLoader(W.Tokens(GLOBAL * STEPS), batch_size=GLOBAL // pc.data_parallel_size, shuffle=True)
+    hooks = split_hooks(model)
     model, opt, loader = accelerator.prepare(model, opt, loader)
-    out = _loop(accelerator, model, opt, loader)
+    out = {"hooks": (hooks, split_hooks(accelerator.unwrap_model(model)))}
+    if forward:
+        out.update(_loop(accelerator, model, opt, loader))
     out["sizes"] = (pc.data_parallel_size, pc.non_data_parallel_size, pc.dp_cp_dim_names,
                     mesh["tp"].size(), mesh["dp_cp"].size() if pc.dp_cp_dim_names else 0,
                     accelerator.tensor_parallel_rank,
@@ -132,6 +151,20 @@ def test_tp2_accelerate_pattern_sized_by_its_parallelism_config_matches_one_proc
             sizes = run[case]["sizes"]
             assert sizes == (1, 2, [], 2, 0, rank, 0), sizes  # no dp_cp view: as Accelerate
             _check(run[case], ref, ranks[0][case]["state"])
+        check_split_once(run["from_pretrained"])
+
+
+def _split_only(pretrained: str) -> dict[str, Any]:
+    """The from_pretrained case up to its prepare (a model split twice fails at its first forward)."""
+    return _accelerate_pattern({"tp_size": 2}, pretrained, forward=False)
+
+
+def test_planted_split_twice_is_caught(tmp_path: Path) -> None:
+    """`split_twice`: prepare applies the plan again to a model transformers split already; its
+    layers carry a second set of hooks before any forward runs."""
+    W.build("llama").save_pretrained(tmp_path / "llama")
+    runs = spawn(planted(_split_only, "split_twice"), 2, str(tmp_path / "llama"))
+    caught(check_split_once, runs[0], must=r"forward hooks after prepare, .* before: split twice")
 
 
 def _check_layout(ranks: list[dict[str, Any]], cases: tuple[str, ...]) -> None:

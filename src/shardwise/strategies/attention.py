@@ -246,14 +246,17 @@ def _unpack(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Te
     return out
 
 
+MERGE_DTYPE = torch.float32  # the ring's online softmax (its output and log-sum-exp), whatever the inputs
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Split,
                 group: dist.ProcessGroup, scale: float, window: int | None) -> torch.Tensor:
         ring = _Ring(group)
         qi = split.index[ring.rank]
-        out = torch.zeros_like(q, dtype=torch.float32)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        out = torch.zeros_like(q, dtype=MERGE_DTYPE)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=MERGE_DTYPE or q.dtype, device=q.device)
         kb, vb = k, v  # the key/value block held at each step: this rank's first, then the ring's
         for step in range(ring.n):
             for qs, ks, mask in _pairs(split, qi, split.index[ring.source(step)], window):
