@@ -10,7 +10,7 @@ NPROC  ?= 2
 # any clone, so only the first `make test` on a machine pays the ~2 minutes.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: test lint demo bench docs install clean
+.PHONY: test test-latest lint demo bench docs install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,19 @@ install: $(STAMP)
 
 test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# The suite against the newest transformers, peft and accelerate the package registry gives (torch
+# and the rest pinned by constraints.txt), in a venv of its own: what `pip install` gives a user
+# today, before the pins move. CI runs `make test` (the pins); run this before bumping them.
+LATEST := .venv-latest
+test-latest:
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	grep -vE '^(transformers|peft|accelerate)==' constraints.txt > $(LATEST)/constraints.txt
+	$(LATEST)/bin/python -m pip install --quiet --disable-pip-version-check -c $(LATEST)/constraints.txt torch==2.13.0
+	$(LATEST)/bin/python -m pip install --quiet --disable-pip-version-check -c $(LATEST)/constraints.txt \
+		--upgrade -e ".[test]" transformers peft accelerate
+	$(LATEST)/bin/python -m pip list --disable-pip-version-check 2>/dev/null | grep -iE '^(torch|transformers|peft|accelerate) '
+	HF_HUB_OFFLINE=1 $(LATEST)/bin/python -m pytest -q
 
 # the checkers, with the settings in pyproject.toml: any finding fails `make test`
 lint: $(STAMP)
@@ -39,4 +52,4 @@ docs: $(STAMP)
 	$(PY) -m shardwise.config.docs > docs/config.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LATEST) .pytest_cache

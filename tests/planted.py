@@ -105,15 +105,17 @@ def fault_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, FAULT_ENV: name, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
-# what a check's failure says when a worker crashed (a traceback, spawn's error): never a catch
-CRASHED = ("Traceback (most recent call last)", "worker failed:", "workers exited with [")
+# what a check's failure says when spawned workers crashed (spawn's error): never a catch. (A
+# launched script's output may carry a traceback that is the finding, a refusal's or an abort's:
+# `must` says which.)
+CRASHED = ("worker failed:", "workers exited with [")
 
 
 def caught(check: Callable[..., Any], *args: Any, must: str | None = None, **kwargs: Any) -> str:
     """Run a guarantee's check on a planted run's results; it must fail, for the right reason:
     its message must match `must` (a regular expression, searched in the whole message: what the
     fault makes the check find, a value or a field). A crash is never a catch: an error that is
-    not the check's assertion propagates, and an assertion that carries a worker's traceback is
+    not the check's assertion propagates, and an assertion that carries spawn's worker error is
     refused. Returns the message's first line (printed, so `pytest -rA` shows what the check said
     about the fault)."""
     try:
@@ -1450,6 +1452,27 @@ def _ring_own_block_only() -> None:
     from shardwise.strategies import attention
 
     _patch(attention._Ring, "source", lambda self, step: self.rank)
+
+
+@fault("context_outputs_local", row="context parallelism where users look",
+       test="tests/test_context_parallel_models.py::test_outputs_left_local_are_caught")
+def _context_outputs_local() -> None:
+    """The model's per-token outputs left as each rank computed them (its share of the tokens, in
+    its split's order), the loss alone made whole: what a loop reads from the logits is wrong."""
+    from shardwise.strategies.context_parallel import ContextParallel
+
+    _patch(ContextParallel, "gather", lambda self, x: x)
+
+
+@fault("quantized_sharded", row="a bitsandbytes 4-bit base",
+       test="tests/test_quantized.py::test_a_sharded_4bit_base_accepted_is_caught")
+def _quantized_sharded() -> None:
+    """A 4-bit base is sharded like any frozen weight: the packed storage cut without its scales."""
+    import importlib
+
+    for name in ("shardwise.strategies.fsdp", "shardwise.strategies.deepspeed.strategy"):
+        owner = importlib.import_module(name)
+        _patch(owner, "refuse_sharded_quantized", lambda model, strategy: None)
 
 
 @fault("ring_merge_in_bf16", row="context parallelism (`tests/test_context_parallel.py`",

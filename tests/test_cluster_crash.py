@@ -145,14 +145,17 @@ def _check_bit_identical(folder: Path, straight: Path) -> None:
 
 def check_requeue_takes_over(codes: list[int | None], out: str, lock: Path, held: dict[str, Any], job: int,
                              step: int) -> None:
-    """The requeued job took the dead attempt's lock over, said so once, and resumed at `step`."""
+    """The requeued job took the dead attempt's lock over, said so once, and resumed at `step`
+    (the take-over line first: a job that failed for another reason is not this finding)."""
     errors = [ln for ln in out.splitlines() if "Error: " in ln and not ln.startswith("shardwise launch:")]
-    assert codes == [0, 0], f"exit codes {codes}: {errors[0] if errors else ''}\n{out[-4000:]}"
     holder = f"host {held['host']}, pid {held['pid']}, started {held['started']}"
     took = _took_over(out)  # said once, by process 0, in one line
+    refused = [ln for ln in errors if "held by a run on another machine" in ln]
+    assert took or not refused, f"the requeued job was refused the lock: {refused[0]}"
     assert len(took) == 1 and took[0].endswith(
         f"{lock}: took over the run lock from a run that is no longer alive ({holder}): "
         f"a later attempt of SLURM job {job} (restart 1; the lock's: 0)"), took or out[-4000:]
+    assert codes == [0, 0], f"exit codes {codes}: {errors[0] if errors else ''}\n{out[-4000:]}"
     assert f"attempt 0: starting at step {step}" in out, out[-4000:]
     assert not lock.exists()
 
@@ -167,7 +170,9 @@ def test_planted_slurm_restart_unread_is_caught(tmp_path: Path) -> None:
     lock = crashed / "checkpoints" / LOCK
     held = json.loads(lock.read_text())
     codes, out = _job(crashed, job, restart=1, elsewhere=True, planted_fault="slurm_restart_unread")
-    caught(check_requeue_takes_over, codes, out, lock, held, job, step)
+    caught(check_requeue_takes_over, codes, out, lock, held, job, step,
+           must=r"^the requeued job was refused the lock: .*held by a run on another machine .*it is alive or died "
+                r"less than lock_lease_s=300 s ago")
 
 
 def _took_over(out: str) -> list[str]:

@@ -516,6 +516,46 @@ def test_tiled_loss_and_mlp_are_exact_and_the_loss_keeps_peak_memory_flat() -> N
     assert grown_tiled <= weights + 2 * tile, (grown_tiled, weights, tile, peaks)
 
 
+def test_the_tiled_loss_keeps_what_the_model_adds_to_its_loss() -> None:
+    """One process, `tiled_loss` alone (no context parallelism): Mixtral's load-balancing loss
+    (output_router_logits) and Gemma 2's final logit softcapping give the model's own loss within
+    1e-6 and its gradients within 1e-6; `outputs[0]` is the loss; a config scaling its logits
+    otherwise (Cohere's logit_scale) is refused in one line."""
+    import transformers as T
+
+    from shardwise.config.tree import ConfigError
+    from shardwise.strategies.tiling import tile_loss
+
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
+              "tie_word_embeddings": False}
+    builds = {"mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                                      output_router_logits=True, **common)),
+              "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(head_dim=8, final_logit_softcapping=30.0,
+                                                                   attn_logit_softcapping=None, **common))}
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    for name, make in builds.items():
+        torch.manual_seed(0)
+        plain = make()
+        torch.manual_seed(0)
+        tiled = make()
+        tile_loss(tiled, TILE)
+        losses, grads = [], []
+        for model in (plain, tiled):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            losses.append(out.loss.item())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        assert abs(losses[0] - losses[1]) <= 1e-6, (name, losses)
+        assert grads[0].keys() == grads[1].keys()
+        assert max((grads[0][n] - g).abs().max().item() for n, g in grads[1].items()) <= 1e-6, name
+        assert torch.equal(out[0], out.loss), name
+    scaled = T.CohereForCausalLM(T.CohereConfig(logit_scale=0.0625, **common))
+    with pytest.raises(ConfigError, match=r"^tiled_loss: CohereForCausalLM's config scales its logits "
+                                          r"\(logit_scale=0\.0625\).*set tiled_loss to false$"):
+        tile_loss(scaled, TILE)
+
+
 # -- Accelerate's way: ParallelismConfig(cp_size=2) and maybe_context_parallel ---------------------
 def _accelerate_cp() -> dict[str, Any]:
     from types import SimpleNamespace

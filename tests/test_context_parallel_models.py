@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from planted import caught, planted
 from spawn import spawn
 from test_context_parallel import BATCH, LR, SEQ, STEPS, VOCAB, Batches
 from torch import nn
@@ -146,6 +147,11 @@ def _outputs(method: str) -> dict[str, Any]:
         losses.append(loss.item())
     out["own"], out["own_state"] = losses, engine.get_state_dict(model)
     engine.free_memory()
+    engine = _engine(method, tiled_loss=False)  # (the logits of a forward with labels, as one process's)
+    model = engine.prepare(build("llama"))
+    with torch.no_grad():
+        out["labelled"] = model(**batches[0]).logits
+    engine.free_memory()
     engine = _engine(method)
     model = engine.prepare(build("mixtral"))
     with torch.no_grad():
@@ -259,12 +265,28 @@ def _plain_outputs() -> dict[str, Any]:
 
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_the_outputs_a_loop_reads_are_the_whole_sequences(runs: list[dict[Any, Any]], method: str) -> None:
+    check_outputs(runs, method)
+
+
+def test_outputs_left_local_are_caught() -> None:
+    """`context_outputs_local`: the logits, hidden states and router logits left as each rank's
+    share of the tokens (the loss alone whole)."""
+    runs = spawn(planted(_planted_outputs, "context_outputs_local"), 2)
+    caught(check_outputs, runs, "ulysses", must=r"\(0, torch.Size\(\[2, 32, 64\]\)\)")
+
+
+def _planted_outputs() -> dict[Any, Any]:
+    return {("outputs", "ulysses"): _outputs("ulysses")}  # (as the real test's)
+
+
+def check_outputs(runs: list[dict[Any, Any]], method: str) -> None:
     plain = _plain_outputs()
     for rank, res in enumerate(runs):
         out = res["outputs", method]
         assert out["logits"].shape == plain["logits"].shape, (rank, out["logits"].shape)
         torch.testing.assert_close(out["logits"], plain["logits"], rtol=0, atol=1e-5)
         assert torch.equal(out["logits"][:, -1].argmax(-1), plain["logits"][:, -1].argmax(-1))  # every row's
+        torch.testing.assert_close(out["labelled"], plain["logits"], rtol=0, atol=1e-5)
         for mine, theirs in zip(out["hidden"], plain["hidden"], strict=True):
             torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
         assert out["own"] == pytest.approx(plain["own"], abs=LOSS_TOL), (rank, out["own"], plain["own"])

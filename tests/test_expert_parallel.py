@@ -326,6 +326,7 @@ def _two(folder: str) -> dict[Any, Any]:
     out["skewed"] = _train("skewed", "zero3", ep=2)
     out["skewed", "zero1"] = _train("skewed", "zero1", ep=2)
     out["generate"] = {strategy: _generate(strategy) for strategy in ("zero1", "zero2", "zero3")}
+    out["generate"]["zero1 without ep"] = _generate("zero1", ep=1)  # (DDP's wrapper: its generate served)
     out["accumulated"] = _counted_with_accumulation(folder)
     out["resume"] = _resume(folder)
     out["empty"] = _empty("mixtral", "zero3", 2, f"{folder}/export")
@@ -340,11 +341,11 @@ PROMPTS = torch.randint(0, VOCAB, (2, 2, 5), generator=torch.Generator().manual_
 NEW_TOKENS = (3, 7)  # each rank's max_new_tokens: rank 0's generation ends first
 
 
-def _generate(strategy: str) -> dict[str, Any]:
+def _generate(strategy: str, ep: int = 2) -> dict[str, Any]:
     """ep 2 (each forward's tokens dispatched over both ranks): each rank generates greedily from
     its own prompts with its own max_new_tokens, through the prepared model and through
     `unwrap_model`; the rank that finishes first keeps dispatching until the other is done."""
-    engine, model, _ = _prepared("mixtral", strategy, 2)
+    engine, model, _ = _prepared("mixtral", strategy, ep)
     rank = engine.process_index
     prompts, new = PROMPTS[rank], NEW_TOKENS[rank]
     out = {"prepared": model.generate(prompts, max_new_tokens=new, do_sample=False, pad_token_id=0),

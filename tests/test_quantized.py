@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from planted import caught, planted
 from spawn import spawn
 
 pytest.importorskip("bitsandbytes")
@@ -118,11 +119,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]]
                                                 ("deepspeed", r"zero3 \(backend deepspeed\)")])
 def test_a_sharded_4bit_base_is_refused_in_one_line(runs: tuple[list[dict[str, Any]], str], case: str,
                                                    strategy: str) -> None:
+    check_refused(runs[0], case, strategy)
+
+
+def check_refused(runs: list[dict[str, Any]], case: str, strategy: str) -> None:
     pattern = (rf"^strategy {strategy}: PeftModel holds 14 bitsandbytes 4-bit weight\(s\) "
                r"\(base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.base_layer\.weight, \.\.\.\), "
                r"which this version cannot shard exactly .*use strategy zero1 or ddp")
-    for res in runs[0]:
-        assert re.search(pattern, res[case]) and "\n" not in res[case], res[case]
+    for res in runs:
+        assert re.search(pattern, res[case]) and "\n" not in res[case], f"{case}: {res[case]}"
+
+
+def test_a_sharded_4bit_base_accepted_is_caught(tmp_path: Path) -> None:
+    """`quantized_sharded`: the 4-bit base sharded like any frozen weight (prepare accepts it)."""
+    _save(tmp_path / "llama")
+    runs = spawn(planted(functools.partial(_run, str(tmp_path / "llama")), "quantized_sharded"), 2)
+    caught(check_refused, runs, "zero3", "zero3", must=r"^zero3: \(accepted\)")
 
 
 def test_a_replicated_4bit_base_trains_as_one_process(runs: tuple[list[dict[str, Any]], str]) -> None:

@@ -98,7 +98,7 @@ def test_planted_caught_accepts_any_failure_is_caught() -> None:
 
 def check_caught_refuses_a_crash_and_another_finding() -> None:
     def crashed() -> None:
-        raise AssertionError("the run failed: worker failed:\nTraceback (most recent call last):\n  ...")
+        raise AssertionError("the run failed: worker failed:\nTraceback (most recent call last):\n  ...")  # spawn's
 
     def other() -> None:
         raise AssertionError("weights differ by 2e-1 (an unrelated regression)")
