@@ -111,13 +111,14 @@ def fault_env(name: str, env: dict[str, str] | None = None) -> dict[str, str]:
 CRASHED = ("worker failed:", "workers exited with [")
 
 
-def caught(check: Callable[..., Any], *args: Any, must: str | None = None, **kwargs: Any) -> str:
+def caught(check: Callable[..., Any], *args: Any, must: str, **kwargs: Any) -> str:
     """Run a guarantee's check on a planted run's results; it must fail, for the right reason:
     its message must match `must` (a regular expression, searched in the whole message: what the
-    fault makes the check find, a value or a field). A crash is never a catch: an error that is
-    not the check's assertion propagates, and an assertion that carries spawn's worker error is
-    refused. Returns the message's first line (printed, so `pytest -rA` shows what the check said
-    about the fault)."""
+    fault makes the check find, a value or a field; required, and never a pattern any failure
+    matches: tests/unit/test_unit_planted.py reads every call). A crash is never a catch: an
+    error that is not the check's assertion propagates, and an assertion that carries spawn's
+    worker error is refused. Returns the message's first line (printed, so `pytest -rA` shows
+    what the check said about the fault)."""
     try:
         check(*args, **kwargs)
     except (AssertionError, pytest.fail.Exception) as err:
@@ -127,7 +128,7 @@ def caught(check: Callable[..., Any], *args: Any, must: str | None = None, **kwa
         if any(mark in whole for mark in CRASHED):
             raise AssertionError(f"{check.__qualname__} failed on a crash, not on the planted fault's "
                                  f"numbers: {message[:300]}") from err
-        if must is not None and not re.search(must, whole):
+        if not re.search(must, whole):
             raise AssertionError(f"{check.__qualname__} failed for another reason than the planted fault's: "
                                  f"{message[:300]!r} does not match {must!r}") from err
         print(f"planted fault caught: {message[:500]}")
@@ -1521,7 +1522,7 @@ def _caught_accepts_a_pass() -> None:
     test would pass whatever its check found."""
     import sys
 
-    def accepts(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    def accepts(check: Callable[..., Any], *args: Any, must: str, **kwargs: Any) -> str:
         try:
             check(*args, **kwargs)
         except (AssertionError, pytest.fail.Exception) as err:
@@ -1539,7 +1540,7 @@ def _caught_accepts_any_failure() -> None:
     else), passes every planted test."""
     import sys
 
-    def accepts(check: Callable[..., Any], *args: Any, must: str | None = None, **kwargs: Any) -> str:
+    def accepts(check: Callable[..., Any], *args: Any, must: str, **kwargs: Any) -> str:
         try:
             check(*args, **kwargs)
         except (AssertionError, pytest.fail.Exception) as err:

@@ -115,7 +115,8 @@ def test_accelerate_logger_tensorboard_layout_profile_no_sync_optimizer_methods(
 
 
 def test_a_no_sync_that_reduces_anyway_is_caught(tmp_path: Path) -> None:
-    caught(check_extras, *spawn(planted(_extras_run, "no_sync_reduces"), 2, str(tmp_path)), tmp_path)
+    caught(check_extras, *spawn(planted(_extras_run, "no_sync_reduces"), 2, str(tmp_path)), tmp_path,
+           must=r"reduced inside model\.no_sync\(\) at each step: \[True, True, True\]")
 
 
 def check_extras(r0: dict[str, Any], r1: dict[str, Any], tmp_path: Path) -> None:
@@ -123,7 +124,8 @@ def check_extras(r0: dict[str, Any], r1: dict[str, Any], tmp_path: Path) -> None
     assert r0["log"] == ["[RANK 0] main only", "[RANK 0] every process"]
     assert r1["log"] == ["[RANK 1] every process"]
     # model.no_sync() under zero3: nothing reduced inside, and the steps equal the reference's
-    assert r0["synced_inside"] == r1["synced_inside"] == [False] * STEPS
+    assert r0["synced_inside"] == r1["synced_inside"] == [False] * STEPS, \
+        f"reduced inside model.no_sync() at each step: {r0['synced_inside']}, {r1['synced_inside']}"
     assert r0["synced_after"] and r1["synced_after"]
     ref = _reference()
     assert W.max_diff(r0["train"], ref) < 1e-5
@@ -204,7 +206,7 @@ def test_planted_traces_of_one_name_is_caught(extras_reference: tuple[Path, dict
     tmp_path, ref = extras_reference
     ours = _swapped("by_feature_extras.py", tmp_path)
     got = _run(ours, tmp_path, "planted", "strategy: zero3\n", env=fault_env("traces_of_one_name"))
-    caught(check_by_feature, tmp_path, "planted", ref, got)
+    caught(check_by_feature, tmp_path, "planted", ref, got, must=r"\('planted', 'traces'\)")
 
 
 def check_by_feature(tmp_path: Path, strategy: str, ref: dict[str, Any], got: dict[str, Any]) -> None:

@@ -217,7 +217,8 @@ def test_planted_launcher_variables_unread_is_caught(tmp_path: Path) -> None:
     from planted import caught, fault_env
 
     caught(check_launchers_agree, "fsdp",
-           *_both_launchers("fsdp", tmp_path, fault_env("launcher_variables_unread")))
+           *_both_launchers("fsdp", tmp_path, fault_env("launcher_variables_unread")),
+           must=r"\{'strategy': 'ddp'\} != \{'strategy': 'zero3'\}")
 
 
 def _both_launchers(engine: str, tmp_path: Path, env: dict[str, str] | None = None

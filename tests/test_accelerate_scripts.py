@@ -168,7 +168,8 @@ def test_planted_scheduler_not_restored_is_caught(checkpointing: dict[str, Any])
     from planted import caught, fault_env
 
     resumed = _resumed_into_zero3(checkpointing, "planted", env=fault_env("scheduler_not_restored"))
-    caught(check_checkpointing, checkpointing, resumed)
+    caught(check_checkpointing, checkpointing, resumed,
+           must=r"^resumed: per-process losses differ from Accelerate's by")
 
 
 def check_checkpointing(runs: dict[str, Any], resumed: dict) -> None:
@@ -233,7 +234,7 @@ def test_planted_loader_end_sticky_is_caught(drop_in: dict[str, Any]) -> None:
 
     got = _drop_in_run(drop_in["tmp"], drop_in["ours"], "planted", "strategy: zero3\n",
                        env=fault_env("loader_end_sticky"))
-    caught(check_drop_in, drop_in, "zero3", got)
+    caught(check_drop_in, drop_in, "zero3", got, must=r"\('zero3', 'end_after_loop'\)")
 
 
 def check_drop_in(runs: dict[str, Any], label: str, a: dict) -> None:
@@ -260,7 +261,8 @@ def test_a_run_that_hangs_at_the_end_fails(tmp_path: Path) -> None:
 
     ours = _swapped("drop_in_rules.py", tmp_path)  # ~10 s to end_training on 2 cores
     message = caught(_run, ours, tmp_path, "hang", "strategy: ddp\n", "--output_dir", str(tmp_path / "ckpt"),
-                     timeout=45, env=fault_env("hang_in_end_training"))
+                     timeout=45, env=fault_env("hang_in_end_training"),
+                     must=r"^hang: still running after 45 s \(a hang")
     assert "still running after 45 s (a hang" in message, message
 
 
@@ -272,7 +274,8 @@ def test_a_run_that_aborts_at_teardown_fails(tmp_path: Path, capsys: pytest.Capt
 
     ours = _swapped("drop_in_rules.py", tmp_path)
     message = caught(_run, ours, tmp_path, "abort", "strategy: ddp\n", "--output_dir", str(tmp_path / "ckpt"),
-                     env=fault_env("abort_at_teardown"))
+                     env=fault_env("abort_at_teardown"),
+                     must=r"^abort: gloo aborted after the run recorded results \(at teardown\): not retried")
     assert "gloo aborted after the run recorded results (at teardown): not retried" in message, message
     assert json.loads((tmp_path / "abort.json").read_text())["done"] is True  # it had finished its work
     out = capsys.readouterr().out

@@ -163,7 +163,8 @@ def check_normal_build(inits: dict, name: str, strategies: list[str]) -> None:
     for world, ranks in inits.items():
         for strategy in strategies:
             got = ranks[0][(strategy, name)].state
-            assert [k for k in want if not torch.equal(got[k], want[k])] == [], (world, strategy, name)
+            differ = [k for k in want if not torch.equal(got[k], want[k])]
+            assert differ == [], f"{world} processes, {strategy}, {name}: unlike a normal build's: {differ}"
 
 
 def _planted_gpt2(name: str = "gpt2") -> dict[tuple[str, str], Init]:
@@ -179,14 +180,16 @@ def _planted_gpt2(name: str = "gpt2") -> dict[tuple[str, str], Init]:
 
 def test_an_empty_build_that_skips_the_recorded_init_is_caught() -> None:
     ranks = spawn(planted(_planted_gpt2, "recipes_not_replayed"), 2)
-    caught(check_normal_build, {2: ranks}, "gpt2", ["zero3"])
+    caught(check_normal_build, {2: ranks}, "gpt2", ["zero3"],
+           must=r"2 processes, zero3, gpt2: unlike a normal build's: \['transformer\.wte\.weight'")
 
 
 def test_an_empty_build_that_replaces_its_buffers_is_caught() -> None:
     """`empty_buffers_replaced`: the computed rotary buffer lost at allocation; the normal-build
     check (buffers included) fails."""
     ranks = spawn(planted(_planted_gpt2, "empty_buffers_replaced"), 2, "rotary")
-    caught(check_normal_build, {2: ranks}, "rotary", ["zero3"])
+    caught(check_normal_build, {2: ranks}, "rotary", ["zero3"],
+           must=r"2 processes, zero3, rotary: unlike a normal build's: \['buffer:blocks\.0\.cos'")
 
 
 # -- loading pretrained weights ------------------------------------------------------------------
@@ -286,7 +289,7 @@ def check_load_runs(runs: dict[tuple[str, str], Loaded], path: Path, configs: li
         for way in ("load_model", "from_pretrained"):
             run = runs[("+".join(cfg.values()), way)]
             for k, v in saved.items():  # the files' tensors, bit for bit
-                assert torch.equal(run.loaded[k], v), (cfg, way, k)
+                assert torch.equal(run.loaded[k], v), f"{cfg} {way}: {k} loaded unlike the file's"
             assert torch.equal(run.loaded["lm_head.weight"], saved["transformer.wte.weight"])  # tied
             assert W.close(run.losses, ref.losses) < 1e-5, (cfg, way)
             assert W.max_diff(run.state, ref.state) < 2e-5, (cfg, way)
@@ -310,7 +313,8 @@ def test_pretrained_weights_load_under_every_strategy(loads: dict, pretrained: P
 def test_every_rank_reading_the_first_rows_is_caught(pretrained: Path) -> None:
     zero3 = [{"strategy": "zero3"}]
     runs = spawn(planted(load_runs, "load_rows_from_zero"), 2, "torch", zero3, str(pretrained))[0]
-    caught(check_load_runs, runs, pretrained, zero3)
+    caught(check_load_runs, runs, pretrained, zero3,
+           must=r"^\{'strategy': 'zero3'\} load_model: \S+ loaded unlike the file's")
 
 
 # -- bad sources ----------------------------------------------------------------------------------
@@ -403,13 +407,15 @@ def test_planted_load_not_strict_is_caught(pretrained: Path, tmp_path: Path) -> 
     """`load_not_strict`: a source missing a key loads with a warning; the check wants the refusal."""
     broken = {case: _break(pretrained, tmp_path, case) for case in ("missing key",)}
     ranks = spawn(planted(_bad_loads, "load_not_strict"), 2, [(c, str(p)) for c, (p, _) in broken.items()])
-    caught(check_bad_sources, broken, ranks)
+    caught(check_bad_sources, broken, ranks,
+           must=r"^missing key: the refusal on each process: \[None, None\]")
 
 
 def check_bad_sources(broken: dict[str, tuple[Path, str]], ranks: list[BadLoads]) -> None:
     """Each case refused on every process, the same one line holding its words; no weight moved."""
     for case, (_, needle) in broken.items():
         messages = [r.messages[case] for r in ranks]
-        assert messages[0] is not None and all(m == messages[0] for m in messages), (case, messages)
+        assert messages[0] is not None and all(m == messages[0] for m in messages), \
+            f"{case}: the refusal on each process: {messages}"
         assert "\n" not in messages[0] and needle in messages[0], (case, messages[0])
     assert all(r.unchanged for r in ranks)

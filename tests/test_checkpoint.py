@@ -100,7 +100,8 @@ def test_exact_resume_in_new_processes_is_bit_identical(exact: dict) -> None:
 
 
 def check_exact(straight: W.Checkpointed, first: W.Checkpointed, second: W.Checkpointed) -> None:
-    assert first.losses + second.losses == straight.losses
+    assert first.losses + second.losses == straight.losses, \
+        f"losses after the resume {second.losses}, the straight run's {straight.losses[len(first.losses):]}"
     assert W.max_diff(second.state, straight.state) == 0.0
     assert second.step == 8 and second.lr == straight.lr
 
@@ -163,7 +164,9 @@ def check_resumed(saved: dict[str, W.Checkpointed], runs: dict[tuple[str, str], 
                   ref: W.Trained, world: int) -> None:
     for (src, dst), run in runs.items():
         losses = saved[src].losses + run.losses
-        assert W.close(losses, ref.losses) < 1e-5, (src, dst, world)
+        assert W.close(losses, ref.losses) < 1e-5, \
+            f"{src} -> {dst} at {world} processes: losses {W.close(losses, ref.losses):.2e} " \
+            "from one process's"
         assert W.max_diff(run.state, ref.state) < 2e-5, (src, dst, world)
         assert run.step == 8
 
@@ -208,7 +211,8 @@ def test_planted_latest_before_write_is_caught(tmp_path: Path) -> None:
     checkpoint never completed, which the check after the kill refuses."""
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(planted(_killed_while_saving, "latest_before_write"), 2, str(tmp_path), timeout=120)
-    caught(check_after_kill, tmp_path / "checkpoints")
+    caught(check_after_kill, tmp_path / "checkpoints",
+           must=r"^latest names step_6 after the kill, not step_3")
 
 
 def check_after_kill(root: Path) -> None:
@@ -216,7 +220,8 @@ def check_after_kill(root: Path) -> None:
     reads; the unfinished save only as a hidden staging folder."""
     from shardwise.checkpoint.sharded import full_model_state, read_meta, resolve, verify
 
-    assert (root / "latest").read_text().strip() == "step_3"
+    latest = (root / "latest").read_text().strip()
+    assert latest == "step_3", f"latest names {latest} after the kill, not step_3"
     assert (root / ".step_6.incomplete").is_dir() and not (root / "step_6").exists()
     # nothing partial in sight; the killed run's lock stays (the resume below takes it over)
     assert sorted(os.listdir(root)) == [".shardwise.lock", ".step_6.incomplete", "latest", "step_3"]
@@ -243,7 +248,8 @@ def test_save_model_and_export_give_what_transformers_loads(tmp_path: Path) -> N
 
 
 def test_an_export_rounded_on_the_way_is_caught(tmp_path: Path) -> None:
-    caught(check_exports, tmp_path, spawn(planted(_export_pair, "export_rounded"), 2, str(tmp_path))[0])
+    caught(check_exports, tmp_path, spawn(planted(_export_pair, "export_rounded"), 2, str(tmp_path))[0],
+           must=r"^model(-one-file)?: logits loaded back [\d.]+e[-+]\d+ from the live model's")
 
 
 def check_exports(tmp_path: Path, live: torch.Tensor) -> None:
@@ -257,7 +263,9 @@ def check_exports(tmp_path: Path, live: torch.Tensor) -> None:
     for folder in ("model", "model-one-file"):
         back = GPT2LMHeadModel.from_pretrained(tmp_path / folder)
         with torch.no_grad():
-            assert torch.equal(back(W.Tokens(2, seed=3).data).logits, live)
+            logits = back(W.Tokens(2, seed=3).data).logits
+        assert torch.equal(logits, live), \
+            f"{folder}: logits loaded back {(logits - live).abs().max().item():.1e} from the live model's"
     assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"),
                      "--max-shard-size", "40KB"]) == 0
     made = sorted(p.name for p in (tmp_path / "model").iterdir())
@@ -399,7 +407,9 @@ def test_planted_engine_state_unpickled_is_caught(good: Path, tmp_path: Path) ->
     pwned = Path("/tmp/shardwise-pwned")
     try:
         with planted_here("engine_state_unpickled"):
-            caught(check_bad_checkpoint_refused, "pickled code in engine state", good, tmp_path)
+            caught(check_bad_checkpoint_refused, "pickled code in engine state", good, tmp_path,
+                   must=r"engine\.pt: the loop state lacks micro_step, step, .*"
+                        r"\(not a shardwise loop state\)")
         assert pwned.exists()  # the stored code ran: the fault is what the row guards against
     finally:
         pwned.unlink(missing_ok=True)
@@ -432,10 +442,12 @@ def test_a_resume_that_drops_the_rng_state_is_caught(exact: dict, tmp_path: Path
     restored (the loop's noise then draws other numbers)."""
     shutil.copytree(exact["root"], tmp_path / "checkpoints", ignore=shutil.ignore_patterns(".shardwise.lock"))
     second = spawn(planted(_second_half, "rng_not_restored"), 2, str(tmp_path))[0]
-    caught(check_exact, exact["straight"], exact["first"], second)
+    caught(check_exact, exact["straight"], exact["first"], second,
+           must=r"^losses after the resume \[[\d., ]+\], the straight run's \[")
 
 
 def test_a_resume_that_drops_the_optimizer_state_is_caught(matrix: dict) -> None:
     """The matrix's resumes into ddp again, with the saved optimizer state not applied."""
     runs = spawn(planted(_resume_all, "optimizer_state_dropped"), 2, str(matrix["folder"]), ["ddp"])[0]
-    caught(check_resumed, matrix["saved"], runs, _reference(8), 2)
+    caught(check_resumed, matrix["saved"], runs, _reference(8), 2,
+           must=r"^\w+ -> ddp at 2 processes: losses [\d.]+e[-+]\d+ from one process's")

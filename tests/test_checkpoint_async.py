@@ -414,8 +414,11 @@ def test_planner_predicts_the_staging_copy(runs: dict) -> None:
 def check_staged_copies(saving: list[Saving]) -> None:
     """step_2, whose background write ran while step 3 updated the weights and AdamW's state in
     place, holds what a synchronous save at step 2 holds, tensor for tensor."""
-    assert all(rank.step_2_as_sync for rank in saving), [rank.step_2_as_sync for rank in saving]
+    assert all(rank.step_2_as_sync for rank in saving), \
+        f"step_2 (written in the background) as a synchronous save, per process: " \
+        f"{[r.step_2_as_sync for r in saving]}"
 
 
 def test_a_stage_that_aliases_the_live_tensors_is_caught(tmp_path: Path) -> None:
-    caught(check_staged_copies, S.spawn(planted(_saving_run, "async_stage_aliases"), 2, str(tmp_path)))
+    caught(check_staged_copies, S.spawn(planted(_saving_run, "async_stage_aliases"), 2, str(tmp_path)),
+           must=r"^step_2 \(written in the background\) as a synchronous save, per process: \[False, False\]")

@@ -171,8 +171,8 @@ def test_planted_slurm_restart_unread_is_caught(tmp_path: Path) -> None:
     held = json.loads(lock.read_text())
     codes, out = _job(crashed, job, restart=1, elsewhere=True, planted_fault="slurm_restart_unread")
     caught(check_requeue_takes_over, codes, out, lock, held, job, step,
-           must=r"^the requeued job was refused the lock: .*held by a run on another machine .*it is alive or died "
-                r"less than lock_lease_s=300 s ago")
+           must=r"^the requeued job was refused the lock: .*held by a run on another machine .*"
+                r"it is alive or died less than lock_lease_s=300 s ago")
 
 
 def _took_over(out: str) -> list[str]:

@@ -117,7 +117,8 @@ def test_planted_node_rank_by_arrival_is_caught(tmp_path: Path) -> None:
     by arrival; node 1, started first, holds global rank 0, which the check fails."""
     codes, outs = launch_twice_at_most(lambda: _two_nodes("slurm", tmp_path, 1, "node_rank_by_arrival"),
                                        "slurm two nodes", lambda: any(tmp_path.glob("rank*.pt")))
-    caught(check_scheduled_nodes, "slurm", codes, outs, tmp_path)
+    caught(check_scheduled_nodes, "slurm", codes, outs, tmp_path,
+           must=r"^global ranks 0-3 ran on nodes \[1, 1, 0, 0\]")
 
 
 def check_scheduled_nodes(kind: str, codes: list[int | None], outs: list[str], tmp_path: Path) -> None:
@@ -232,7 +233,8 @@ def test_planted_requeue_skipped_is_caught(tmp_path: Path) -> None:
     _config(tmp_path / "preempted")
     env = fault_env("requeue_skipped", _job_env(job, bin_dir, "slow:0.4"))
     code, err = _preempt(tmp_path / "preempted", env)
-    caught(check_preempted, tmp_path / "preempted", job, code, err, tmp_path / "scontrol.log")
+    caught(check_preempted, tmp_path / "preempted", job, code, err, tmp_path / "scontrol.log",
+           must=r"^no requeue said: ")
 
 
 def test_a_preempted_slurm_job_requeues_and_resumes_elsewhere_bit_identical(tmp_path: Path) -> None:

@@ -52,7 +52,9 @@ def check_translation(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_a_mistranslated_key_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with planted_here("reshard_after_forward_ignored"):  # (never writes the golden file)
-        caught(check_translation, "fsdp2_zero2_size_wrap.yaml", tmp_path, monkeypatch, update=False)
+        caught(check_translation, "fsdp2_zero2_size_wrap.yaml", tmp_path, monkeypatch, update=False,
+               must=r"(?s)^accelerate/fsdp2_zero2_size_wrap\.yaml changed .*"
+                    r"-  strategy: zero2\n *\+  strategy: zero3")
 
 
 def test_issue_example_becomes_zero3_on_two_processes_fp32() -> None:
@@ -134,14 +136,16 @@ def check_refused(name: str, no_torchrun: list, capsys: pytest.CaptureFixture[st
         ["launch", "--config", str(FIXTURES / "bad" / name), "--nproc-per-node", "2", str(script)]
     )
     err = capsys.readouterr().err
-    assert code == 2 and not no_torchrun
+    assert code == 2 and not no_torchrun, \
+        f"{name}: launch exited {code}, not 2, and started torchrun {len(no_torchrun)} time(s)"
     assert err.count("\n") == 1 and err.startswith("shardwise: error: "), err
     assert BAD[name] in err, err
 
 
 def test_a_config_check_left_out_is_caught(no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:
     with planted_here("loop_checks_skipped"):
-        caught(check_refused, "zero_accumulation.yaml", no_torchrun, capsys)
+        caught(check_refused, "zero_accumulation.yaml", no_torchrun, capsys,
+               must=r"^zero_accumulation\.yaml: launch exited 0, not 2, and started torchrun 1 time")
     no_torchrun.clear()  # (the planted launch went through)
     check_refused("zero_accumulation.yaml", no_torchrun, capsys)  # undone: refused again
 
@@ -177,7 +181,7 @@ def test_the_sections_are_the_source_and_flat_keys_another_spelling() -> None:
 
 def test_a_flat_key_overriding_its_section_is_caught() -> None:
     with planted_here("flat_key_overrides_section"):
-        caught(check_one_tree)
+        caught(check_one_tree, must=r"DID NOT RAISE .*ConfigError")  # tp=2 against tensor_parallel_size=4
     check_one_tree()  # undone: the disagreement is refused again
 
 
@@ -255,7 +259,9 @@ def test_a_setting_written_both_ways_agrees_even_at_its_default(
 
 def test_a_section_value_always_winning_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with planted_here("section_value_always_wins"):
-        message = caught(check_both_spellings_agree, tmp_path, capsys)
+        message = caught(check_both_spellings_agree, tmp_path, capsys,
+                         must=r"^a file of \{'parallelism': \{'cp': 1\}, 'context_parallel_size': 2\} "
+                              r"was not refused: it runs with parallelism\.cp=1")
     assert "was not refused: it runs with parallelism.cp=1" in message, message
     check_both_spellings_agree(tmp_path, capsys)  # undone: refused again
 
@@ -299,7 +305,8 @@ def test_a_refusal_names_the_setting_as_it_was_written(tmp_path: Path) -> None:
 
 def test_a_refusal_naming_the_other_spelling_is_caught(tmp_path: Path) -> None:
     with planted_here("refusal_names_one_spelling"):
-        caught(check_refusals_as_written, tmp_path)
+        caught(check_refusals_as_written, tmp_path,
+               must=r"^\(\{'checkpointing': \{'every_steps': 0\}\}, '[^']*: checkpoint_every_steps=0 must be")
 
 
 def test_missing_script_is_named(no_torchrun: list, capsys: pytest.CaptureFixture[str]) -> None:
@@ -368,7 +375,7 @@ def test_the_launchers_own_file_warns_only_where_someone_set_a_value(
 
 def test_an_override_said_nowhere_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with planted_here("override_unsaid"):
-        caught(check_overrides_said, tmp_path, monkeypatch)
+        caught(check_overrides_said, tmp_path, monkeypatch, must=r"^warned of code overrides: \[\]")
 
 
 def check_overrides_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -385,7 +392,8 @@ def check_overrides_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert (cfg_run.training.grad_accum_steps, cfg_run.training.seed) == (2, 3)
     assert cfg_run.sharding.strategy == "zero2"
     msgs = [str(w.message) for w in caught if "code overrides" in str(w.message)]
-    assert msgs == [f"code overrides the config file: strategy='zero2' in code, 'zero3' in {cfg}"]
+    assert msgs == [f"code overrides the config file: strategy='zero2' in code, 'zero3' in {cfg}"], \
+        f"warned of code overrides: {msgs}"
 
 
 def test_plain_script_reads_config_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,9 +13,11 @@ The tiny transformers Llama (4 query heads, 2 key/value heads) trains on sequenc
                 batches, Ulysses on padded ones, under zero3; bf16 with both methods (padded,
                 zero3): within bf16's own distance of one fp32 process. Every rank's
                 loss is the whole sequence's (the same on both ranks); losses and clipped
-                gradient norms within 1e-5 of one process, final weights within 5e-5 or twice
-                the fp32 noise floor, whichever is larger (`_floor`: one process with sdpa
-                against eager attention, 1e-5 to 2e-4 after 3 AdamW steps at lr 1e-2).
+                gradient norms within 1e-5 of one process, final weights within 5e-5 or three
+                times the fp32 noise floor, whichever is larger (`_floor`: how far one fp32
+                process ends from the same run in fp64, 8e-7 to 1.2e-4 after 3 AdamW steps at
+                lr 1e-2; measured: the cp runs within 0.4x to 0.5x of their bound, the tightest
+                the ring at dp 2 on plain batches, 5.0e-5 against 1.04e-4).
                 Activation memory: the bytes autograd saves in one forward (each storage once),
                 less the weights every rank saves whole (zero3 gathers them), are at most 0.55 of
                 one process's for the same sequence, against 0.5 for a perfect split (the rest:
@@ -105,12 +107,11 @@ class Batches(Dataset):
 
 
 @functools.cache
-def reference(kind: str, dp: int = 1, attention: str = "sdpa") -> dict[str, Any]:
+def reference(kind: str, dp: int = 1, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """One plain process on the global batches (dp x BATCH samples each, in order), each step's
     loss the mean of the dp ranks' losses on their BATCH samples, as data parallelism averages
     them (`shares`: each rank's, what its context group computes)."""
-    model = build(kind)
-    model.config._attn_implementation = attention
+    model = build(kind).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, saved, shares = [], [], 0, []
     for i, batch in enumerate(DataLoader(Batches(dp * BATCH * STEPS, kind), batch_size=dp * BATCH)):
@@ -265,22 +266,24 @@ def _check(runs: list[dict[Any, Any]], case: tuple[Any, ...], dp: int = 1) -> No
         mean = [mean for _, mean in run["losses"]]
         # every rank's own loss is a whole loss (its context group's sequences: its data-parallel
         # rank's share of the batch), the mean is one process's
-        assert mean == pytest.approx(ref["losses"], abs=LOSS_TOL), (case, rank, mean, ref["losses"])
+        assert mean == pytest.approx(ref["losses"], abs=LOSS_TOL), \
+            f"{case}, rank {rank}: mean losses {mean}, one process's {ref['losses']}"
         assert run["norms"] == pytest.approx(ref["norms"], abs=LOSS_TOL), (case, rank)
         share = [step[run["dp_rank"]] for step in ref["shares"]]
         assert own == pytest.approx(share, abs=LOSS_TOL), (case, rank, "own loss", own, share)
     state = runs[0][case]["state"]
     assert state.keys() == ref["state"].keys()
     worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
-    assert worst <= max(WEIGHT_TOL, 2 * _floor(case[1], dp)), (case, worst)
+    assert worst <= max(WEIGHT_TOL, 3 * _floor(case[1], dp)), (case, worst)
 
 
 def _floor(kind: str, dp: int) -> float:
-    """The fp32 noise floor of the final weights: how far apart one process ends with two correct
-    attention kernels (transformers' sdpa and eager), which sum in different orders. AdamW turns
-    round-off on near-zero gradients into steps of up to lr (packed rows: ~2e-4 here)."""
-    a, b = reference(kind, dp), reference(kind, dp, "eager")
-    return max((a["state"][k] - b["state"][k]).abs().max().item() for k in a["state"])
+    """The fp32 noise floor of the final weights: how far one fp32 process ends from the same run
+    in fp64. AdamW turns round-off on near-zero gradients into steps of up to lr (packed rows:
+    1.2e-4 here). (Not sdpa against eager: their masks differ for a row with no key to attend
+    to, a left-padded row's first tokens, where eager attends uniformly: 5e-2 apart.)"""
+    a, b = reference(kind, dp), reference(kind, dp, torch.float64)
+    return max((a["state"][k] - b["state"][k].float()).abs().max().item() for k in a["state"])
 
 
 @pytest.mark.parametrize("case", TWO, ids=["-".join(c) for c in TWO])
@@ -380,7 +383,9 @@ def _planted_case() -> dict[Any, Any]:
 
 def test_a_loss_left_unsummed_is_caught() -> None:
     """The equivalence check fails on a run whose ranks keep their own share of the loss."""
-    caught(_check, spawn(planted(_planted_case, "context_loss_not_summed"), 2), TWO[0])
+    caught(_check, spawn(planted(_planted_case, "context_loss_not_summed"), 2), TWO[0],
+           must=r"^\('ring', 'plain', 'zero3'\), rank 0: mean losses \[2\.\d+, 2\.\d+, 2\.\d+\], "
+                r"one process's \[4\.")  # half of each
 
 
 def _planted_left() -> dict[Any, Any]:
@@ -392,12 +397,13 @@ def test_a_dropped_attention_mask_is_caught() -> None:
     process's numbers; the right-padded ones could not tell."""
     runs = spawn(planted(_planted_left, "context_mask_dropped"), 2)
     for case in [c for c in TWO if c[1] == "left"]:
-        caught(_check, runs, case)
+        caught(_check, runs, case, must=r"^\('(ring|ulysses)', 'left', 'zero3'\), rank 0: mean losses")
 
 
 def test_a_ring_standing_still_is_caught() -> None:
     """The equivalence check fails on a run whose ring blocks never move on."""
-    caught(_check, spawn(planted(_planted_case, "ring_own_block_only"), 2), TWO[0])
+    caught(_check, spawn(planted(_planted_case, "ring_own_block_only"), 2), TWO[0],
+           must=r"^\('ring', 'plain', 'zero3'\), rank 0: mean losses")
 
 
 # -- refusals, each one line ----------------------------------------------------------------------
@@ -487,7 +493,8 @@ def _step_peak(model: nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, to
 
 def test_tiled_loss_and_mlp_are_exact_and_the_loss_keeps_peak_memory_flat() -> None:
     """One process, sequences of 256 tokens, tiles of 16: the tiled loss and MLP give the untiled
-    loss within 1e-6 and gradients within 1e-6; the tiled MLP saves fewer activation bytes (its
+    loss within 5e-6 (measured 9.5e-7) and gradients within 1e-6; the tiled MLP saves fewer
+    activation bytes (its
     batch x sequence x intermediate products recomputed per tile); and as the vocabulary grows
     from 512 to 8192 (dV) the untiled step's peak grows by the parameters' growth (the embedding's
     and the head's weights and gradients, 4 x dV x H x 4 bytes) plus at least the whole fp32
@@ -505,7 +512,7 @@ def test_tiled_loss_and_mlp_are_exact_and_the_loss_keeps_peak_memory_flat() -> N
         assert tile_mlps(tiled, (), tokens) == 2
         tile_loss(tiled, tokens)
         t_loss, t_grads, peaks[vocab, True], t_saved = _step_peak(tiled, ids)
-        assert abs(t_loss - loss) <= 1e-6, (vocab, t_loss, loss)
+        assert abs(t_loss - loss) <= 5e-6, (vocab, t_loss, loss)  # (measured 9.5e-7: 2 ulps of a loss of 4)
         assert max((t_grads[n] - g).abs().max().item() for n, g in grads.items()) <= 1e-6
         assert t_saved < saved, (vocab, t_saved, saved)
     grown = 8192 - 512
@@ -529,10 +536,9 @@ def test_the_tiled_loss_keeps_what_the_model_adds_to_its_loss() -> None:
     common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
               "tie_word_embeddings": False}
-    builds = {"mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
-                                                                      output_router_logits=True, **common)),
-              "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(head_dim=8, final_logit_softcapping=30.0,
-                                                                   attn_logit_softcapping=None, **common))}
+    mixtral = T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, **common)
+    gemma2 = T.Gemma2Config(head_dim=8, final_logit_softcapping=30.0, attn_logit_softcapping=None, **common)
+    builds = {"mixtral": lambda: T.MixtralForCausalLM(mixtral), "gemma2": lambda: T.Gemma2ForCausalLM(gemma2)}
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     for name, make in builds.items():
         torch.manual_seed(0)

@@ -5,9 +5,10 @@ against one plain process (fp32), at 2 processes (cp 2, zero3), 3 AdamW steps at
   families      Mistral (a sliding window of 16 tokens over 64), Gemma 2 (sliding and full layers
                 alternating, final logit softcapping at 30, its attention-logit softcapping off),
                 Mixtral with the router's load-balancing loss on (the whole sequence's routing,
-                padding left out as one process leaves it out), each under the ring (tiled loss)
+                padding left out as one process leaves it out), a Llama with peft's LoRA
+                adapters (left-padded, Ulysses), each under the ring (tiled loss)
                 and Ulysses (the model's own loss): losses and clipped norms within 1e-5, weights
-                within 5e-5 or twice the fp32 floor (sdpa against eager in one process).
+                within 5e-5 or three times the fp32 floor (one fp32 process against fp64).
   outputs       an evaluation forward without labels under no_grad: `outputs.logits` and the hidden
                 states are the whole sequence's, in sequence order, on every rank (the next-token
                 prediction `logits[:, -1]` of every row is one process's); a loop that computes
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5
 FAMILIES = [("mistral", "left", "ring"), ("mistral", "left", "ulysses"), ("gemma2", "left", "ring"),
             ("gemma2", "left", "ulysses"), ("mixtral", "left", "ring"), ("mixtral", "left", "ulysses"),
-            ("mixtral", "plain", "ring")]
+            ("mixtral", "plain", "ring"), ("lora", "left", "ulysses")]
 
 
 def build(family: str, attention: str = "sdpa") -> nn.Module:
@@ -51,6 +52,11 @@ def build(family: str, attention: str = "sdpa") -> nn.Module:
                               "max_position_embeddings": SEQ, "tie_word_embeddings": False}
     if family == "llama":
         model = T.LlamaForCausalLM(T.LlamaConfig(**common))
+    elif family == "lora":  # (peft's LoRA on q and v, the base frozen)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(T.LlamaForCausalLM(T.LlamaConfig(**common)),
+                               LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     elif family == "classifier":
         model = T.LlamaForSequenceClassification(T.LlamaConfig(num_labels=3, pad_token_id=0, **common))
     elif family == "mistral":
@@ -70,9 +76,11 @@ def build(family: str, attention: str = "sdpa") -> nn.Module:
 
 
 @functools.cache
-def reference(family: str, kind: str, attention: str = "sdpa") -> dict[str, Any]:
+def reference(family: str, kind: str, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """One plain process on the same batches (BATCH samples a step)."""
-    model = build(family, attention)
+    model = build(family).to(dtype)
+    if dtype == torch.float64 and family == "mixtral":  # (torch's grouped matmul takes no fp64)
+        model.set_experts_implementation("eager")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for batch in DataLoader(Batches(BATCH * STEPS, kind), batch_size=BATCH):
@@ -113,9 +121,9 @@ def _train(family: str, kind: str, method: str) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "state": state}
 
 
-def _outputs(method: str) -> dict[str, Any]:
-    """What a loop reads: an evaluation forward's outputs, a loss of its own from the logits,
-    the tiled loss's output, a mixture of experts' aux loss."""
+def _outputs(method: str, evaluation_only: bool = False) -> dict[str, Any]:
+    """What a loop reads: an evaluation forward's outputs (alone: `evaluation_only`), a loss of
+    its own from the logits, the tiled loss's output, a mixture of experts' aux loss."""
     out: dict[str, Any] = {}
     engine = _engine(method)
     model = build("llama")
@@ -126,6 +134,9 @@ def _outputs(method: str) -> dict[str, Any]:
         seen = model(input_ids=batches[0]["input_ids"], attention_mask=batches[0]["attention_mask"],
                      output_hidden_states=True)
     out["logits"], out["hidden"] = seen.logits, [h.clone() for h in seen.hidden_states]
+    if evaluation_only:
+        engine.free_memory()
+        return out
     tiled = model(**batches[0])
     out["first"] = torch.equal(tiled[0], tiled.loss)
     uses = {"attribute": lambda: tiled.logits.argmax(-1), "key": lambda: tiled["logits"][:, -1],
@@ -215,9 +226,10 @@ def runs() -> list[dict[Any, Any]]:
 
 
 def _floor(family: str, kind: str) -> float:
-    """The fp32 noise floor of the final weights: one process with sdpa against eager."""
-    a, b = reference(family, kind), reference(family, kind, "eager")
-    return max((a["state"][k] - b["state"][k]).abs().max().item() for k in a["state"])
+    """The fp32 noise floor of the final weights: how far one fp32 process ends from the same run
+    in fp64 (as test_context_parallel's)."""
+    a, b = reference(family, kind), reference(family, kind, torch.float64)
+    return max((a["state"][k] - b["state"][k].float()).abs().max().item() for k in a["state"])
 
 
 def check_trained(runs: list[dict[Any, Any]], case: tuple[str, str, str]) -> None:
@@ -230,7 +242,7 @@ def check_trained(runs: list[dict[Any, Any]], case: tuple[str, str, str]) -> Non
                                                                             ref["norms"])
     state = runs[0][case]["state"]
     worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
-    assert worst <= max(WEIGHT_TOL, 2 * _floor(*case[:2])), (case, worst)
+    assert worst <= max(WEIGHT_TOL, 3 * _floor(*case[:2])), (case, worst)
 
 
 @pytest.mark.parametrize("case", FAMILIES, ids=["-".join(c) for c in FAMILIES])
@@ -276,7 +288,9 @@ def test_outputs_left_local_are_caught() -> None:
 
 
 def _planted_outputs() -> dict[Any, Any]:
-    return {("outputs", "ulysses"): _outputs("ulysses")}  # (as the real test's)
+    # (the real test's evaluation forward: with the logits left local, the loop's own loss that
+    # follows would stop at a shape error, which is not a check's finding)
+    return {("outputs", "ulysses"): _outputs("ulysses", evaluation_only=True)}
 
 
 def check_outputs(runs: list[dict[Any, Any]], method: str) -> None:
@@ -299,7 +313,7 @@ def check_outputs(runs: list[dict[Any, Any]], method: str) -> None:
             torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
     state = runs[0]["outputs", method]["own_state"]
     worst = max((state[k] - v).abs().max().item() for k, v in plain["own_state"].items())
-    assert worst <= max(WEIGHT_TOL, 2 * _floor("llama", "left")), worst
+    assert worst <= max(WEIGHT_TOL, 3 * _floor("llama", "left")), worst
 
 
 def test_what_the_split_cannot_give_is_refused_in_one_line(runs: list[dict[Any, Any]]) -> None:

@@ -199,7 +199,8 @@ REFUSALS = {  # case -> what the one line must say
 
 def _save_model_keeps_the_users_files(runs: list[dict[str, Any]], folder: Path) -> None:
     out = runs[0]
-    assert out["after_save_model"] == ["config.json", "model.safetensors", "results.txt", "tokenizer.json"]
+    assert out["after_save_model"] == ["config.json", "model.safetensors", "results.txt", "tokenizer.json"], \
+        f"the folder after save_model: {out['after_save_model']}"
     assert out["user_files"] == USER_FILES
     from safetensors.torch import load_file
 
@@ -265,7 +266,8 @@ def test_planted_export_clears_the_folder_is_caught(tmp_path: Path) -> None:
     """`export_clears_the_folder`: save_model removes every file it does not write; the user's
     tokenizer and results are gone, which the scenario's check refuses."""
     runs = spawn(planted(_hugging_face_pattern_only, "export_clears_the_folder"), 2, str(tmp_path))
-    caught(_save_model_keeps_the_users_files, runs, tmp_path)
+    caught(_save_model_keeps_the_users_files, runs, tmp_path,
+           must=r"^the folder after save_model: \['config\.json', 'model\.safetensors'\]")
 
 
 @pytest.mark.parametrize("scenario", list(CARELESS))
@@ -304,7 +306,8 @@ def test_planted_tensor_checksum_unchecked_is_caught(careless: tuple[list[dict[s
     """`tensor_checksum_unchecked`: verify reads the recorded checksum and never hashes the
     tensors; a flipped byte in model.safetensors goes unnoticed."""
     with planted_here("tensor_checksum_unchecked"):
-        caught(check_flipped_bytes_found, careless[1], tmp_path, "model.safetensors")
+        caught(check_flipped_bytes_found, careless[1], tmp_path, "model.safetensors",
+               must=r"DID NOT RAISE .*CheckpointError")
 
 
 def check_flipped_bytes_found(folder: Path, tmp_path: Path, where: str) -> None:
@@ -350,7 +353,9 @@ def test_planted_export_in_place_is_caught(tmp_path: Path) -> None:
     """`export_in_place`: save_model writes into the folder itself; the kill leaves a half file."""
     with pytest.raises(RuntimeError, match=r"exited with|worker failed"):
         spawn(planted(_killed_in_save_model, "export_in_place"), 2, str(tmp_path), timeout=300)
-    caught(check_model_folder_whole, tmp_path)
+    caught(check_model_folder_whole, tmp_path,
+           must=r"^the earlier save does not verify: \S*model\.safetensors: truncated or padded "
+                r"\(\d+ bytes, its header says \d+\)")
 
 
 

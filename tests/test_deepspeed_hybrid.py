@@ -35,7 +35,7 @@ def test_planted_deepspeed_group_accepted_is_caught() -> None:
     """`deepspeed_group_accepted`: a group below the world goes to DeepSpeed, which would shard
     over every process (a silent full sharding); the refusal check fails."""
     with planted_here("deepspeed_group_accepted"):
-        caught(check_group_refused, "zero3", 2)
+        caught(check_group_refused, "zero3", 2, must=r"DID NOT RAISE .*ConfigError")
 
 
 def check_group_refused(strategy: str, group: int | str) -> None:

@@ -167,10 +167,13 @@ def test_two_models_two_optimizers(results: list) -> None:
 def check_two_models(run: dict[str, W.Trained]) -> None:
     for name in ("tiny", "gpt2"):
         ref = W.reference(name, world=2, **RUN)
-        assert W.close(run[name].losses, ref.losses) < 1e-5
+        assert W.close(run[name].losses, ref.losses) < 1e-5, \
+            f"{name}: losses {W.close(run[name].losses, ref.losses):.2e} from one process's"
         assert len(run[name].norms) == len(ref.norms) == RUN["steps"]
-        assert W.close(run[name].norms, ref.norms) < 1e-5  # (each model's own clipped norm)
-        assert W.max_diff(run[name].state, ref.state) < 2e-5
+        assert W.close(run[name].norms, ref.norms) < 1e-5, \
+            f"{name}: clipped norms {W.close(run[name].norms, ref.norms):.2e} from one process's"  # (its own)
+        assert W.max_diff(run[name].state, ref.state) < 2e-5, \
+            f"{name}: weights {W.max_diff(run[name].state, ref.state):.2e} from one process's"
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
@@ -181,7 +184,8 @@ def test_gather_for_metrics_returns_exactly_the_dataset(results: list, strategy:
 def check_metrics(results: list, strategy: str) -> None:
     for res in results:
         m = res[f"metrics-{strategy}"]
-        assert m["map"]["all"] == list(range(13))  # in order, padding dropped
+        assert m["map"]["all"] == list(range(13)), \
+            f"{strategy}: the map loader's samples gathered for metrics: {m['map']['all']}"  # in order
         assert sorted(m["map-shuffled"]["all"]) == list(range(13))
         assert m["iterable"]["all"] == list(range(13))
         assert m["map"]["batches"] == 4  # ceil(13 / (2 * 2)) global batches
@@ -224,7 +228,9 @@ def _planted_metrics() -> dict[str, Any]:
 
 
 def test_gather_for_metrics_keeping_the_repeats_is_caught() -> None:
-    caught(check_metrics, spawn(planted(_planted_metrics, "metrics_keep_repeats"), 2), "ddp")
+    caught(check_metrics, spawn(planted(_planted_metrics, "metrics_keep_repeats"), 2), "ddp",
+           must=r"^ddp: the map loader's samples gathered for metrics: "
+                r"\[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0\]")  # the padding's repeat kept
 
 
 def _planted_two_models() -> dict[str, W.Trained]:
@@ -234,4 +240,5 @@ def _planted_two_models() -> dict[str, W.Trained]:
 
 
 def test_a_clip_over_every_model_is_caught() -> None:
-    caught(check_two_models, spawn(planted(_planted_two_models, "clip_over_every_model"), 2)[0])
+    caught(check_two_models, spawn(planted(_planted_two_models, "clip_over_every_model"), 2)[0],
+           must=r"^(tiny|gpt2): losses [\d.]+e[-+]\d+ from one process's")

@@ -52,7 +52,9 @@ def check_clip_once(runs: dict[str, W.Trained]) -> None:
         leaked = W.reference("tiny", world=2, **{**RUN, "clip": leaked_bounds})
         assert W.max_diff(leaked.state, ref.state) > 1e-4, case
         run = runs[case]
-        assert W.close(run.losses, ref.losses) < 1e-5, case
+        assert W.close(run.losses, ref.losses) < 1e-5, \
+            f"{case}: losses {W.close(run.losses, ref.losses):.2e} from one process clipping with the " \
+            "same bounds"
         assert W.close(run.norms, [ref.norms[list(bounds).index(1)]]) < 1e-5 * max(ref.norms), case
         assert W.max_diff(run.state, ref.state) < 2e-5, case
 
@@ -86,9 +88,12 @@ def test_matches_single_process(runs: dict, refs: dict, name: str, cfg: dict[str
 
 def check_matches(run: W.Trained, ref: W.Trained, name: str) -> None:
     assert len(run.losses) == 8 and len(run.norms) == 4
-    assert W.close(run.losses, ref.losses) < 1e-5
-    assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
-    assert W.max_diff(run.state, ref.state) < 2e-5
+    assert W.close(run.losses, ref.losses) < 1e-5, \
+        f"{name}: losses {W.close(run.losses, ref.losses):.2e} from one process's"
+    assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms), \
+        f"{name}: clipped norms {W.close(run.norms, ref.norms):.2e} from one process's"
+    assert W.max_diff(run.state, ref.state) < 2e-5, \
+        f"{name}: weights {W.max_diff(run.state, ref.state):.2e} from one process's"
     # training really moved the weights, so the comparison above is not trivially true
     init = W.build(name).state_dict()
     assert W.max_diff(run.state, init) > 1e-3
@@ -106,7 +111,8 @@ def test_zero23_memory_is_half_of_ddp(runs: dict, name: str, cfg: dict[str, str]
 
 
 def check_half_of_ddp(ddp: Any, sharded: Any, cfg: dict[str, str]) -> None:
-    assert sharded.params == pytest.approx(ddp.params / 2, rel=0.05)
+    assert sharded.params == pytest.approx(ddp.params / 2, rel=0.05), \
+        f"{cfg}: parameters held per process {sharded.params}, ddp's {ddp.params}: not half"
     assert sharded.grads == pytest.approx(ddp.grads / 2, rel=0.05)
     if cfg.get("offload", "none") == "none" or cfg.get("offload") == "params":
         assert sharded.optimizer == pytest.approx(ddp.optimizer / 2, rel=0.05)
@@ -196,12 +202,14 @@ def _planted_pair() -> dict[str, W.Trained]:
 
 def test_gradients_left_undivided_under_accumulation_are_caught() -> None:
     run = spawn(planted(_planted_pair, "accumulation_undivided"), 2)[0]["zero3"]
-    caught(check_matches, run, W.reference("tiny", world=2, **RUN), "tiny")
+    caught(check_matches, run, W.reference("tiny", world=2, **RUN), "tiny",
+           must=r"^tiny: clipped norms [\d.]+e[-+]\d+ from one process's")
 
 
 def test_a_zero3_that_shards_nothing_is_caught() -> None:
     runs = spawn(planted(_planted_pair, "fsdp_shards_nothing"), 2)[0]
-    caught(check_half_of_ddp, runs["ddp"].memory, runs["zero3"].memory, {"strategy": "zero3"})
+    caught(check_half_of_ddp, runs["ddp"].memory, runs["zero3"].memory, {"strategy": "zero3"},
+           must=r"^\{'strategy': 'zero3'\}: parameters held per process (\d+), ddp's \1: not half")
 
 
 def _planted_clip_once() -> dict[str, W.Trained]:
@@ -209,4 +217,5 @@ def _planted_clip_once() -> dict[str, W.Trained]:
 
 
 def test_a_clip_bound_that_outlives_its_step_is_caught() -> None:
-    caught(check_clip_once, spawn(planted(_planted_clip_once, "clip_flag_sticky"), 2)[0])
+    caught(check_clip_once, spawn(planted(_planted_clip_once, "clip_flag_sticky"), 2)[0],
+           must=r"^config 0\.5: losses [\d.]+e[-+]\d+ from one process clipping with the same bounds")

@@ -140,7 +140,8 @@ def test_eval_forward_and_generate_hold_only_the_shard(
 def test_an_eval_forward_left_gathered_is_caught(tmp_path: Path) -> None:
     case = ("torch", "zero2", "gpt2")  # zero2: the root stays gathered after a forward under no_grad
     worker = planted(_run, "eval_forward_left_gathered")
-    caught(check_held, [{case: held} for held in spawn(worker, 2, *case, str(tmp_path))], case)
+    caught(check_held, [{case: held} for held in spawn(worker, 2, *case, str(tmp_path))], case,
+           must=r"^held after eval 41664, after generate \d+, its shard 13888")
 
 
 def check_held(ranks: list[dict[Any, Held]], case: tuple[str, str, str]) -> None:
@@ -149,7 +150,9 @@ def check_held(ranks: list[dict[Any, Held]], case: tuple[str, str, str]) -> None
         replicated = case[:2] == ("deepspeed", "zero2")  # DeepSpeed's zero2 keeps whole parameters
         assert run.rest == (run.full if replicated
                                else pytest.approx(run.full / 2, rel=0.02)), run.rest
-        assert run.after_eval == run.rest and run.after_generate == run.rest, run
+        assert run.after_eval == run.rest and run.after_generate == run.rest, \
+            f"held after eval {run.after_eval}, after generate {run.after_generate}, its shard " \
+            f"{run.rest}: {run}"
         peak = max(h for h, _ in run.during)
         if case[:2] == ("torch", "zero3"):  # FSDP2 reshards each block after its forward
             root = run.full - 2 * run.block  # embeddings and final norm (tiny GPT-2: 2 blocks)

@@ -209,7 +209,9 @@ def _check(run: DPO, ref: PlainDPO, case: tuple[str, str, str]) -> None:
     if strategy == "zero3":  # sharded: each of 2 ranks holds about half of the elements
         assert 0.45 < run.ref_share < 0.55, run.ref_share
     else:  # a replica
-        assert run.ref_share == 1.0
+        assert run.ref_share == 1.0, \
+            f"{case}: the reference holds {run.ref_share} of its elements on each process, not a whole " \
+            "replica"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
@@ -222,7 +224,8 @@ def test_dpo_with_a_frozen_reference_equals_one_process(
 def test_a_reference_prepared_for_evaluation_but_sharded_is_caught(tmp_path: Any, ref: PlainDPO) -> None:
     case = ("torch", "zero2", "eval")  # (as the real test's)
     run = spawn(planted(_all_runs, "evaluation_model_sharded"), WORLD, [case], str(tmp_path))[0][case]
-    caught(_check, run, ref, case)
+    caught(_check, run, ref, case,
+           must=r"^\('torch', 'zero2', 'eval'\): the reference holds 0\.5 of its elements on each process")
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED,
@@ -242,7 +245,7 @@ def test_frozen_and_parameterless_models_prepare_on_one_process() -> None:
 
 def test_an_optimizer_over_a_frozen_model_accepted_is_caught() -> None:
     with planted_here("frozen_optimizer_accepted"):
-        caught(check_frozen_refusals)
+        caught(check_frozen_refusals, must=r"DID NOT RAISE .*ValueError")  # an optimizer over it accepted
 
 
 def check_frozen_refusals() -> None:

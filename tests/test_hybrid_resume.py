@@ -234,7 +234,9 @@ def test_hybrid_resumed_as_the_same_hybrid_is_bit_exact(matrix: dict) -> None:
 
 
 def check_same_hybrid(first: W.Checkpointed, second: W.Checkpointed, straight: W.Checkpointed) -> None:
-    assert first.losses + second.losses == straight.losses, (first.losses + second.losses, straight.losses)
+    assert first.losses + second.losses == straight.losses, \
+        f"losses after the resume {second.losses}, the uninterrupted run's " \
+        f"{straight.losses[len(first.losses):]}"
     assert W.max_diff(second.state, straight.state) == 0.0
 
 
@@ -274,7 +276,8 @@ def test_planted_first_replica_loads_alone_is_caught(tmp_path: Path) -> None:
     into the first replica group only; the resumed run leaves the uninterrupted one."""
     first, second, straight = spawn(planted(_at_4_same, "first_replica_loads_alone"), 4, str(tmp_path),
                                     timeout=900)[0]
-    caught(check_same_hybrid, first, second, straight)
+    caught(check_same_hybrid, first, second, straight,
+           must=r"^losses after the resume \[[\d., ]+\], the uninterrupted run's \[")
 
 
 def _at_4_same(folder: str) -> tuple[W.Checkpointed, W.Checkpointed, W.Checkpointed]:

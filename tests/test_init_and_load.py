@@ -225,13 +225,15 @@ def test_an_init_shardwise_cannot_replay_is_refused_by_name(runs: dict[str, Any]
 def test_planted_uninitialised_accepted_is_caught() -> None:
     """`uninitialised_accepted`: a parameter nothing initializes is prepared as allocated; the
     check wants its one-line refusal."""
-    caught(check_cannot_replay, spawn(planted(_cannot_replay, "uninitialised_accepted"), 2))
+    caught(check_cannot_replay, spawn(planted(_cannot_replay, "uninitialised_accepted"), 2),
+           must=r"^NeverInitialized: the refusal on each process: \[None, None\]")
 
 
 def check_cannot_replay(ranks: list[dict[str, Any]]) -> None:
     for cls, needle in (("Derived", "Derived.b "), ("NeverInitialized", "NeverInitialized.w ")):
         lines = [r[f"refused:{cls}"] for r in ranks]
-        assert lines[0] is not None and all(x == lines[0] for x in lines), lines
+        assert lines[0] is not None and all(x == lines[0] for x in lines), \
+            f"{cls}: the refusal on each process: {lines}"
         assert "\n" not in lines[0] and needle in lines[0] and "init_weights()" in lines[0], lines[0]
 
 
@@ -272,7 +274,9 @@ def test_load_state_dict_after_init_empty_is_kept(runs: dict[str, Any], strategy
 
 def test_values_loaded_into_an_empty_model_and_dropped_are_caught(runs: dict[str, Any]) -> None:
     out = spawn(planted(_after_empty, "loaded_into_meta_dropped"), 2, runs["gpt2"])[0]
-    caught(check_kept, out, runs["gpt2"], "zero3")
+    caught(check_kept, out, runs["gpt2"], "zero3",
+           must=r"^zero3: loaded into an empty model, \d+ tensors unlike the file's: "
+                r"\['transformer\.wte\.weight'")
 
 
 def check_kept(out: dict[str, Any], gpt2: str, strategy: str) -> None:
@@ -280,7 +284,9 @@ def check_kept(out: dict[str, Any], gpt2: str, strategy: str) -> None:
 
     sd = GPT2LMHeadModel.from_pretrained(gpt2).state_dict()
     got = out[f"load_state_dict:{strategy}"]
-    assert not _equal(got, sd)
+    differ = _equal(got, sd)
+    assert not differ, \
+        f"{strategy}: loaded into an empty model, {len(differ)} tensors unlike the file's: {differ[:3]}"
     torch.manual_seed(21)
     fresh = W.build("gpt2").state_dict()  # what init_empty + prepare gives the keys not loaded
     partial = out[f"partial:{strategy}"]

@@ -318,7 +318,7 @@ def test_an_untouched_buffer_kept_by_init_empty_is_caught(folder: Path) -> None:
     """Planted: init_empty keeps each constructor's `torch.empty` (never written): only VmSize sees it."""
     ranks = spawn(planted(_measure, "untouched_buffer_in_init_empty"), 2, str(folder), "empty")
     _old_figures(ranks)
-    caught(_check_empty, ranks)
+    caught(_check_empty, ranks, must=r"^\('linears virtual', \{.*'virtual': [01]\.\d+")  # a whole model's
 
 
 def test_a_whole_model_written_below_an_earlier_peak_is_caught(folder: Path) -> None:
@@ -326,7 +326,7 @@ def test_a_whole_model_written_below_an_earlier_peak_is_caught(folder: Path) -> 
     a whole model at its peak, below the control's earlier peak (the unreset VmHWM missed it)."""
     ranks = spawn(planted(_measure, "growth_below_old_peak"), 2, str(folder), "empty")
     _old_figures(ranks)
-    caught(_check_empty, ranks)
+    caught(_check_empty, ranks, must=r"^\('linears peak', \{'peak': [01]\.\d+")  # a whole model's
 
 
 # -- one process: the recorder's pieces ---------------------------------------------------------------
@@ -352,7 +352,8 @@ def _check_equal_to_normal_build(build: Any) -> nn.Module:
     assert torch.equal(after_empty, after_normal), "the generator left init_empty elsewhere"
     replayed = _replayed(empty)
     for name, p in normal.named_parameters():
-        assert torch.equal(replayed[name], p.detach()), name
+        assert torch.equal(replayed[name], p.detach()), \
+            f"{name}: replayed unlike a normal build's ({p.dtype})"
     for name, b in normal.named_buffers():
         assert torch.equal(dict(empty.named_buffers())[name], b), name
     return empty
@@ -402,7 +403,8 @@ def test_planted_replay_in_default_dtype_is_caught() -> None:
     """`replay_in_default_dtype`: recipes replayed in float32 and cast; the build check finds a
     float64 parameter's values differ from a normal build's."""
     with planted_here("replay_in_default_dtype"):
-        caught(_check_equal_to_normal_build, lambda: _Writes((64, 32), torch.float64, INITS["normal_"]))
+        caught(_check_equal_to_normal_build, lambda: _Writes((64, 32), torch.float64, INITS["normal_"]),
+               must=r"^w: replayed unlike a normal build's \(torch\.float64\)")
 
 
 class _Uncounted(nn.Module):

@@ -60,7 +60,8 @@ def test_planted_launch_drops_the_files_settings_is_caught(reference: dict, tmp_
     """`launch_drops_the_files_settings`: the workers get a config without the YAML's keys (the
     defaults: ddp, no offload); the numbers are the same, the check of what ran is not."""
     res = _launched_from_yaml(STRATEGIES[0], tmp_path, env=fault_env("launch_drops_the_files_settings"))
-    caught(check_yaml_launch, STRATEGIES[0], reference, res)
+    caught(check_yaml_launch, STRATEGIES[0], reference, res,
+           must=r"^ran strategy 'ddp' on 2 processes, not 'zero3' on 2")
 
 
 def _launched_from_yaml(settings: dict, tmp_path: Path, env: dict[str, str] | None = None) -> W.Launched:
@@ -74,7 +75,9 @@ def _launched_from_yaml(settings: dict, tmp_path: Path, env: dict[str, str] | No
 
 
 def check_yaml_launch(settings: dict, reference: dict, res: W.Launched) -> None:
-    assert res.world == 2 and res.config["sharding"]["strategy"] == settings["strategy"]
+    assert res.world == 2 and res.config["sharding"]["strategy"] == settings["strategy"], \
+        f"ran strategy {res.config['sharding']['strategy']!r} on {res.world} processes, " \
+        f"not {settings['strategy']!r} on 2"
     assert res.config["sharding"]["offload"] == settings.get("offload", "none")
     assert W.close(res.losses, reference.losses) < 1e-5
     assert len(res.norms) == len(reference.norms) == RUN["steps"]
@@ -114,7 +117,8 @@ def test_planted_divide_by_local_processes_is_caught(reference: dict, tmp_path: 
     """`divide_by_local_processes`: gradients divided by the processes of a node, not of the
     world; the two nodes' gradients are summed (caught by the losses, 0.92 apart relative)."""
     codes, outs = _two_nodes(tmp_path, "divide_by_local_processes")
-    caught(check_two_nodes, codes, outs, tmp_path, reference)
+    caught(check_two_nodes, codes, outs, tmp_path, reference,
+           must=r"^clipped norms [\d.]+e[-+]\d+ from one process's")
 
 
 def check_two_nodes(codes: list[int | None], outs: list[str], tmp_path: Path, reference: Any) -> None:
@@ -122,10 +126,14 @@ def check_two_nodes(codes: list[int | None], outs: list[str], tmp_path: Path, re
     (written,) = list(tmp_path.glob("node*.pt"))  # only global rank 0 writes
     res = _result(written)
     assert res.world == 2
-    assert W.close(res.losses, reference.losses) < 1e-5
+    assert W.close(res.losses, reference.losses) < 1e-5, \
+        f"losses {W.close(res.losses, reference.losses):.2e} from one process's"
     assert len(res.norms) == len(reference.norms) == RUN["steps"]
-    assert W.close(res.norms, reference.norms) < 1e-5  # (clipped gradient norms)
-    assert W.max_diff(res.state, reference.state) < 2e-5
+    assert W.close(res.norms, reference.norms) < 1e-5, \
+        f"clipped norms {W.close(res.norms, reference.norms):.2e} from one process's: {res.norms}, " \
+        f"{reference.norms}"
+    assert W.max_diff(res.state, reference.state) < 2e-5, \
+        f"weights {W.max_diff(res.state, reference.state):.2e} from one process's"
 
 
 @pytest.mark.parametrize(
@@ -149,7 +157,8 @@ def test_planted_auto_schedule_counts_every_process_is_caught(tmp_path: Path) ->
     batches, not this process's steps; the learning rates decay half as fast."""
     env = fault_env("auto_schedule_counts_every_process")
     proc, res = _tutorial_run("tutorial_zero2.json", [], tmp_path, env=env)
-    caught(check_tutorial_json, [], "fp16", proc, res)
+    caught(check_tutorial_json, [], "fp16", proc, res,
+           must=r"^learning rates \[4\.375e-05, 3\.75\d*e-05, 3\.125e-05, 2\.5e-05\], not a linear decay")
 
 
 def _tutorial_run(name: str, extra: list[str], tmp_path: Path, env: dict[str, str] | None = None
@@ -170,7 +179,8 @@ def check_tutorial_json(extra: list[str], precision: str, proc: subprocess.Compl
     assert cfg["sharding"]["backend"] == ("deepspeed" if "--backend" in extra else "torch")
     assert res.optimizer == "AdamW" and W.is_finite(res.losses) and len(res.losses) == 4
     # WarmupDecayLR with every value "auto": lr 5e-5, no warm-up, linear decay over one epoch
-    assert res.lrs == pytest.approx([5e-5 * (1 - k / 4) for k in range(1, 5)])
+    assert res.lrs == pytest.approx([5e-5 * (1 - k / 4) for k in range(1, 5)]), \
+        f"learning rates {res.lrs}, not a linear decay to 0 over 4 steps"
 
 
 def test_plain_torchrun_picks_up_config_argument(tmp_path: Path) -> None:
@@ -227,7 +237,10 @@ def test_gloo_abort_hint_only_on_an_abort_without_a_python_error(tmp_path: Path)
 def test_planted_worker_error_unread_is_caught(tmp_path: Path) -> None:
     """`worker_error_unread`: the workers' error files unread; the hint check fails."""
     with planted_here("worker_error_unread"):
-        caught(check_abort_hint, tmp_path)
+        caught(check_abort_hint, tmp_path,
+               must=r"^an abort after a Python error described as: rank 0 \(local rank 0, pid 7\) was "
+                    r"killed by SIGABRT \(if that was while the process group connected, it is gloo's "
+                    r"start-up abort")
 
 
 def check_abort_hint(tmp_path: Path) -> None:
@@ -247,7 +260,8 @@ def check_abort_hint(tmp_path: Path) -> None:
     assert "was killed by SIGABRT" in abort and hint in abort
     # a Python error, then abort
     python_abort, = describe_failures({0: failure(-signal.SIGABRT, str(raised))})
-    assert python_abort.endswith(": ValueError: bad batch") and hint not in python_abort
+    assert python_abort.endswith(": ValueError: bad batch") and hint not in python_abort, \
+        f"an abort after a Python error described as: {python_abort}"
     ordinary, = describe_failures({1: failure(1, str(raised))})
     assert ordinary.endswith("exited with code 1: ValueError: bad batch") and hint not in ordinary
 
@@ -320,7 +334,7 @@ def test_planted_joins_share_keys_is_caught(reference: W.Trained, tmp_path: Path
         except AssertionError:
             break  # caught (the message is `caught`'s below)
         lucky.append(attempt)
-    caught(check_engines_in_a_row, codes, outs, out, reference)
+    caught(check_engines_in_a_row, codes, outs, out, reference, must=r"timed out after 25 s")  # the hang
     print(f"lucky runs before the hang: {len(lucky)}")
 
 

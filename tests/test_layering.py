@@ -197,8 +197,12 @@ def test_planted_lazy_engine_import_is_caught() -> None:
     """`lazy_engine_import`: a function-level import of the Engine in the checkpoint package
     (hidden from a module-level reading); the circle check and the importers check both fail."""
     with planted_here("lazy_engine_import"):
-        assert "shardwise.checkpoint.sharded -> shardwise.engine.engine" in caught(check_no_import_circle)
-        assert "shardwise.checkpoint.sharded" in caught(check_nothing_below_the_engine_imports_it)
+        assert "shardwise.checkpoint.sharded -> shardwise.engine.engine" in caught(
+            check_no_import_circle, must=r"shardwise\.checkpoint\.sharded -> shardwise\.engine\.engine")
+        assert "shardwise.checkpoint.sharded" in caught(
+            check_nothing_below_the_engine_imports_it,
+            must=r"^\['shardwise', 'shardwise\.accelerate\.accelerator', 'shardwise\.checkpoint\.sharded', "
+                 r"'shardwise\.engine'\]")
 
 
 def check_nothing_below_the_engine_imports_it() -> None:

@@ -153,7 +153,8 @@ def test_planted_lone_done_drops_journal_is_caught() -> None:
     """`lone_done_drops_journal`: the service ends without the main process's last EMA call (its
     `restore`): the other process's shard keeps the EMA weights, and the gathered model is half EMA."""
     pytest.importorskip("diffusers")
-    caught(check_served, spawn(planted(_served_run, "lone_done_drops_journal"), 2, timeout=300), _plain())
+    caught(check_served, spawn(planted(_served_run, "lone_done_drops_journal"), 2, timeout=300), _plain(),
+           must=r"^\S+: [\d.]+e[-+]\d+ from the plain run's after restore \(a shard kept the EMA\)")
 
 
 def test_a_lone_save_pretrained_at_the_end_of_a_script_is_served_at_its_exit(tmp_path: Path) -> None:

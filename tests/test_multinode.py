@@ -149,7 +149,7 @@ def test_planted_sum_across_nodes_is_caught(tmp_path: Path) -> None:
     ref = W.reference("tiny", world=4, **RUN)
     assert W.close(results[0].losses, ref.losses) < 1e-5  # the old check alone ...
     assert W.max_diff(results[0].state, ref.state) < 2e-5  # ... passed under the fault
-    caught(check_run, results)
+    caught(check_run, results, must=r"clipped norms within 1\.00e\+00 rel\. \(\d\.\d+ vs \d\.\d+ at step 1\)")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def test_planted_script_metrics_keep_repeats_is_caught(tmp_path: Path) -> None:
     ref = _launch(HERE / SCRIPT, tmp_path, "glue", "accelerate", None)
     got = _launch(_swapped(SCRIPT, tmp_path), tmp_path, "glue", "ddp", "strategy: ddp\n",
                   fault="script_metrics_keep_repeats")
-    caught(check_like_accelerate, got, ref, _keys(ref["saved"]), "ddp", 1e-5, "glue")
+    caught(check_like_accelerate, got, ref, _keys(ref["saved"]), "ddp", 1e-5, "glue",
+           must=r"^ddp: 18 evaluation samples counted, Accelerate 13")
 
 
 def check_like_accelerate(got: dict[str, Any], ref: dict[str, Any], ref_keys: set[str], strategy: str,

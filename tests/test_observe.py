@@ -69,7 +69,8 @@ def test_metrics_records_on_rank0_with_loss_throughput_mfu_memory(tmp_path: Path
 
 
 def test_a_record_with_one_ranks_memory_is_caught(tmp_path: Path) -> None:
-    caught(check_records, spawn(planted(_tracked_run, "memory_of_rank0_only"), 2, str(tmp_path)), tmp_path)
+    caught(check_records, spawn(planted(_tracked_run, "memory_of_rank0_only"), 2, str(tmp_path)), tmp_path,
+           must=r"^step 1: memory recorded for ranks \[0\]")
 
 
 def check_records(results: list[Tracked], tmp_path: Path) -> None:
@@ -84,7 +85,8 @@ def check_records(results: list[Tracked], tmp_path: Path) -> None:
         assert rec["loss"] == pytest.approx(loss, rel=1e-6, abs=1e-6)  # what the script computed
         assert rec["tokens_per_s"] > 0 and rec["samples_per_s"] > 0 and rec["step_time_s"] > 0
         assert 0 < rec["mfu"] < 1 and rec["tflops_per_s"] > 0
-        assert [m["rank"] for m in rec["memory"]] == [0, 1]
+        assert [m["rank"] for m in rec["memory"]] == [0, 1], \
+            f"step {rec['step']}: memory recorded for ranks {[m['rank'] for m in rec['memory']]}"
         assert all(m["params"] > 0 and m["optimizer"] > 0 and m["peak"] > 0 for m in rec["memory"])
         assert rec["skipped_steps"] == 0 and "loss_scale" not in rec  # fp32: no scaler
     assert [r["grad_norm"] for r in records] == pytest.approx(results[0].norms, rel=1e-6)
@@ -246,11 +248,13 @@ def test_accelerate_rules_on_two_processes(tmp_path: Path) -> None:
 
 
 def test_an_engine_that_seeds_the_script_is_caught(tmp_path: Path) -> None:
-    caught(check_rules, *spawn(planted(_rules, "engine_seeds_torch"), 2, str(tmp_path)))
+    caught(check_rules, *spawn(planted(_rules, "engine_seeds_torch"), 2, str(tmp_path)),
+           must=r"^the script's set_seed stands after the Engine: False, False")
 
 
 def check_rules(r0: Rules, r1: Rules) -> None:
-    assert r0.rand_after_engine and r1.rand_after_engine  # the script's set_seed stands
+    assert r0.rand_after_engine and r1.rand_after_engine, \
+        f"the script's set_seed stands after the Engine: {r0.rand_after_engine}, {r1.rand_after_engine}"
     assert r0.distributed_type == "MULTI_CPU" and r0.mixed_precision == "no"
     # data order: the generator's, exactly what plain torch gives one process for the same loader
     g = torch.Generator().manual_seed(5)
@@ -278,7 +282,8 @@ def test_mid_epoch_resume_is_bit_exact_with_dropout(tmp_path: Path) -> None:
 
 
 def test_a_resume_at_the_epochs_start_is_caught(tmp_path: Path) -> None:
-    caught(check_resumed, tmp_path, planted(_resume_with_dropout, "loader_position_dropped"))
+    caught(check_resumed, tmp_path, planted(_resume_with_dropout, "loader_position_dropped"),
+           must=r"^losses after the resume \[[\d., ]+\], the straight run's \[")
 
 
 def check_resumed(tmp_path: Path, second_half: Any) -> None:
@@ -287,7 +292,8 @@ def check_resumed(tmp_path: Path, second_half: Any) -> None:
     first = spawn(_resume_with_dropout, 2, str(tmp_path / "b"), "first")[0]
     second = spawn(second_half, 2, str(tmp_path / "b"), "second")[0]
     assert len(straight) == 8
-    assert first + second == straight  # bit for bit
+    assert first + second == straight, \
+        f"losses after the resume {second}, the straight run's {straight[len(first):]}"  # bit for bit
 
 
 def _engine_scheduler(out: str) -> float:
@@ -334,7 +340,7 @@ def test_log_refuses_a_non_scalar_in_one_line_naming_its_key(tmp_path: Path) -> 
 
 def test_a_tensor_logged_as_a_list_is_caught(tmp_path: Path) -> None:
     with planted_here("log_tensors_as_lists"):
-        caught(check_log_values, tmp_path)
+        caught(check_log_values, tmp_path, must=r"DID NOT RAISE .*ValueError")  # the 2x3 tensor taken
 
 
 def check_log_values(tmp_path: Path) -> None:
@@ -366,7 +372,7 @@ def test_report_reads_what_a_crash_left_whole(tmp_path: Path) -> None:
 
 def test_a_report_silent_on_a_cut_line_is_caught(tmp_path: Path) -> None:
     with planted_here("cut_line_unsaid"):
-        caught(check_report_of_a_cut_file, tmp_path)
+        caught(check_report_of_a_cut_file, tmp_path, must=r"^the report's first line: '3 steps, 3 records'")
 
 
 def check_report_of_a_cut_file(tmp_path: Path) -> None:
@@ -381,7 +387,8 @@ def check_report_of_a_cut_file(tmp_path: Path) -> None:
     png, text = report(run)
     assert text.splitlines()[0] == (f"skipped {run / 'metrics.jsonl'}:4: {len(cut)} bytes of an "
                                     "unfinished last line "
-                                    "(the run stopped while writing it)")
+                                    "(the run stopped while writing it)"), \
+        f"the report's first line: {text.splitlines()[0]!r}"
     assert "3 steps, 3 records" in text and png.is_file()
     (run / "metrics.jsonl").write_text(cut + "\n" + whole)
     with pytest.raises(ConfigError, match=r"metrics\.jsonl:1: not a JSON line .*; the file is damaged"):

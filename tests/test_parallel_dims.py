@@ -174,7 +174,9 @@ def _check_layout(ranks: list[dict[str, Any]], cases: tuple[str, ...]) -> None:
     for rank, run in enumerate(ranks):
         for case in cases:
             assert run[case]["sizes"] == (2, rank // 2, rank % 2, 2, 2), run[case]["sizes"]
-            assert run[case]["up_local_rows"] == 64 // 2 // 2, (case, run[case]["up_local_rows"])
+            assert run[case]["up_local_rows"] == 64 // 2 // 2, \
+                f"{case}, rank {rank}: {run[case]['up_local_rows']} of the MLP's 64 rows, " \
+                "not 64 / tp 2 / dp_shard 2"
             _check(run[case], ref, ranks[0][case]["state"])
 
 
@@ -185,7 +187,8 @@ def _section_only() -> dict[str, Any]:
 def test_a_swapped_layout_is_caught() -> None:
     """Planted `parallelism_swapped`: dp_shard and dp_replicate exchanged once resolved (the same
     data-parallel size, ranks and numbers; the model replicated): the layout's check must fail."""
-    caught(_check_layout, spawn(planted(_section_only, "parallelism_swapped"), 4), ("engine",))
+    caught(_check_layout, spawn(planted(_section_only, "parallelism_swapped"), 4), ("engine",),
+           must=r"^engine, rank 0: 32 of the MLP's 64 rows, not 64 / tp 2 / dp_shard 2")
 
 
 def test_dp2_x_tp2_loops_sized_by_the_data_parallel_size_match_one_process() -> None:
@@ -237,7 +240,7 @@ def check_arrived(ranks: list[dict[str, str]]) -> None:
     """Each case refused on both processes, the same one line, starting with its words."""
     for case, start in ARRIVED.items():
         said = [r[case] for r in ranks]
-        assert said[0].startswith(start), (case, said[0])
+        assert said[0].startswith(start), f"{case}: {said[0]!r} does not start with {start!r}"
         assert "\n" not in said[0] and said[0] == said[1], (case, said)
 
 
@@ -248,4 +251,6 @@ def test_a_model_split_over_another_group_or_sharded_already_is_refused_in_one_l
 def test_planted_split_group_unchecked_is_caught() -> None:
     """`split_group_unchecked`: a model split over another group than the run's tp group is kept
     as it is (it would train on a layout the run does not have); the refusal check fails."""
-    caught(check_arrived, spawn(planted(_arrived, "split_group_unchecked"), 2))
+    caught(check_arrived, spawn(planted(_arrived, "split_group_unchecked"), 2),
+           must=r"^split over another group: .* does not start with "
+                r"'ConfigError: prepare: this model arrived split over processes \[0, 1\]'")

@@ -107,8 +107,9 @@ def check_follows(run: W.Trained, case: tuple[str, str]) -> None:
     ref = W.reference("tiny", world=2, **RUN)
     tol = 2e-2 if case[0] == "bf16" else 5e-3
     assert W.is_finite(run.losses)
-    assert 1e-5 < W.close(run.losses, ref.losses) < tol
-    assert W.max_diff(run.state, ref.state) < 5e-3  # fp32 masters: weights stay close
+    assert 1e-5 < W.close(run.losses, ref.losses) < tol, \
+        f"{case}: losses {W.close(run.losses, ref.losses):.2e} from fp32's, not between 1e-5 and {tol}"
+    assert W.max_diff(run.state, ref.state) < 1e-2  # fp32 masters: weights stay close (measured: 3.3e-3)
     assert all(v.dtype == torch.float32 for v in run.state.values())
 
 
@@ -140,7 +141,8 @@ def _planted_overflow() -> Work:
 
 
 def test_an_overflow_verdict_kept_local_is_caught() -> None:
-    caught(check_overflow, spawn(planted(_planted_overflow, "overflow_verdict_local"), 2), "zero3")
+    caught(check_overflow, spawn(planted(_planted_overflow, "overflow_verdict_local"), 2), "zero3",
+           must=r"^rank 1 did not skip")
 
 
 def _planted_bf16() -> W.Trained:
@@ -148,4 +150,5 @@ def _planted_bf16() -> W.Trained:
 
 
 def test_a_precision_left_at_fp32_is_caught() -> None:
-    caught(check_follows, spawn(planted(_planted_bf16, "precision_ignored"), 2)[0], ("bf16", "zero3"))
+    caught(check_follows, spawn(planted(_planted_bf16, "precision_ignored"), 2)[0], ("bf16", "zero3"),
+           must=r"^\('bf16', 'zero3'\): losses ([\d.]+e-(0[6-9]|[1-9]\d)|0\.00e\+00) from fp32's")  # fp32

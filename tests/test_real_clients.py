@@ -14,7 +14,7 @@ torch, so the script's `torchvision.transforms` is a stand-in (tests/stand_ins/_
 - ddp: every logged loss, learning rate and EMA decay equal Accelerate's (1e-6 relative), the
   images it sampled (each epoch's, as logged) equal Accelerate's, and the pipeline the main process
   saves at the end (the UNet with the EMA weights copied in) equals Accelerate's tensor by tensor
-  (2e-5 absolute) and loads with `UNet2DModel.from_pretrained`.
+  (5e-5 absolute; measured 1.0e-5) and loads with `UNet2DModel.from_pretrained`.
 - zero3: the main process's lone sampling and save are forwards and a gather of the sharded UNet
   the other process is not in: it serves them (`shardwise.engine.lone`), its shards holding the EMA
   weights the main process copied into its own. The same numbers, and the log says
@@ -128,7 +128,7 @@ def _unet(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors"))
 
 
-UNET_ATOL = 2e-5  # the suite's weight tolerance (8 steps: measured 9.5e-6 under ddp, 1.0e-5 under zero3)
+UNET_ATOL = 5e-5  # 8 steps: measured 9.5e-6 under ddp, 1.0e-5 under zero3 (a 5x margin)
 Reference = tuple[dict[str, Any], dict[str, torch.Tensor], list[tuple[int, Any]]]  # logged, UNet, images
 
 
@@ -179,7 +179,8 @@ def test_planted_real_script_scheduler_once_is_caught(
     process as Accelerate's does; the script's learning rates leave Accelerate's."""
     run = _run(_swapped(tmp_path), inputs, "ddp_planted", "strategy: ddp\n",
                fault="real_script_scheduler_once")
-    caught(check_like_accelerate, run, reference)
+    caught(check_like_accelerate, run, reference,
+           must=r"^loss: \[\(1, [\d.]+\), .*\] vs Accelerate's \[\(1, ")
 
 
 def check_served(run: tuple[int, str, Path], reference: Reference) -> None:
@@ -202,4 +203,5 @@ def test_planted_lone_ema_not_replayed_is_caught(inputs: Path, reference: Refere
     but not its EMA `store` / `copy_to` / `restore`: the UNet it samples and saves is half EMA."""
     run = _run(_swapped(tmp_path), inputs, "zero3_planted", "strategy: zero3\n",
                fault="lone_ema_not_replayed")
-    caught(check_served, run, reference)
+    caught(check_served, run, reference,
+           must=r"^the images sampled at epoch 0 differ from Accelerate's by \d+ levels")

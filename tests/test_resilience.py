@@ -178,7 +178,7 @@ def test_planted_repeat_signal_exits_is_caught(tmp_path: Path) -> None:
     folder = tmp_path / "everyone"
     folder.mkdir()
     code, err = _signalled(folder, _config(folder, strategy="zero3"), "everyone", "repeat_signal_exits")
-    caught(check_stop, folder, "everyone", code, err)
+    caught(check_stop, folder, "everyone", code, err, must=r"^checkpoints at steps \[\]: ")
 
 
 def test_preemption_signals_to_every_process_and_repeated_lose_no_step(tmp_path: Path) -> None:
@@ -379,7 +379,8 @@ def test_load_state_says_what_it_found_and_obeys_resume(tmp_path: Path, capfd: p
 def test_a_restart_that_starts_from_zero_is_caught(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     with planted_here("restart_from_zero"):
-        caught(check_resume_rules, tmp_path, capfd, monkeypatch)
+        caught(check_resume_rules, tmp_path, capfd, monkeypatch,
+               must=r"DID NOT RAISE .*CheckpointError")  # restart 1 finding nothing starts from 0
 
 
 def check_resume_rules(tmp_path: Path, capfd: pytest.CaptureFixture[str],
@@ -424,7 +425,8 @@ def test_the_checkpoint_policy_saves_the_final_step(tmp_path: Path) -> None:
 
 def test_a_policy_that_forgets_the_final_step_is_caught(tmp_path: Path) -> None:
     with planted_here("final_step_unsaved"):
-        caught(check_final_step_saved, tmp_path)
+        caught(check_final_step_saved, tmp_path,
+               must=r"^checkpoints after end_training at step 4: \['step_3'\]")
 
 
 def check_final_step_saved(tmp_path: Path) -> None:
@@ -434,7 +436,8 @@ def check_final_step_saved(tmp_path: Path) -> None:
     _train(engine, model, opt, loader, 4)
     weights = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
     engine.end_training()
-    assert [p.name for p in step_dirs(tmp_path / "ckpt")] == ["step_3", "step_4"]
+    saved = [p.name for p in step_dirs(tmp_path / "ckpt")]
+    assert saved == ["step_3", "step_4"], f"checkpoints after end_training at step 4: {saved}"
     again, model, *_ = _prepared(tmp_path, checkpoint_every_steps=3)
     assert again.load_state() == 4 and _identical(again.get_state_dict(model), weights)
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt" / "step_4").iterdir())

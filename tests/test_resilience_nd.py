@@ -118,7 +118,8 @@ def test_planted_resume_counts_processes_is_caught(tmp_path: Path) -> None:
     _sigterm_everyone(config, faulted, 2)
     run = _run(config, faulted, planted_fault="resume_counts_processes", timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
-    caught(check_every_loss, faulted, *_result(straight))
+    caught(check_every_loss, faulted, *_result(straight),
+           must=r"^\(step, loss, the uninterrupted run's\): \[\(\d+, ")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

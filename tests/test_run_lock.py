@@ -237,7 +237,10 @@ def test_planted_start_time_unread_is_caught(tmp_path: Path, monkeypatch: pytest
 
     try:
         with planted_here("start_time_unread"):
-            caught(check_takeover_rules, tmp_path, monkeypatch)
+            caught(check_takeover_rules, tmp_path, monkeypatch,
+                   must=r"^a live run's lock on this host: \S+: took over the run lock from a run that is "
+                        r"no longer alive \(host \S+, pid \d+, started then\): its process is gone from "
+                        r"this host")
     finally:
         runlock.release_all()  # the locks the planted run took (and their heartbeats)
 
@@ -259,7 +262,8 @@ def check_takeover_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         return line
 
     parent = _lock_info(pid=os.getppid(), start_ticks=runlock._start_ticks(os.getppid()), started="then")
-    assert "in use by another run (host" in attempt(parent)  # alive, same start time: a live run
+    live = attempt(parent)
+    assert "in use by another run (host" in live, f"a live run's lock on this host: {live}"  # same start time
     # the pid now names another process
     reused = attempt({**parent, "start_ticks": parent["start_ticks"] + 1})
     assert "took over the run lock" in reused
@@ -292,7 +296,9 @@ def test_planted_zip_failure_in_torchs_words_is_caught(tmp_path: Path) -> None:
     """`zip_failure_in_torchs_words`: torch's errno-less zip-writer failure passed on as it is
     ("unexpected pos"); the check wants the disk named full, with the bytes needed."""
     with planted_here("zip_failure_in_torchs_words"):
-        caught(check_disk_full_lines, tmp_path)
+        caught(check_disk_full_lines, tmp_path,
+               must=r"could not write the checkpoint: \[enforce fail at inline_container\.cc:\d+\] \. "
+                    r"unexpected pos \d+ vs \d+")
 
 
 def check_disk_full_lines(tmp_path: Path) -> None:
@@ -390,14 +396,17 @@ def test_planted_total_limit_over_every_checkpoint_is_caught(tmp_path: Path) -> 
     """`total_limit_over_every_checkpoint`: total_limit counts the earlier run's checkpoints too
     (Accelerate's rule) and removes them; the check wants them untouched."""
     run = planted(_two_runs_in_one_project, "total_limit_over_every_checkpoint")
-    caught(check_project_naming, spawn(run, 2, str(tmp_path), timeout=300)[0], tmp_path)
+    caught(check_project_naming, spawn(run, 2, str(tmp_path), timeout=300)[0], tmp_path,
+           must=r"^the project's checkpoints after the new run: \['\.shardwise\.lock', 'checkpoint_0', "
+                r"'checkpoint_4'")  # the earlier run's 1 and 2 removed
 
 
 def check_project_naming(out: dict[str, Any], tmp_path: Path) -> None:
     # the new run wrote checkpoint_3..6; total_limit removed its own checkpoint_3, kept its
     # checkpoint_4 (a user's file in it), never touched the earlier run's 0..2
     assert out["listing"] == [LOCK, "checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_4",
-                              "checkpoint_5", "checkpoint_6"], out["listing"]
+                              "checkpoint_5", "checkpoint_6"], \
+        f"the project's checkpoints after the new run: {out['listing']}"
     assert out["untouched"]
     kept = [w for w in out["warnings"] if "kept (total_limit)" in w]
     assert len(kept) == 1, kept
@@ -420,7 +429,9 @@ def test_run_lock_rules_for_a_requeue_and_an_expired_lease(tmp_path: Path,
 def test_a_lock_whose_heartbeat_is_never_read_is_caught(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     with planted_here("heartbeat_never_read"):
-        caught(check_requeue_rules, tmp_path, monkeypatch)
+        caught(check_requeue_rules, tmp_path, monkeypatch,
+               must=r"took over the run lock from a run that is no longer alive \(host node-7, pid \d+, "
+                    r"started then\): its heartbeat stopped inf s ago \(lock_lease_s 300\)")
 
 
 def check_requeue_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

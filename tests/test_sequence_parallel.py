@@ -241,7 +241,9 @@ def test_sequence_parallel_switched_off_is_caught() -> None:
     """Planted `sequence_parallel_off`: `sequence_parallel=True` ignored (plain tp 2, the same
     losses and shares); the case's check must fail on the bytes saved."""
     ranks = spawn(planted(_cases, "sequence_parallel_off"), 2, {"zero3": TWO["zero3"]}, 1)
-    caught(_check_case, ranks, "zero3", TWO["zero3"], 1)
+    caught(_check_case, ranks, "zero3", TWO["zero3"], 1,
+           must=r"^zero3, rank 0: saved (\d+) bytes with sequence parallelism, \1 without: 0 fewer, "
+                r"derived \d+")
 
 
 def test_a_sequence_parallel_checkpoint_and_export_load_without_tp(two: list[dict[str, Any]],

@@ -73,7 +73,7 @@ def test_step_counts_every_boundary_whichever_optimizer_steps() -> None:
 
 def test_steps_counted_by_one_optimizer_are_caught() -> None:
     with planted_here("steps_of_the_first_optimizer"):
-        caught(check_step_counts)
+        caught(check_step_counts, must=r"^engine\.step 3 after 6 steps")
 
 
 def check_step_counts() -> None:
@@ -90,7 +90,8 @@ def check_step_counts() -> None:
             opt_b.step()
             opt_a.zero_grad()
             opt_b.zero_grad()
-    assert engine.step == 6
+    assert engine.step == 6, \
+        f"engine.step {engine.step} after 6 steps of the second optimizer (3 of the first)"
 
 
 class _Kernels:
@@ -123,7 +124,8 @@ def test_the_host_step_runs_torchs_fused_kernel(strategy: str, offload: str, opt
 def test_planted_host_step_unfused_is_caught() -> None:
     """`host_step_unfused`: the host step keeps the optimizer's own loop; no fused kernel ran."""
     with planted_here("host_step_unfused"):
-        caught(check_fused_host_step, "zero2", "optimizer", "AdamW", "aten::_fused_adamw_")
+        caught(check_fused_host_step, "zero2", "optimizer", "AdamW", "aten::_fused_adamw_",
+               must=r"^no aten::_fused_adamw_ among the ops the step ran: \[.*'aten::addcdiv_'")  # the loop
 
 
 def check_fused_host_step(strategy: str, offload: str, optimizer: str, kernel: str) -> None:
@@ -139,6 +141,6 @@ def check_fused_host_step(strategy: str, offload: str, optimizer: str, kernel: s
     with kernels.mode:
         opt.step()
     engine.free_memory()
-    assert kernel in kernels.names, sorted(kernels.names)
+    assert kernel in kernels.names, f"no {kernel} among the ops the step ran: {sorted(kernels.names)}"
     unfused = {"aten::_foreach_lerp_", "aten::lerp_", "aten::addcdiv_"}  # AdamW's loop and foreach paths
     assert not unfused & kernels.names, sorted(unfused & kernels.names)

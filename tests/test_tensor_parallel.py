@@ -3,7 +3,8 @@
 A tiny transformers Llama (its own `base_model_tp_plan`: q/k/v and gate/up colwise, o and down
 rowwise; embeddings, norms and the head whole) trained under `tensor_parallel_size: 2`:
   2 processes   tp 2 (one data-parallel rank) with zero2 and zero3: losses and clipped gradient
-                norms within 1e-5, final weights within 1e-5 of one process on the same batches;
+                norms within 1e-5, final weights within 2e-5 (measured up to 5.8e-6) of one process on
+                the same batches;
                 each rank holds exactly its plan's share of the parameters (the planned weights
                 halved, the rest whole); the checkpoint saved under tp 2 loads under zero3 without
                 tp (and back) bit-identical; `save_model` writes what transformers'
@@ -311,7 +312,7 @@ def two(folder: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_tp2_matches_one_process(two: list[dict[str, Any]], strategy: str) -> None:
     ref = _reference(dp=1)
-    assert W.max_diff(two[0][strategy].state, ref.state) < 1e-5  # (gathered on process 0)
+    assert W.max_diff(two[0][strategy].state, ref.state) < 2e-5  # (gathered on process 0; measured 5.8e-6)
     for rank in two:
         run = rank[strategy]
         assert run.batches == STEPS  # both tp ranks took every batch: one data-parallel rank
@@ -410,7 +411,9 @@ def test_zero1_keeping_the_whole_optimizer_state_is_caught(tmp_path: Path) -> No
     (and keeping the AdamW state of) every element of its tp share, the weights still right; the
     dp 2 x tp 2 check must fail on the state each rank holds."""
     four = spawn(planted(_four, "zero1_whole_optimizer_state"), 4, str(tmp_path), ("zero1",))
-    caught(_check_dp2_x_tp2, four, "zero1")
+    caught(_check_dp2_x_tp2, four, "zero1",
+           must=r"^zero1: \(parameter, AdamW state\) elements per rank \[\(13472, 26944\), \(13472, 26944\), "
+                r"\(13472, 26944\), \(13472, 26944\)\], its share \[\(13472, 13472\)")
 
 
 def test_a_zero1_tp_checkpoint_resumes_under_zero3_without_tp(four: list[dict[str, Any]]) -> None:

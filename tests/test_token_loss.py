@@ -171,7 +171,8 @@ def test_token_weighted_loss_matches_one_process(runs: dict, refs: dict,
 
 def check_weighted(run: W.Trained, ref: W.Trained, case: tuple[str, dict[str, Any]]) -> None:
     assert len(run.losses) == STEPS
-    assert W.close(run.losses, ref.losses) < 1e-5
+    assert W.close(run.losses, ref.losses) < 1e-5, \
+        f"{_key(case)}: losses {W.close(run.losses, ref.losses):.2e} from one process's"
     if run.norms:  # the script clipped (else the config's max_grad_norm did)
         assert min(ref.norms) > CLIP  # every step really clipped, after the rescale
         assert W.close(run.norms, ref.norms) < 1e-5 * max(ref.norms)
@@ -205,4 +206,5 @@ def _planted_weighted() -> W.Trained:
 
 def test_a_count_of_items_left_local_is_caught(refs: dict) -> None:
     run = spawn(planted(_planted_weighted, "items_count_local"), WORLD)[0]
-    caught(check_weighted, run, refs["tiny"], ("tiny", {"strategy": "zero3"}))
+    caught(check_weighted, run, refs["tiny"], ("tiny", {"strategy": "zero3"}),
+           must=r"^tiny:zero3: losses [\d.]+e[-+]\d+ from one process's")

@@ -31,7 +31,7 @@ from planted import caught, planted_here
 from spawn import spawn
 from torch.utils.data import DataLoader
 
-TOL = 1e-5
+TOL, WEIGHT_TOL = 1e-5, 2e-5  # losses and norms; final weights (measured: up to 5.8e-6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +192,7 @@ def _check_equal(run: Run | str, ref: W.Trained, state: dict[str, torch.Tensor] 
     assert isinstance(run, Run), run  # (a refusal string)
     assert W.close(run.losses, ref.losses) < TOL, (run.losses, ref.losses)
     assert W.close(run.norms, ref.norms) < TOL, (run.norms, ref.norms)
-    assert W.max_diff(state if state is not None else run.state, ref.state) < TOL
+    assert W.max_diff(state if state is not None else run.state, ref.state) < WEIGHT_TOL
 
 
 def test_zero1_with_tp_at_one_data_parallel_rank_matches_one_process(two: list[dict[str, Any]]) -> None:
@@ -228,7 +228,7 @@ def test_a_batch_checkpoint_resumed_at_4_processes_with_tp_keeps_the_global_batc
     assert not any("grad_accum_steps" in line for line in after.lines), after.lines
     assert W.close(before.losses + after.losses, ref.losses) < TOL
     assert W.close(before.norms + after.norms, ref.norms) < TOL
-    assert W.max_diff(after.state, ref.state) < TOL
+    assert W.max_diff(after.state, ref.state) < WEIGHT_TOL
 
 
 def test_auto_keeps_the_asked_tensor_parallelism(two: list[dict[str, Any]]) -> None:
@@ -273,7 +273,9 @@ def test_planted_tp_batch_counts_processes_is_caught() -> None:
     """`tp_batch_counts_processes`: the batch counted per process under tp; the in-process check
     of the probe's sizes fails."""
     with planted_here("tp_batch_counts_processes"):
-        caught(check_batch_rules)
+        caught(check_batch_rules,
+               must=r"^train_batch_size 16 at micro-batch 4 on 2 processes under tp 2: "
+                    r"grad_accum_steps 2, not 4")
 
 
 def check_batch_rules() -> None:
@@ -282,7 +284,10 @@ def check_batch_rules() -> None:
     from shardwise.config.tree import LaunchConfig
 
     cfg = EngineConfig.of(tensor_parallel_size=2, train_batch_size=16, grad_accum_steps=2)
-    assert resolve_grad_accum(cfg, 4, 2) == 4  # 1 data-parallel rank
+    accum = resolve_grad_accum(cfg, 4, 2)
+    assert accum == 4, \
+        f"train_batch_size 16 at micro-batch 4 on 2 processes under tp 2: grad_accum_steps {accum}, " \
+        "not 4 (1 data-parallel rank)"
     assert resolve_grad_accum(cfg, 4, 4) == 2  # 2 data-parallel ranks
     written = EngineConfig.of(tensor_parallel_size=2, train_batch_size=8, grad_accum_steps=1,
                            launch=LaunchConfig(num_processes=2))

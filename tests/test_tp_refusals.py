@@ -190,7 +190,8 @@ def check_refusals(ranks: list[dict[str, str]], cases: list[str]) -> None:
         said = [rank[case] for rank in ranks]
         assert said[0] != NO_ERROR, f"{case}: not refused"
         W.one_line(said[0])
-        assert said[0].startswith(CASES[case][2]), (case, said[0])
+        assert said[0].startswith(CASES[case][2]), \
+            f"{case}: {said[0]!r} does not start with {CASES[case][2]!r}"
         assert all(s == said[0] for s in said), (case, said)
 
 
@@ -206,18 +207,23 @@ def test_tensor_and_sequence_parallel_refusals_through_the_engine_are_one_line()
 def test_planted_no_plan_not_refused_is_caught() -> None:
     """`no_plan_not_refused`: a model without a plan trains unsplit; the check finds no refusal."""
     cases = ["no plan"]
-    caught(check_refusals, spawn(planted(_refusals, "no_plan_not_refused"), 2, cases), cases)
+    caught(check_refusals, spawn(planted(_refusals, "no_plan_not_refused"), 2, cases), cases,
+           must=r"^no plan: not refused")
 
 
 def test_planted_refusal_two_lines_is_caught() -> None:
     """`refusal_two_lines`: sequence parallelism's refusal of a block it cannot cut gains a second
     line (a hint); `pytest.raises(match=)` would still pass, the one-line check does not."""
     cases = ["sp, q/k/v off the block"]
-    caught(check_refusals, spawn(planted(_refusals, "refusal_two_lines"), 2, cases), cases)
+    caught(check_refusals, spawn(planted(_refusals, "refusal_two_lines"), 2, cases), cases,
+           must=r"^not one line: \"ConfigError: sequence_parallel: each block's attention and MLP "
+                r".*\\n  see ")  # (the repr's \n: a second line)
 
 
 def test_planted_sequence_trial_skipped_is_caught() -> None:
     """`sequence_trial_skipped`: prepare does not run its trial forward; the MLP without a
     sequence dimension is not refused at prepare (the check finds no refusal)."""
     cases = ["sp, an MLP without a sequence dimension (at prepare, with its DataLoader)"]
-    caught(check_refusals, spawn(planted(_refusals, "sequence_trial_skipped"), 2, cases), cases)
+    caught(check_refusals, spawn(planted(_refusals, "sequence_trial_skipped"), 2, cases), cases,
+           must=r"\(at prepare, with its DataLoader\): 'AssertionError: split before refused' does not start "
+                r"with 'ConfigError: sequence_parallel: blocks\.0\.mlp gets hidden states")

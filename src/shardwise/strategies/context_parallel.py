@@ -38,6 +38,7 @@ from torch.nn import functional as F
 
 from ..config.tree import ConfigError
 from ..distributed.mesh import ParallelDims
+from ..weights.adapters import is_peft_model
 from .attention import (
     Split,
     contiguous_index,
@@ -277,8 +278,9 @@ def check_model(model: nn.Module, cp: int) -> None:
     """Refuse in one line a transformers model whose outputs or attention the split cannot give
     as one process does (see the module's text)."""
     config = getattr(model, "config", None)
-    name = type(model).__name__
-    if not is_causal_lm(model):
+    base = model.get_base_model() if is_peft_model(model) else model  # type: ignore[operator]
+    name = type(base).__name__
+    if not is_causal_lm(base):
         raise ConfigError(f"context_parallel_size={cp}: {name} is not a causal LM (an output embedding "
                           "and transformers' logits_to_keep): a head that reads the whole sequence (a "
                           "classifier pools one token of it) cannot be split along it; set "
