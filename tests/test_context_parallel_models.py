@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+import workloads as W
 from planted import caught, planted
 from spawn import spawn
 from test_context_parallel import BATCH, LR, SEQ, STEPS, VOCAB, Batches
@@ -81,17 +82,7 @@ def reference(family: str, kind: str, dtype: torch.dtype = torch.float32) -> dic
     model = build(family).to(dtype)
     if dtype == torch.float64 and family == "mixtral":  # (torch's grouped matmul takes no fp64)
         model.set_experts_implementation("eager")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for batch in DataLoader(Batches(BATCH * STEPS, kind), batch_size=BATCH):
-        loss = model(**batch).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "state": state}
+    return W.train_plain(model, DataLoader(Batches(BATCH * STEPS, kind), batch_size=BATCH), LR)
 
 
 def _engine(method: str, **extra: Any) -> Any:

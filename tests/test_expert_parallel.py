@@ -54,6 +54,7 @@ from typing import Any
 
 import pytest
 import torch
+import workloads as W
 from planted import caught, planted
 from spawn import spawn
 from torch import nn
@@ -140,18 +141,7 @@ def samples(n: int) -> list[dict[str, torch.Tensor]]:
 @functools.cache
 def reference(family: str, dp: int) -> dict[str, Any]:
     """One plain process on the global batches (dp x BATCH samples each, in order)."""
-    model = build(family)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for batch in DataLoader(samples(dp * BATCH * STEPS), batch_size=dp * BATCH):
-        loss = model(**batch).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "state": state}
+    return W.train_plain(build(family), DataLoader(samples(dp * BATCH * STEPS), batch_size=dp * BATCH), LR)
 
 
 @functools.cache
@@ -159,19 +149,12 @@ def reference_per_rank(family: str, dp: int) -> dict[str, Any]:
     """One plain process with the router's load-balancing loss on, a statistic of each rank's
     batch: each step's loss is the mean of the dp ranks' losses, each on its BATCH samples of the
     global batch (what data parallelism averages), then one backward of that mean."""
-    model = build(family, aux=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for batch in DataLoader(samples(dp * BATCH * STEPS), batch_size=dp * BATCH):
+    def mean_of_ranks(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         parts = [model(**{k: v[r * BATCH:(r + 1) * BATCH] for k, v in batch.items()}).loss for r in range(dp)]
-        loss = sum(parts) / dp
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "state": state}
+        return sum(parts) / dp  # type: ignore[return-value]
+
+    batches = DataLoader(samples(dp * BATCH * STEPS), batch_size=dp * BATCH)
+    return W.train_plain(build(family, aux=True), batches, LR, mean_of_ranks)
 
 
 def _prepared(family: str, strategy: str, ep: int, aux: bool = False, **extra: Any) -> tuple[Any, Any, Any]:

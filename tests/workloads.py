@@ -339,6 +339,39 @@ def close(xs: list[float], ys: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(xs, ys)) if xs else 0.0
 
 
+def check_matches(run: Any, ref: Any, label: str, model: str) -> None:
+    """A run's micro-batch losses, clipped norms and final weights against one plain process's
+    (`Trained`-like: losses, norms, state), 1e-5, 1e-5 x the largest norm and 2e-5, each named
+    in its message; and training moved the weights (the comparison is not trivially true)."""
+    assert len(run.losses) == 8 and len(run.norms) == 4
+    where = f"{label}: " if label else ""
+    losses, weights = close(run.losses, ref.losses), max_diff(run.state, ref.state)
+    assert losses < 1e-5, f"{where}losses {losses:.2e} from one process's"
+    assert close(run.norms, ref.norms) < 1e-5 * max(ref.norms), \
+        f"{where}clipped norms {close(run.norms, ref.norms):.2e} from one process's"
+    assert weights < 2e-5, f"{where}weights {weights:.2e} from one process's"
+    assert max_diff(run.state, build(model).state_dict()) > 1e-3, f"{where}the weights never moved"
+
+
+def train_plain(model: nn.Module, batches: Any, lr: float,
+                loss_of: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
+                ) -> dict[str, Any]:
+    """One plain process: AdamW at `lr` over `batches` (dicts, `model(**batch).loss`, or
+    `loss_of(model, batch)`), the gradient clipped at 1.0 each step: its losses, clipped norms and
+    final weights."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for batch in batches:
+        loss = model(**batch).loss if loss_of is None else loss_of(model, batch)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "state": state}
+
+
 def is_finite(xs: list[float]) -> bool:
     return all(math.isfinite(x) for x in xs)
 
