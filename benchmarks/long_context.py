@@ -71,6 +71,7 @@ def _steps(engine: Any, model: Any, opt: Any, ids: torch.Tensor, steps: int) -> 
 
     times, saved = [], 0
     for i in range(steps + 1):
+        _sync(engine.device)  # (on a GPU the clock is read once its queued work is done)
         start = time.perf_counter()
         with shardwise.SavedActivations() as seen:
             loss = model(input_ids=ids, labels=ids).loss
@@ -78,10 +79,18 @@ def _steps(engine: Any, model: Any, opt: Any, ids: torch.Tensor, steps: int) -> 
         engine.backward(loss)
         opt.step()
         opt.zero_grad()
+        _sync(engine.device)
         if i:
             times.append(time.perf_counter() - start)
     engine.free_memory()
     return {"saved": saved, "step_s": statistics.median(times), "loss": float(loss.detach())}
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work: a CUDA step returns before its kernels end, so a clock
+    read without it times the launches, not the step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -1865,3 +1865,240 @@ def _lone_done_drops_journal() -> None:
         send.__wrapped__(self, command)  # type: ignore[attr-defined]
 
     _patch(LoneCalls, "_send", send)
+
+
+# -- the code only a GPU runs, on CPU by the GPU's rules (tests/unit/test_unit_gpu_rules.py) ------
+_GPU_RULES = "tests/unit/test_unit_gpu_rules.py::"
+
+
+@fault("staged_on_the_gpu", row="asynchronous checkpoints on a GPU",
+       test=_GPU_RULES + "test_planted_staged_on_the_gpu_is_caught")
+def _staged_on_the_gpu() -> None:
+    """The staged copy of a shard rebuilt with `DTensor.from_local`: it moves the host copy back
+    to the mesh's device (a second GPU copy of every shard until the write ends)."""
+    from torch.distributed.tensor import DTensor
+
+    from shardwise.checkpoint import background
+
+    _patch(background, "with_local", lambda local, like: DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()))
+
+
+@fault("writer_on_gpu0", row="asynchronous checkpoints on a GPU",
+       test=_GPU_RULES + "test_planted_writer_on_gpu0_is_caught")
+def _writer_on_gpu0() -> None:
+    """The writer thread never sets the training's device: it runs on GPU 0."""
+    from shardwise.checkpoint.background import BackgroundWriter
+
+    def run(self: Any, target: Any, job: Any) -> None:
+        device, self.device = self.device, None
+        try:
+            run.__wrapped__(self, target, job)  # type: ignore[attr-defined]
+        finally:
+            self.device = device
+
+    _patch(BackgroundWriter, "_run", run)
+
+
+@fault("pinned_by_the_caching_allocator", row="asynchronous checkpoints on a GPU",
+       test=_GPU_RULES + "test_planted_pinned_by_the_caching_allocator_is_caught")
+def _pinned_by_the_caching_allocator() -> None:
+    """Staging buffers from `torch.empty(..., pin_memory=True)`: the caching host allocator's
+    blocks, each rounded up to a power of two."""
+    import torch
+
+    from shardwise.checkpoint import background
+
+    _patch(background, "pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True))
+    from shardwise.strategies import sharded_optim
+
+    _patch(sharded_optim, "pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True))
+
+
+@fault("offloaded_state_to_gpu", row="offloaded state on a GPU",
+       test=_GPU_RULES + "test_planted_offloaded_state_to_gpu_is_caught")
+def _offloaded_state_to_gpu() -> None:
+    """The offloaded optimizer's checkpoint state made with `DTensor.from_local`: its host
+    shards copied to the GPU at every save and load (8 bytes a parameter over the world)."""
+    from torch.distributed.tensor import DTensor
+
+    from shardwise.strategies import sharded_optim
+
+    _patch(sharded_optim, "with_local", lambda local, like: DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()))
+
+
+@fault("state_cut_on_the_gpu", row="offloaded state on a GPU",
+       test=_GPU_RULES + "test_planted_state_cut_on_the_gpu_is_caught")
+def _state_cut_on_the_gpu() -> None:
+    """An EMA shadow cut with `distribute_tensor(x.to(param.device), mesh)`: on the mesh's
+    device (the GPU) while the offloaded parameter is on the host."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardwise.weights import ema
+
+    _patch(ema, "_like", lambda shadow, param: distribute_tensor(
+        shadow.detach().to(param.device), param.device_mesh, param.placements, src_data_rank=None))
+
+
+@fault("rng_of_every_gpu", row="a GPU's generator in a checkpoint",
+       test=_GPU_RULES + "test_planted_rng_of_every_gpu_is_caught")
+def _rng_of_every_gpu() -> None:
+    """The checkpoint holds every visible GPU's generator and restores them all."""
+    import torch
+
+    from shardwise.checkpoint import sharded
+
+    def state() -> dict[str, Any]:
+        out = state.__wrapped__()  # type: ignore[attr-defined]
+        out["cuda"] = torch.cuda.get_rng_state_all()
+        return out
+
+    def set_state(saved: dict[str, Any]) -> None:
+        cuda = saved.pop("cuda", None)
+        set_state.__wrapped__(saved)  # type: ignore[attr-defined]
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    _patch(sharded, "_rng_state", state)
+    _patch(sharded, "_set_rng_state", set_state)
+
+
+@fault("clock_before_sync", row="throughput on a GPU",
+       test=_GPU_RULES + "test_planted_clock_before_sync_is_caught")
+def _clock_before_sync() -> None:
+    """The metrics record reads its clock before the GPU finished the interval's kernels."""
+    from shardwise.runtime import metrics
+
+    def record(self: Any, step: int, memory: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        metrics.time.perf_counter()  # the interval's end read as before: ahead of the device's sync
+        return record.__wrapped__(self, step, memory, extra)  # type: ignore[attr-defined]
+
+    _patch(metrics.Meter, "record", record)
+
+
+@fault("backend_string_as_name", row="a group's backend read per device type",
+       test="tests/test_gpu_groups.py::test_planted_backend_string_as_name_is_caught")
+def _backend_string_as_name() -> None:
+    """A group's backend taken as one name for every device type, as `dist.get_backend(g) ==
+    "gloo"` took it: under "cpu:gloo,cuda:gloo" (a GPU run's "cpu:gloo,cuda:nccl") no branch on
+    gloo is taken."""
+    import torch.distributed as dist
+
+    from shardwise.accelerate import extras, objects
+    from shardwise.distributed import world
+    from shardwise.strategies import fsdp
+
+    def backends_of(group: Any = None) -> dict[str, str]:
+        return dict.fromkeys(("cpu", "cuda"), str(dist.get_backend(group)))
+
+    for module in (world, fsdp, extras, objects):
+        _patch(module, "backends_of", backends_of)
+
+
+@fault("host_tensors_on_nccl", row="the collective auditor",
+       test="tests/test_gpu_groups.py::test_planted_host_tensors_on_nccl_is_caught")
+def _host_tensors_on_nccl() -> None:
+    """A pure-NCCL default group read as taking CPU tensors: a CPU run on it is not refused, and
+    the engine's host-side collectives send CPU tensors on it (NCCL refuses them)."""
+    from shardwise.distributed import world
+
+    def backends_of(group: Any = None) -> dict[str, str]:
+        return {"cpu": "gloo", **backends_of.__wrapped__(group)}  # type: ignore[attr-defined]
+
+    _patch(world, "backends_of", backends_of)
+
+
+@fault("stage_by_from_local", row="asynchronous checkpoints on a GPU",
+       test=_GPU_RULES + "test_planted_stage_by_from_local_is_caught")
+def _stage_by_from_local() -> None:
+    """The source read as if the staging copy were rebuilt with `DTensor.from_local` again."""
+    from pathlib import Path as _Path
+
+    def read_text(self: _Path, *args: Any, **kwargs: Any) -> str:
+        text: str = read_text.__wrapped__(self, *args, **kwargs)  # type: ignore[attr-defined]
+        if self.as_posix().endswith("shardwise/checkpoint/background.py"):
+            text += ("\n\ndef _stage(buf, t):\n"
+                     "    out = DTensor.from_local(buf, t.device_mesh, t.placements)\n    return out\n")
+        return text
+
+    _patch(_Path, "read_text", read_text)
+
+
+@fault("fp16_inputs_uncast", row="DeepSpeed's fp16 on a GPU",
+       test="tests/test_deepspeed_precision.py::test_planted_fp16_inputs_uncast_is_caught")
+def _fp16_inputs_uncast() -> None:
+    """DeepSpeed's fp16 section without `auto_cast`: the weights cast, float inputs left fp32."""
+    from shardwise.strategies.deepspeed import setup
+
+    def keys(cfg: Any) -> dict[str, Any]:
+        out: dict[str, Any] = keys.__wrapped__(cfg)  # type: ignore[attr-defined]
+        if "fp16" in out:
+            out["fp16"] = {k: v for k, v in out["fp16"].items() if k != "auto_cast"}
+        return out
+
+    _patch(setup, "_precision_keys", keys)
+
+
+@fault("export_of_cast_weights", row="DeepSpeed's fp16 on a GPU",
+       test="tests/test_deepspeed_precision.py::test_planted_export_of_cast_weights_is_caught")
+def _export_of_cast_weights() -> None:
+    """An export gathers the module's own (cast) weights, not the fp32 masters."""
+    import torch
+
+    from shardwise.strategies.deepspeed.strategy import DeepSpeedStrategy
+
+    def full_state_dict(self: Any, model: Any) -> dict[str, Any]:
+        module = self.unwrap(model)
+        out = {}
+        for name, p in module.named_parameters():
+            with self.ds.zero.GatheredParameters([p], modifier_rank=None):
+                out[name] = p.detach().to("cpu", copy=True)
+        if not self.info.is_main:
+            return {}
+        return {n: out.get(n, t.detach().to("cpu", copy=True) if torch.is_tensor(t) else t)
+                for n, t in module.state_dict(keep_vars=True).items()}
+
+    _patch(DeepSpeedStrategy, "full_state_dict", full_state_dict)
+
+
+@fault("hang_unwatched", row="a hung collective on a GPU",
+       test="tests/test_resilience.py::test_planted_hang_unwatched_is_caught")
+def _hang_unwatched() -> None:
+    """No hang watch: a process blocked in the device waits until NCCL's watchdog (none on CPU)."""
+    from shardwise.runtime import supervision
+
+    class _Off:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def beat(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    _patch(supervision, "HangWatch", _Off)
+
+
+# -- the GPU session's verdict (test_benchmarks: benchmarks/gpu_session.sh's CPU dry run) ----------
+@fault("gpu_session_stage_aliases", row="`benchmarks/gpu_session.sh` says pass or fail",
+       test="tests/test_benchmarks.py::test_planted_gpu_session_stage_aliases_is_caught")
+def _gpu_session_stage_aliases() -> None:
+    """The regression of `async_stage_aliases` (an asynchronous save's staging hands the writer
+    the live tensors, so a write overlapping the next step stores that step's weights), planted
+    in every process the GPU session starts: its multi-process part must fail, and the session
+    with it."""
+    from shardwise.checkpoint import background
+
+    _patch(background._Copier, "tensor", lambda self, t: t)
+
+
+@fault("hang_watch_ignores_the_device", row="a hung collective on a GPU",
+       test="tests/unit/test_unit_gpu_rules.py::test_planted_hang_watch_ignores_the_device_is_caught")
+def _hang_watch_ignores_the_device() -> None:
+    """The watch takes any lack of progress as a hang, the device's queue unread: a script's own
+    long CPU work between steps would end the run."""
+    from shardwise.runtime import hang
+
+    _patch(hang, "device_busy", lambda device: True)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import audit
 import torch
 
 
@@ -42,6 +43,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
     # a worker still running at the deadline writes every thread's stack here first (SIGUSR1)
     stacks = open(Path(out) / f"{rank}.stacks", "w")  # noqa: SIM115 -- open until the process ends
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    if audit.enabled():  # NCCL's rules checked at every collective (tests/audit.py)
+        audit.install()
     code = 0
     try:
         result = fn(*args)
@@ -50,6 +53,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
 
         if dist.is_initialized():
             dist.barrier()  # no rank leaves while another may still be finishing a collective
+        audit.write(out, rank)
     except BaseException:  # noqa: BLE001 -- every failure goes back to the test process
         (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
         code = 1
@@ -206,4 +210,5 @@ def _spawn_once(fn: Callable[..., Any], world: int, args: tuple, timeout: float)
             stacks = "\n".join(f"rank {r}:\n{(Path(out) / f'{r}.stacks').read_text()}" for r in range(world)
                                if (Path(out) / f"{r}.stacks").is_file())
             raise RuntimeError(f"workers exited with {codes} (timeout {timeout}s?)\n{stacks}")
+        audit.add(out)  # the collectives the auditor checked, for pytest's summary
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]

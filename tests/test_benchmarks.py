@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,77 @@ def test_moe_benchmark_compares_expert_parallelism_with_zero3(tmp_path: Path) ->
     assert zero3["gather_mib"] > 0 and zero3["a2a_mib"] == 0
     assert ep2["gather_mib"] == 0 and ep2["a2a_mib"] > 0
     assert all(math.isfinite(r["loss"]) for r in (zero3, ep2))
+
+
+# -- benchmarks/gpu_session.sh: its verdict, shown on CPU -----------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+SESSION_STEPS = "plan cuda multi tp moe"  # each kind of part: no CPU form, skipped, run, too few GPUs
+
+
+def _gpu_session(tmp_path: Path, env: dict[str, str] | None = None,
+                 **limits: str) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_session.sh's CPU dry run (GPU_SESSION_DRY_RUN=1) of SESSION_STEPS, a fake
+    `nvidia-smi` on PATH saying one H200 (the machine a session is lent), nothing to install from a
+    registry (PIP_NO_INDEX); `limits`: parts' *_S variables."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "nvidia-smi").write_text('#!/bin/sh\necho "NVIDIA H200 (fake), 143771 MiB, 0.0"\n')
+    (fake / "nvidia-smi").chmod(0o755)
+    base = dict(os.environ if env is None else env)
+    env = {**base, "PATH": f"{fake}{os.pathsep}{base.get('PATH', '')}", "STEPS": SESSION_STEPS,
+           "GPU_SESSION_DRY_RUN": "1", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+           "PIP_NO_INDEX": "1", **limits}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _verdicts(proc: subprocess.CompletedProcess) -> dict[str, tuple[str, str]]:
+    """The summary's lines: part -> (PASS/FAIL/SKIP, the rest of its line)."""
+    lines = proc.stdout.split("== summary", 1)[-1].splitlines()[1:]
+    found = [line.split(None, 2) for line in lines if line[:4] in ("PASS", "FAIL", "SKIP")]
+    return {f[1]: (f[0], f[2] if len(f) > 2 else "") for f in found}
+
+
+def check_session_passes(proc: subprocess.CompletedProcess) -> None:
+    """The session exits 0 and no part of its summary failed."""
+    failed = [f"FAIL {part} {rest}" for part, (status, rest) in _verdicts(proc).items() if status == "FAIL"]
+    assert proc.returncode == 0 and not failed, \
+        f"gpu_session.sh exited {proc.returncode}: {'; '.join(failed) or proc.stderr[-2000:]}"
+
+
+def test_gpu_session_says_pass_or_fail(tmp_path: Path) -> None:
+    """benchmarks/gpu_session.sh on CPU (its dry run, a fake nvidia-smi): every selected part
+    passes or says why it skipped, exit 0, within a minute; the same parts with one past its limit:
+    that part FAILs ("timed out"), exit 1; the default limits add to at most 12 minutes."""
+    import time
+
+    t0 = time.monotonic()
+    proc = _gpu_session(tmp_path)
+    took = time.monotonic() - t0
+    print(proc.stdout[-3000:], f"\n{took:.1f} s")
+    check_session_passes(proc)
+    verdicts = _verdicts(proc)
+    assert list(verdicts) == SESSION_STEPS.split(), verdicts
+    assert verdicts["multi"][0] == "PASS" and "2 passed" in verdicts["multi"][1], verdicts["multi"]
+    assert verdicts["cuda"][0] == "SKIP" and "needs a CUDA GPU" in verdicts["cuda"][1], verdicts["cuda"]
+    assert verdicts["plan"][0] == verdicts["tp"][0] == verdicts["moe"][0] == "SKIP"
+    assert "1 GPU(s): it needs 4" in verdicts["tp"][1]
+    assert (tmp_path / "out" / "summary.txt").read_text().count("\n") == len(verdicts)
+    assert took < 60, took
+    limits = re.search(r"^limits \(s\): .*; total (\d+) \(session cap (\d+)\)", proc.stdout, re.MULTILINE)
+    assert limits and int(limits[1]) <= int(limits[2]) == 720, proc.stdout[:500]
+    late = _gpu_session(tmp_path, MULTI_S="1")
+    assert late.returncode == 1, late.stdout[-2000:]
+    status, rest = _verdicts(late)["multi"]
+    assert status == "FAIL" and rest.split()[1:5] == ["timed", "out", "after", "1"], (status, rest)
+
+
+def test_planted_gpu_session_stage_aliases_is_caught(tmp_path: Path) -> None:
+    """Every process the session starts with `gpu_session_stage_aliases` planted (an asynchronous
+    save's staging aliasing the live tensors): the multi part's async check fails, and the
+    session exits non-zero, naming it."""
+    from planted import caught, fault_env
+
+    proc = _gpu_session(tmp_path, fault_env("gpu_session_stage_aliases"))
+    caught(check_session_passes, proc, must=r"^gpu_session.sh exited 1: FAIL multi .*failed: "
+                                           r"test_async_checkpoint_resumes_bit_identical")

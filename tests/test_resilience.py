@@ -483,3 +483,59 @@ def test_the_launchers_failure_line_carries_the_workers_error(tmp_path: Path) ->
     assert "shardwise launch: rank 1 (local rank 1, pid " in run.stderr
     assert ") exited with code 1: ValueError: bad batch in step 2" in run.stderr, run.stderr[-3000:]
     assert not (tmp_path / "checkpoints" / ".shardwise.lock").exists()
+
+
+# -- a GPU's hung collective: the process blocks in a device sync, the hang watch ends it ---------
+HANG_TIMEOUT = 8
+
+
+def _device_stuck(folder: Path, planted_fault: str | None = None) -> tuple[int | None, str, float]:
+    """tests/scripts/resilient.py with every rank blocked at step 3 as on a GPU whose collective
+    hung (a wait for the device that never returns, in no collective: nothing times out by
+    itself), `hang_watch: true` on these CPU processes: (exit code, stderr, seconds from the
+    block to the exit)."""
+    config = _config(folder, strategy="zero3", checkpoint_every_steps=1, collective_timeout_s=HANG_TIMEOUT,
+                     supervision={"hang_watch": True})
+    env = fault_env(planted_fault, _env("device:3")) if planted_fault else _env("device:3")
+    proc = subprocess.Popen(_command(config, folder), env=env, cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all((folder / f"device.{r}").is_file() for r in range(2)):
+        time.sleep(0.1)
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=HANG_TIMEOUT + 30)
+    except subprocess.TimeoutExpired:
+        from spawn import kill_tree
+
+        kill_tree(proc.pid)
+        _, err = proc.communicate()
+        err = f"(still running {HANG_TIMEOUT + 30} s after every rank blocked)\n{err}"
+    return proc.returncode, err, time.monotonic() - start
+
+
+def check_device_hang_ended(code: int | None, err: str, took: float, folder: Path) -> None:
+    """Ended by the hang watch within collective_timeout_s (+ 10 s for the launcher): exit
+    non-zero, each rank's one line as a gloo timeout's, the newest checkpoint whole."""
+    from shardwise.checkpoint.sharded import newest, verify
+
+    assert took <= HANG_TIMEOUT + 10 and code not in (0, None), \
+        (f"the run blocked in the device ended after {took:.0f} s with exit code {code}: "
+         f"{err.strip().splitlines()[:1]}")
+    for rank in range(2):
+        line = (f"shardwise: error: rank {rank}: step 3: a collective did not complete within "
+                f"collective_timeout_s={HANG_TIMEOUT} s")
+        assert line in err, err[-3000:]
+    assert newest(folder / "checkpoints") == folder / "checkpoints" / "step_2"
+    assert len(verify(folder / "checkpoints" / "step_2")) >= 5
+
+
+def test_a_hung_gpu_collective_ends_the_run_with_the_timeouts_line(tmp_path: Path) -> None:
+    check_device_hang_ended(*_device_stuck(tmp_path), tmp_path)
+
+
+def test_planted_hang_unwatched_is_caught(tmp_path: Path) -> None:
+    """`hang_unwatched`: no hang watch; the blocked processes wait on until the test's bound."""
+    caught(check_device_hang_ended, *_device_stuck(tmp_path, "hang_unwatched"), tmp_path,
+           must=r"the run blocked in the device ended after \d+ s with exit code -?\d+: "
+                r"\['\(still running 38 s")

@@ -16,6 +16,10 @@ the end, the gathered weights to <folder>/final.pt.
   stuck:STEP       every rank, at optimizer step STEP, waits in a collective that never completes
                    (each on a group of its own making: the main thread inside gloo, where Python
                    runs no signal handler), after writing <folder>/stuck.<rank>
+  device:STEP      every rank, at optimizer step STEP, blocks as a process on a GPU whose collective
+                   hung: its main thread waits for the device (a sync that never returns), in no
+                   collective, where no timeout reaches it (here a sleep), after writing
+                   <folder>/device.<rank>
   lostsave:STEP:RANK  on the first attempt, RANK SIGKILLs itself in the middle of saving the
                    checkpoint of step STEP (every process's tensors written, the checkpoint not
                    committed): a node lost mid-write
@@ -71,6 +75,7 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
     model, opt, loader = engine.prepare(model, opt, loader)
     if kind == "lostsave" and attempt == 0 and engine.process_index == who:
         _die_in_save(engine, int(at))
+    apart: Any = None
     if kind == "stuck":  # two groups of the same ranks: each rank waits on its own, never met
         import torch.distributed as dist
 
@@ -81,20 +86,7 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
     while engine.step < steps:
         for ids in loader:
             with engine.accumulate(model):
-                step = engine.step + 1  # the optimizer step this micro-step belongs to
-                if kind == "hang" and step == at and engine.process_index == who:
-                    time.sleep(10**6)
-                if kind == "slow":
-                    time.sleep(at)
-                if kind == "stuck" and step == at:
-                    (out / f"stuck.{engine.process_index}").write_text("")
-                    dist.all_reduce(torch.ones(1), group=apart[engine.process_index % 2])
-                if kind == "raise" and step == at and engine.process_index == who:
-                    raise ValueError(f"bad batch in step {step}")
-                if kind == "full" and step == at and engine.process_index == who:
-                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-                    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+                _in_step(kind, at, who, engine, out, apart)
                 loss = W.lm_loss(model, ids)
                 engine.backward(loss)
                 opt.step()
@@ -112,6 +104,30 @@ def train(folder: str, steps: int = STEPS) -> dict[str, Any]:
         torch.save(state, out / "final.pt")
     engine.end_training()
     return {"state": state}
+
+
+def _in_step(kind: str, at: float, who: int, engine: Any, out: Path, apart: Any) -> None:
+    """The fault of the micro-step about to run (see the module docstring), if it is due."""
+    step = engine.step + 1  # the optimizer step this micro-step belongs to
+    mine = engine.process_index == who
+    if kind == "hang" and step == at and mine:
+        time.sleep(10**6)
+    if kind == "device" and step == at:
+        (out / f"device.{engine.process_index}").write_text("")
+        time.sleep(10**6)
+    if kind == "slow":
+        time.sleep(at)
+    if kind == "stuck" and step == at:
+        import torch.distributed as dist
+
+        (out / f"stuck.{engine.process_index}").write_text("")
+        dist.all_reduce(torch.ones(1), group=apart[engine.process_index % 2])
+    if kind == "raise" and step == at and mine:
+        raise ValueError(f"bad batch in step {step}")
+    if kind == "full" and step == at and mine:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
 
 
 def _die_in_save(engine: Any, step: int) -> None:

@@ -21,6 +21,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from ..distributed.world import backends_of
+
 PROFILE_PATTERN = "profile_{}.json"  # Accelerate's PROFILE_PATTERN_NAME: one trace per process
 _OURS = "_shardwise_filled"  # marks the PartialState shared state this module wrote
 
@@ -113,7 +115,8 @@ def share_process_state(device: torch.device, distributed_type: str, num_process
     shared.update({
         _OURS: True,
         "_cpu": device.type == "cpu",
-        "backend": dist.get_backend() if dist.is_initialized() else None,
+        # the backend of this run's device (Accelerate's "nccl" on a GPU), not the group's string
+        "backend": backends_of().get(device.type) if dist.is_initialized() else None,
         "device": device,
         "debug": False,
         "distributed_type": types(distributed_type),

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..distributed.world import backends_of
 from ..engine import Engine
 from ..engine.data import PreparedDataLoader
 
@@ -114,7 +115,8 @@ class AcceleratorState:
         if name in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "dynamo_plugin"):
             return None
         if name == "backend":
-            return dist.get_backend() if dist.is_initialized() else None
+            # the backend of this run's device, as Accelerate names it ("nccl" on a GPU run)
+            return backends_of().get(self._acc.device.type) if dist.is_initialized() else None
         raise AttributeError(f"AcceleratorState.{name} is not offered by shardwise")
 
     def __repr__(self) -> str:

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..distributed.internals import local_tensor
+from ..distributed.host import pinned
+from ..distributed.internals import local_tensor, with_local
 from .storage import CheckpointError, one_line
 
 __all__ = ["BackgroundWriter", "stage"]
@@ -47,7 +48,8 @@ __all__ = ["BackgroundWriter", "stage"]
 
 class _Pool:
     """Pinned host buffers for staging CUDA tensors, reused across saves: the n-th tensor staged
-    takes the n-th buffer when its shape and dtype match (a training's state keeps them)."""
+    takes the n-th buffer when its shape and dtype match (a training's state keeps them). Each is
+    exactly its bytes (`distributed.host.pinned`), as `held_bytes` counts it."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
@@ -57,7 +59,7 @@ class _Pool:
             buf = self.buffers[n]
             if buf.shape == like.shape and buf.dtype == like.dtype:
                 return buf
-        buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        buf = pinned(like.shape, like.dtype)
         if n < len(self.buffers):
             self.buffers[n] = buf
         else:
@@ -91,9 +93,8 @@ class _Copier:
             buf = local.clone()
         self.nbytes += buf.numel() * buf.element_size()
         out = buf
-        if isinstance(t, DTensor):  # the same shard of the same global tensor, on the same mesh
-            out = DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                     stride=t.stride())
+        if isinstance(t, DTensor):  # the same shard of the same global tensor, on the same mesh,
+            out = with_local(buf, t)  # left on the host (from_local would copy it back to the GPU)
         self.copies[id(t)] = out
         return out
 
@@ -128,7 +129,8 @@ def stage(state: Any, pool: _Pool | None = None) -> tuple[Any, int]:
 class BackgroundWriter:
     """This process's background checkpoint writer: at most one write in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device  # the training's device: the writer thread works on it too
         self.thread: threading.Thread | None = None
         self.error: str | None = None  # the failed write's line, until raised on the main thread
         self.target: Path | None = None
@@ -155,6 +157,11 @@ class BackgroundWriter:
 
     def _run(self, target: Path, job: Callable[[], None]) -> None:
         try:
+            if self.device is not None and self.device.type == "cuda":
+                # a thread starts on GPU 0: on another local rank, any CUDA call of the write
+                # (torch's writer's streams, a stray device tensor) would run, and open a
+                # context, on another process's GPU
+                torch.cuda.set_device(self.device)
             job()
             with self._lock:
                 after, self._after, self._busy = self._after, [], False

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..config.tree import CheckpointConfig
@@ -39,12 +40,12 @@ class CheckpointManager:
     """Saves, loads and keeps this engine's checkpoints (see the module docstring)."""
 
     def __init__(self, section: CheckpointConfig, *, rank: int, local_main: bool, say: Say,
-                 make_group: Callable[[], dist.ProcessGroup]) -> None:
+                 make_group: Callable[[], dist.ProcessGroup], device: torch.device | None = None) -> None:
         self.section = section
         self.rank, self.local_main = rank, local_main
         self.root = Path(section.dir)
         self.naming: StepFolders | NumberedFolders = StepFolders(self.root, section.keep_last)
-        self.writer = BackgroundWriter()
+        self.writer = BackgroundWriter(device)  # (its thread set to the training's device)
         self.last_report: sharded.SaveReport | None = None  # the newest save's (pending while written)
         self._say = say
         self._make_group = make_group

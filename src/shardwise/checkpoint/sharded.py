@@ -137,7 +137,10 @@ def _rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+        # this process's GPU's generator only (the one the engine set: its local rank's). Every
+        # visible GPU's would not load where fewer are visible, and the others are other
+        # processes' devices, which nothing here draws from.
+        out["cuda"] = torch.cuda.get_rng_state()
     return out
 
 
@@ -146,8 +149,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # saved by an earlier release: every visible GPU's
+            here = torch.cuda.current_device()
+            cuda = cuda[here] if here < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 AFTER_HOOKS = ".after_hooks.pt"  # rng/rank<r>.after_hooks.pt: the generator states once save hooks ran

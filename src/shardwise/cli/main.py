@@ -39,7 +39,7 @@ _ENGINE_FLAGS = [
     "seed", "cpu",
     "wrap", "activation_checkpointing", "micro_batch_size", "train_batch_size", "checkpoint_dir",
     "offload_bucket_numel", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_last",
-    "collective_timeout_s", "preempt_signals", "preempt_grace_s", "resume",
+    "collective_timeout_s", "hang_watch", "preempt_signals", "preempt_grace_s", "resume",
     "activation_checkpointing_every", "compile", "compile_backend", "compile_mode", "compile_fullgraph",
     "compile_dynamic", "checkpoint_async", "tensor_parallel_size", "sequence_parallel",
     "context_parallel_size", "context_parallel", "expert_parallel_size",

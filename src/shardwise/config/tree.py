@@ -352,6 +352,12 @@ class SupervisionConfig:
     """A collective that does not complete within this many seconds ends the run with an error
     naming the step and the processes that did not arrive (torch's default is 30 minutes). At
     least 5: below that, ordinary start-up and checkpoint collectives fail inside gloo/NCCL."""
+    hang_watch: bool | None = None
+    """A thread that ends a process whose collectives hang with the same line as a timeout: no
+    progress (forward, backward, step) for collective_timeout_s while the GPU's queued work does
+    not finish (NCCL's collectives are asynchronous: the process blocks in a device sync, where no
+    timeout reaches it). None: on where the device is a GPU; true: on CPU too; false: off (NCCL's
+    own watchdog, set 60 s later, aborts the process)."""
 
     def __post_init__(self) -> None:
         _check_supervision(self)
@@ -507,6 +513,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "preempt_signals": ("supervision", "preempt_signals"),
     "preempt_grace_s": ("supervision", "preempt_grace_s"),
     "collective_timeout_s": ("supervision", "collective_timeout_s"),
+    "hang_watch": ("supervision", "hang_watch"),
     "log_with": ("observation", "log_with"),
     "log_every_steps": ("observation", "log_every_steps"),
     "progress": ("observation", "progress"),

@@ -16,6 +16,10 @@ Tensors
 - `Tensor._base`: the tensor a view was made from.
 - `torch.utils._pytree.tree_map`: torch's own nested-container walk.
 - `torch.nn.init._no_grad_trunc_normal_`: the body of `trunc_normal_`, which skips a meta tensor.
+- `DTensor(local, DTensorSpec(...), requires_grad=...)`: a DTensor around a local part left where
+  it is (`with_local`): `DTensor.from_local` and `distribute_tensor` move the local part to the
+  mesh's device, a GPU copy of an offloaded or staged host shard. `DeviceMesh(..., _init_backend=
+  False)`: a mesh of the same ranks on the local part's device type, for a cut with no communication.
 - `Tensor._version`: the count of in-place writes to a tensor's memory (shared by its views).
 - `torch.multiprocessing.reductions.StorageWeakRef`: a weak reference to a tensor's storage,
   equal for every tensor on that storage (its `_weak_ref()` pointer); torch's own meta
@@ -64,6 +68,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, Store
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 try:  # FSDP2's pluggable collectives (torch >= 2.8); the interface lives in a private module
@@ -77,9 +82,10 @@ __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "ddp_ignore", "default_store", "dynamo_graphs",
     "graph_break_error", "holds_partitions", "holds_shards", "is_fake", "is_sharded", "is_strided",
     "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
-    "member_groups", "no_grad_trunc_normal", "one_block_placements", "shard_box", "step_post_hooks",
+    "member_groups", "no_grad_trunc_normal", "one_block_placements", "shard_box", "shard_like",
+    "step_post_hooks",
     "step_pre_hooks", "storage_ref", "strided_shard", "terminate_handler", "tree_map", "version_of",
-    "view_base",
+    "view_base", "with_local",
 ]
 
 
@@ -120,8 +126,29 @@ def local_part(full: torch.Tensor, t: DTensor) -> torch.Tensor:
     if not is_strided(t):
         shape, offset = shard_box(t)
         return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-    whole = full.to(local_tensor(t).device)
-    return local_tensor(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None))
+    device = local_tensor(t).device
+    mesh = t.device_mesh
+    if mesh.device_type != device.type:  # (an offloaded shard: cut on the host, never on the GPU)
+        mesh = DeviceMesh(device.type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False)
+    return local_tensor(distribute_tensor(full.to(device), mesh, t.placements, src_data_rank=None))
+
+
+def with_local(local: torch.Tensor, like: DTensor, *, requires_grad: bool = False) -> DTensor:
+    """A DTensor laid out as `like` (mesh, placements, global shape and stride) whose local part
+    is `local` itself, wherever it lives. `DTensor.from_local` would move `local` to the mesh's
+    device: a host copy (a staged checkpoint, offloaded optimizer state) copied back to the GPU."""
+    assert tuple(local.shape) == shard_box(like)[0], (tuple(local.shape), shard_box(like)[0])
+    spec = DTensorSpec(like.device_mesh, tuple(like.placements),
+                       tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def shard_like(whole: torch.Tensor, like: DTensor, *, dtype: torch.dtype | None = None) -> DTensor:
+    """`whole` (every process holds the same values) cut as `like` is, without communication, its
+    local part a fresh tensor on `like`'s local device: the host for an offloaded parameter, never
+    the mesh's device (where `distribute_tensor` would put it)."""
+    part = local_part(whole.detach(), like)
+    return with_local(part.to(local_tensor(like).device, dtype or whole.dtype, copy=True), like)
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -59,6 +59,9 @@ def _pick_device(local_rank: int, force_cpu: bool) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+NCCL_BACKSTOP_S = 60.0  # on a GPU, the group's timeout: collective_timeout_s and this
+
+
 def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the default process group described by the launcher's environment.
 
@@ -72,11 +75,18 @@ def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> Dist
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     device = _pick_device(local_rank, force_cpu)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and timeout_s is not None:
+        timeout_s += NCCL_BACKSTOP_S  # the hang watch (runtime.hang) speaks first, NCCL's watchdog after
     # a collective not done within the timeout raises (gloo) or aborts the process (NCCL)
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
     _TIMEOUT[0] = timeout
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        if device.type not in backends_of():
+            raise RuntimeError(
+                f"the process group made before the Engine runs on backend {dist.get_backend()!r}, "
+                f"which takes no {device.type} tensors: make it with a {device.type} backend "
+                "(e.g. init_process_group(\"cpu:gloo,cuda:nccl\")), or leave it to the Engine")
     elif world_size == 1 and "MASTER_ADDR" not in os.environ:
         # No launcher: a private in-memory store, no port to pick or collide on.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -87,6 +97,42 @@ def init_distributed(*, force_cpu: bool, timeout_s: float | None = None) -> Dist
 
 
 _TIMEOUT: list[datetime.timedelta | None] = [None]  # the collective timeout the default group was joined with
+
+
+def backends_of(group: dist.ProcessGroup | None = None) -> dict[str, str]:
+    """Which backend runs `group`'s collectives (the default group's: None) on tensors of each
+    device type: {"cpu": "gloo", "cuda": "nccl"} for the engine's own `"cpu:gloo,cuda:nccl"`.
+    The one place that reads a group's backend: `dist.get_backend` returns the whole string
+    for a group made per device, so a comparison with "nccl" or "gloo" is never true there.
+    A device type missing from the answer is one the group's collectives refuse: a pure "nccl"
+    group (a torchrun script's own `init_process_group("nccl")`) takes CUDA tensors only."""
+    return parse_backend(str(dist.get_backend(group)))
+
+
+def parse_backend(backend: str) -> dict[str, str]:
+    """A backend string read per device type (see `backends_of`): `"cpu:gloo,cuda:nccl"` as
+    written; one name alone ("gloo", "nccl") for every device type torch says it takes."""
+    text = backend.strip().lower()
+    if ":" in text:
+        pairs = (part.split(":", 1) for part in text.split(",") if part.strip())
+        return {device.strip(): name.strip() for device, name in pairs}
+    return dict.fromkeys(dist.Backend.backend_capability.get(text, ()), text)
+
+
+def host_device(device: torch.device | None, group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the engine's host-side collectives on `group` put their tensors (the run's
+    `device` otherwise): the CPU when the group has a CPU backend (gloo, alone or beside NCCL),
+    else the run's device. Those collectives are small (agreed counts and flags, RNG states)
+    or one tensor at a time (weights agreed before sharding), so on a pure-NCCL default group a
+    script made itself they are moved to the device rather than sent on a gloo group of the
+    engine's own: a new group is a collective every process must reach in the same order, with
+    a rendezvous of its own, and NCCL's device is the run's. A CPU run on a group without a CPU
+    backend is refused where the group is joined (`init_distributed`). `device` None: the
+    current CUDA device (the one `init_distributed` set, NCCL's). No process group: the CPU
+    (there is nothing to send)."""
+    if not dist.is_initialized() or "cpu" in backends_of(group):
+        return torch.device("cpu")
+    return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def new_background_group() -> dist.ProcessGroup:
@@ -127,11 +173,11 @@ _FINAL_BARRIERS: list[dist.Work] = []  # kept to the end of the process (see lea
 
 
 def _gloo_groups() -> list[dist.ProcessGroup]:
-    """Every group this process belongs to whose collectives run on gloo (the default group first);
-    the default group alone when its device collectives are NCCL's."""
+    """Every group this process belongs to whose collectives all run on gloo (the default group
+    first); the default group alone when its device collectives are NCCL's."""
     groups = member_groups()
     default = dist.group.WORLD
-    gloo = [g for g in groups if g is not default and dist.get_backend(g) == "gloo"]
+    gloo = [g for g in groups if g is not default and set(backends_of(g).values()) == {"gloo"}]
     return [default, *gloo] if default is not None else gloo
 
 

@@ -27,6 +27,7 @@ from torch.utils.data import (
 )
 
 from ..checkpoint.sharded import kept_rng
+from ..distributed.world import host_device
 
 _END = object()
 
@@ -39,9 +40,9 @@ def _draw_seed() -> int:
 def _sync_generator(g: torch.Generator, world: int) -> None:
     """Process 0's generator state on every process (as Accelerate's synchronized generator)."""
     if world > 1 and dist.is_available() and dist.is_initialized():
-        state = g.get_state()
+        state = g.get_state().to(host_device(None))  # (a pure-NCCL group: on the device)
         dist.broadcast(state, src=0)
-        g.set_state(state)
+        g.set_state(state.cpu())
 
 
 class _EpochOrder:

@@ -116,7 +116,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         self._checkpoints = CheckpointManager(cfg.checkpointing, rank=self._info.rank,
                                               local_main=self._info.is_local_main,
                                               say=lambda message: say(self._info, message),
-                                              make_group=new_background_group)
+                                              make_group=new_background_group, device=self._info.device)
         self._init_rng: torch.Tensor | None = None  # init_empty(): the generator state it began with
         self._pretrained_saves: dict[int, int] = {}  # save_pretrained calls this step (arrival keys)
         self.noun = "engine"  # what messages call this object (the Accelerator: "accelerator")
@@ -646,5 +646,6 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
             self._policy_save("the end of training")  # every process is here: its collectives are safe
         self._checkpoints.close()  # the last save is complete before the process group goes
         self._supervisor.settle()  # the boundary's agreement in flight, before the process group goes
+        self._supervisor.close()
         self._observer.close(self.step if self._session is not None else 0, self._probe)
         leave_process_groups()  # (a barrier first: every process is done with every collective)

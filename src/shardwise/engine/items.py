@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..distributed.world import host_device
+
 if TYPE_CHECKING:
     from ..distributed.world import DistInfo
     from ..strategies.base import OptimizerRunner
@@ -82,7 +84,7 @@ class ItemCount:
             runner.scale_gradients(self._factor)
 
     def _agree(self, info: DistInfo, accum: int) -> float:
-        via = info.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+        via = host_device(info.device) if dist.is_initialized() else torch.device("cpu")
         total = torch.as_tensor(self.local, dtype=torch.float64).to(via).reshape(1)
         if dist.is_initialized() and info.world_size > 1:
             dist.all_reduce(total)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config.tree import BlocksConfig
 from ..distributed.internals import is_fake
+from ..distributed.world import host_device
 from ..strategies import Strategy
 from ..strategies.base import EmptyModel
 from ..strategies.steps import parallelize
@@ -141,8 +142,8 @@ class Session:
         otherwise be sharded from different initializations."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return
-        device = self.strategy.info.device
-        via = device if dist.get_backend() == "nccl" else None  # NCCL moves device tensors only
+        host = host_device(self.strategy.info.device)  # the CPU, or the device on a pure-NCCL group
+        via = host if host.type != "cpu" else None
         tensors = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
         if tensors and is_fake(tensors[0]):
             return  # the planner's fake-tensor trace: nothing to agree on
@@ -172,7 +173,9 @@ class Session:
         process (one small broadcast), so every process draws the same full values."""
         rng = (self.init_rng if self.init_rng is not None else torch.get_rng_state()).clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(rng, src=0)
+            sent = rng.to(host_device(self.strategy.info.device))  # (a pure-NCCL group: on the device)
+            dist.broadcast(sent, src=0)
+            rng = sent.cpu()
         return rng
 
     def load_weights(self, model: nn.Module, source: Path, found: dict[str, Any]) -> None:

@@ -143,6 +143,8 @@ class Meter:
 
     def record(self, step: int, memory: MemoryReport | None, extra: dict[str, Any]) -> dict[str, Any]:
         """The interval's record (every process calls this: one all-gather)."""
+        if self.info.device.type == "cuda":  # the interval's kernels done before its clock is read
+            torch.cuda.synchronize(self.info.device)
         seconds = time.perf_counter() - self._since
         mem = memory or MemoryReport(0, 0, 0, 0)
         mine = torch.tensor(

@@ -63,7 +63,8 @@ from ..checkpoint.run_record import (  # (the launcher reads the run record thro
 )
 from ..checkpoint.storage import CheckpointError
 from ..config.tree import CheckpointConfig, SupervisionConfig
-from ..distributed.world import DistInfo
+from ..distributed.world import DistInfo, host_device
+from .hang import HangWatch
 
 log = logging.getLogger("shardwise")
 
@@ -86,7 +87,7 @@ def is_timeout(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in str(err) for m in _TIMEOUT_MARKERS)
 
 
-def _tell_the_launcher(err: BaseException) -> None:
+def tell_the_launcher(err: BaseException) -> None:
     """Write `err` to torchrun's error file for this worker (TORCHELASTIC_ERROR_FILE), as its
     `@record` decorator would: `shardwise launch` reads the message's last line."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -95,6 +96,16 @@ def _tell_the_launcher(err: BaseException) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(err)
+
+
+def _end_stuck(message: str) -> None:
+    """The hang watch's end of a process stuck in its device: the timeout's one line, the
+    launcher's error file, the run lock released, exit 1 (the main thread cannot be reached)."""
+    print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
+    tell_the_launcher(CollectiveTimeout(message))
+    runlock.release_all()  # os._exit skips atexit, where the run lock goes
+    sys.stdout.flush()
+    os._exit(1)
 
 
 class _Process:
@@ -145,10 +156,10 @@ class _Process:
             supervisor = None if isinstance(err, CollectiveTimeout) else self.supervisor
             message = str(err) if supervisor is None else supervisor.describe_timeout()
             print(f"shardwise: error: {message}", file=sys.stderr, flush=True)
-            _tell_the_launcher(CollectiveTimeout(message))
+            tell_the_launcher(CollectiveTimeout(message))
             runlock.release_all()  # os._exit skips atexit, where the run lock goes
             os._exit(1)
-        _tell_the_launcher(err)
+        tell_the_launcher(err)
         (self.previous_hook or sys.__excepthook__)(kind, err, tb)
         if self.under_launcher and isinstance(err, CheckpointError):
             # a save every process failed alike (one agreed line): end now, as a timeout does.
@@ -294,6 +305,9 @@ class Supervisor:
         self._saved_at = -1  # the step of the last checkpoint by policy
         PROCESS.install(section.preempt_signals, section.preempt_grace_s, info.rank)
         PROCESS.supervisor = self
+        watch = section.hang_watch if section.hang_watch is not None else info.device.type == "cuda"
+        self.hang = (HangWatch(section.collective_timeout_s, info.device, self.describe_timeout, _end_stuck)
+                     if watch else None)
         self._store: Any = None
         with contextlib.suppress(Exception):  # a store the heartbeats can use (absent: no names)
             from ..distributed.internals import default_store
@@ -317,7 +331,8 @@ class Supervisor:
         if PROCESS.preempted or PROCESS.launcher_gone:
             PROCESS.since = time.monotonic()  # alive: preempt_grace_s counts again, to the stop's boundary
         mine = torch.tensor([float(bool(PROCESS.preempted)), float(PROCESS.launcher_gone),
-                             float(self._time_due()), float(write_failed)])
+                             float(self._time_due()), float(write_failed)],
+                            device=host_device(self.info.device))  # (a pure-NCCL group: the GPU)
         if self.info.world_size > 1:
             flags, issued = self._agreed(mine, step)
         else:
@@ -338,6 +353,11 @@ class Supervisor:
             work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, async_op=True)
         self._pending = (mine, step, work)
         return flags, issued
+
+    def close(self) -> None:
+        """The run ends: the hang watch stops (a script's own work after it is not watched)."""
+        if self.hang is not None:
+            self.hang.close()
 
     def settle(self) -> tuple[torch.Tensor, int]:
         """Wait for the agreement in flight (before the process group goes); its flags and step."""
@@ -376,6 +396,8 @@ class Supervisor:
     def heartbeat(self, where: str) -> None:
         """Record this process's progress (`where` in the step in progress) in the store."""
         self._progress += 1
+        if self.hang is not None:
+            self.hang.beat()
         if self._store is not None:
             with contextlib.suppress(Exception):
                 self._store.set(f"shardwise/progress/{self.info.rank}",

@@ -50,10 +50,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config.tree import ConfigError, EngineConfig, offload_spec
 from ..distributed.internals import (
     FSDPReduceScatter as ReduceScatter,  # None before torch 2.8
+    local_tensor,
     tree_leaves,
+    with_local,
 )
 from ..distributed.mesh import mesh_groups
-from ..distributed.world import DistInfo
+from ..distributed.world import DistInfo, backends_of
 from ..weights.adapters import is_peft_model, unwrapped
 from .base import EmptyModel, OptimizerRunner, Strategy
 from .blocks import find_blocks, keep_ties_whole
@@ -101,7 +103,7 @@ def apply_fsdp(
         for unit in units:
             cast(FSDPModule, unit).set_custom_reduce_scatter(reduce_scatter)
     replicate = mesh_groups(mesh)[1]
-    if replicate is not None and dist.get_backend(replicate) == "gloo":
+    if replicate is not None and backends_of(replicate).get(mesh.device_type) == "gloo":
         # FSDP2 averages fp32/bf16 gradients with AVG on both collectives (reduce-scatter in the
         # group, then dist.all_reduce across groups); gloo: SUM on both, one division by W after
         for unit in units:
@@ -150,7 +152,7 @@ def gloo_reduce_scatter(mesh: DeviceMesh) -> ReduceScatter | None:
     shard = mesh_groups(mesh)[0]
     if ReduceScatter is None or mesh.device_type != "cpu" or shard.size() == 1:
         return None  # NCCL (device meshes) has a real reduce-scatter
-    return _AllReduceScatter() if dist.get_backend(shard) == "gloo" else None
+    return _AllReduceScatter() if backends_of(shard).get(mesh.device_type) == "gloo" else None
 
 
 if ReduceScatter is not None:
@@ -300,7 +302,11 @@ class FSDPStrategy(Strategy):
     def rebind_state(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A full optimizer-state tensor, cut like its (DTensor) parameter."""
         if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.shape:
-            return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+            # process 0's values, cut on the mesh's device (the scatter's), kept where the
+            # parameter's shard lives: the host under offload params, never left on the GPU
+            mesh = param.device_mesh
+            cut = distribute_tensor(value.to(mesh.device_type), mesh, param.placements)
+            return with_local(local_tensor(cut).to(local_tensor(param).device), param)
         return value
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -41,8 +41,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config.tree import EngineConfig, HostKernelName
-from ..distributed.internals import local_tensor, mark_stepped
-from ..distributed.world import DistInfo
+from ..distributed.host import pinned
+from ..distributed.internals import local_tensor, mark_stepped, with_local
+from ..distributed.world import DistInfo, host_device
 from .base import InPlaceRunner, OptimizerRunner, zero_step
 from .host_step import IMPLEMENTATION_KEYS, host_kernel, host_threads, step_on_host, threads, use_fused
 
@@ -150,9 +151,7 @@ def _like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     rank's tp shard as a DTensor with the parameter's placements."""
     if not isinstance(p, DTensor):
         return flat.view(p.shape)
-    local = local_tensor(p)
-    return DTensor.from_local(flat.view(local.shape), p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return with_local(flat.view(local_tensor(p).shape), p)  # where `flat` is (the host's, offloaded)
 
 
 class ShardedOptimizer(OptimizerRunner):
@@ -192,10 +191,12 @@ class ShardedOptimizer(OptimizerRunner):
                 self._segments.append(_Segment(p, gi, start, end, nn.Parameter(view), None, alias=True))
                 continue
             if host:
-                master = nn.Parameter(view.to("cpu", torch.float32, copy=True))
-                host_grad = torch.empty_like(master, pin_memory=pin)
-                if pin:
-                    master.data = master.data.pin_memory()
+                if pin:  # page-locked (asynchronous copies), exactly its bytes as counted
+                    master = nn.Parameter(pinned(view.shape, torch.float32).copy_(view))
+                    host_grad = pinned(view.shape, torch.float32)
+                else:
+                    master = nn.Parameter(view.to("cpu", torch.float32, copy=True))
+                    host_grad = torch.empty_like(master)
             else:
                 master, host_grad = nn.Parameter(view), None  # aliases the parameter's storage
             self._segments.append(_Segment(p, gi, start, end, master, host_grad))
@@ -378,17 +379,15 @@ class ShardedOptimizer(OptimizerRunner):
         elem, scalars = self._keys()
         state: dict[str, dict[str, Any]] = {}
         if self.partition == "local":
-            # zero-copy: each host state shard, seen as a DTensor laid out like its parameter
+            # zero-copy: each state shard, seen as a DTensor laid out like its parameter, where
+            # it lives (offloaded: the host; DCP reads and loads it there, never via the GPU)
             for seg in self._segments:
                 st = self._state_of(seg)
                 param = seg.param
                 assert isinstance(param, DTensor)  # partition "local": FSDP2 shards
-                local = param.to_local()
                 state[names[id(param)]] = {
                     **{k: _clone(v) for k, v in scalars.items()},
-                    **{k: DTensor.from_local(st[k].view(local.shape), param.device_mesh, param.placements,
-                                             run_check=False, shape=param.shape, stride=param.stride())
-                       for k in elem},
+                    **{k: _like(st[k], param) for k in elem},
                 }
         else:
             # zero1: whole tensors; each rank contributes its ranges, one all-reduce per key
@@ -410,7 +409,10 @@ class ShardedOptimizer(OptimizerRunner):
         raise KeyError("segment without optimizer state")
 
     def _gather_space(self, space: _FlatSpace, key: str) -> torch.Tensor:
-        full = torch.zeros(space.chunk * space.ranks.world, dtype=torch.float32, device=self.device)
+        # offloaded state is gathered where it lives (the host: gloo beside NCCL), not on the GPU;
+        # on a group with no CPU backend (a script's pure-NCCL group) it must go through the device
+        where = host_device(self.device, space.ranks.group) if self.host else self.device
+        full = torch.zeros(space.chunk * space.ranks.world, dtype=torch.float32, device=where)
         offsets = {id(p): off for p, off in space.params}
         for seg in self._segments:
             if id(seg.param) in offsets:

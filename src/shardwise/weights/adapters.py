@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from ..distributed.internals import is_sharded
+from ..distributed.internals import is_sharded, shard_like
 from .export import save_model_files
 from .storage import CheckpointError, fsync_path, new_staging, os_error_line
 
@@ -257,7 +257,6 @@ def _load_whole(module: nn.Module, load: Any, state_dict: Any, *args: Any, **kwa
         mine = current.get(key)
         if (isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
                 and tuple(value.shape) == tuple(mine.shape)):
-            value = distribute_tensor(value.detach().to(mine.device, mine.dtype), mine.device_mesh,
-                                      mine.placements, src_data_rank=None)
+            value = shard_like(value, mine, dtype=mine.dtype)
         cut[key] = value
     return load(cut, *args, **kwargs)

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ..config.tree import ConfigError
+from ..distributed.internals import shard_like
 
 
 def is_ema(obj: Any) -> bool:
@@ -146,9 +147,9 @@ def shard(prepared: PreparedEMA) -> None:
 def _like(shadow: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor) or isinstance(shadow, DTensor):
         return shadow
-    # src_data_rank=None: each process cuts its own copy (all hold the same values)
-    return distribute_tensor(shadow.detach().to(param.device), param.device_mesh, param.placements,
-                             src_data_rank=None)
+    # each process cuts its own copy (all hold the same values), kept beside the parameter's
+    # shard (the host under offload params)
+    return shard_like(shadow, param)
 
 
 @contextlib.contextmanager

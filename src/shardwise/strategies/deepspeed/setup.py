@@ -126,6 +126,10 @@ def _precision_keys(cfg: EngineConfig) -> dict[str, Any]:
         ls = cfg.sharding.loss_scale
         return {"fp16": {
             "enabled": True,
+            # DeepSpeed casts the weights to fp16; without auto_cast a float input (pixels,
+            # features, a float mask) stays fp32 and the first matmul fails on mixed dtypes.
+            # Accelerate sets it too.
+            "auto_cast": True,
             "loss_scale": 0 if ls.dynamic else ls.init_scale,
             "initial_scale_power": round(math.log2(ls.init_scale)),
             "loss_scale_window": ls.growth_interval,

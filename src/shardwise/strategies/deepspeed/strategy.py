@@ -313,13 +313,22 @@ class DeepSpeedStrategy(Strategy):
 
     # -- weights ----------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Whole weights for an export: a trained parameter's fp32 master where DeepSpeed keeps
+        the module's copy in another dtype (fp16: the weights it computes with are cast; an
+        export of those would be fp16 and rounded), else the module's own; buffers as they are."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
         if model in self._inference:
             return self.frozen.full_state_dict(model)
         module = self.unwrap(model)
+        engine = getattr(model, "ds_engine", None)
         gathered: dict[int, torch.Tensor] = {}
         for p in module.parameters():  # one parameter at a time: no rank holds the whole model twice
+            master = (safe_get_full_fp32_param(p) if engine is not None and p.requires_grad
+                      and p.dtype != torch.float32 else None)  # (a collective under ZeRO-3)
             with self.ds.zero.GatheredParameters([p], modifier_rank=None):
-                whole = self._whole(p, p.detach())  # (AutoTP: every tp rank takes part)
+                # (AutoTP: every tp rank takes part)
+                whole = self._whole(p, master if master is not None else p.detach())
                 if self.info.is_main:
                     gathered[id(p)] = whole.to("cpu", copy=True)
         if not self.info.is_main:
