@@ -19,8 +19,10 @@ A violation raises at the call, one line: `collective auditor: <rule>: <collecti
 group (<devices>)`. Each worker counts the calls it checked (`COUNTS`); spawn's workers write them
 beside their results and the test process adds them up (`add`), and pytest prints the total at
 the end of the session (tests/conftest.py). On by default in spawn's workers
-(SHARDWISE_AUDIT_COLLECTIVES=0: off). Not covered: torch's functional collectives (DTensor's
-redistribution, `full_tensor`), which go through `torch.ops._c10d_functional`, not this API.
+(SHARDWISE_AUDIT_COLLECTIVES=0: off). torch's functional collectives (DTensor's redistribution,
+`full_tensor`, tensor, sequence, context and expert parallelism's resharding) are audited at the
+Python functions DTensor calls (`torch.distributed._functional_collectives`, counted as
+`functional <name>`); a call inside a graph being compiled is left to the compiler.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ TENSOR_COLLECTIVES = (
 )  # (not isend, irecv: P2POp takes only torch's own as its `op`; batch_isend_irecv checks each op)
 OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
                       "send_object_list", "recv_object_list")
+FUNCTIONAL = (
+    "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd", "all_reduce", "all_to_all_single", "all_to_all_single_autograd",
+    "broadcast",
+)  # torch.distributed._functional_collectives: what DTensor's redistribution calls
 COUNTS: Counter[str] = Counter()  # this process's checked calls, by collective
 TOTAL: Counter[str] = Counter()  # the test process: every worker's, added up (`add`)
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
@@ -141,6 +148,38 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return audited
 
 
+def _functional_group(group: Any, tag: str) -> Any:
+    """The process group a functional collective names (a group, a mesh and its dimension, a
+    group's name), as torch resolves it."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(funcol._resolve_group_name(group, tag))
+
+
+def _wrap_functional(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+    label = f"functional {name}"
+
+    @functools.wraps(original)
+    def audited(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        try:
+            arguments = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return original(*args, **kwargs)  # torch's own message for a wrong call
+        group = _functional_group(arguments.get("group"), arguments.get("tag", ""))
+        tensors = [t for key, value in arguments.items() if key not in ("group", "tag")
+                   for t in _tensors(value)]
+        check(label, group, tensors, run_device())
+        COUNTS[label] += 1
+        return original(*args, **kwargs)
+
+    audited.__audited__ = original  # type: ignore[attr-defined]
+    return audited
+
+
 def install() -> None:
     """Wrap torch.distributed's collectives in this process (once), and every module-level copy a
     loaded shardwise module holds."""
@@ -155,6 +194,16 @@ def install() -> None:
         _ORIGINALS[name] = original
         audited = _wrap(name, original)
         setattr(dist, name, audited)
+        wrapped[id(original)] = audited
+    from torch.distributed import _functional_collectives as funcol
+
+    for name in FUNCTIONAL:
+        original = getattr(funcol, name, None)
+        if original is None:
+            continue
+        _ORIGINALS[f"functional {name}"] = original
+        audited = _wrap_functional(name, original)
+        setattr(funcol, name, audited)
         wrapped[id(original)] = audited
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith("shardwise"):

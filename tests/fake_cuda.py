@@ -78,10 +78,15 @@ class DeviceMoves(TorchFunctionMode):
 @contextlib.contextmanager
 def cuda_mesh(shape: tuple[int, ...] = (1,), names: tuple[str, ...] = ("dp",)) -> Iterator[Any]:
     """A mesh typed "cuda" over this process alone, its group gloo's ("cpu:gloo,cuda:gloo"), in
-    pytest's own process; the group goes at the end."""
+    pytest's own process; the group goes at the end. Where an earlier test of this process left
+    a default group of its own (a world of one), the mesh is made on it without groups of its
+    own (`_init_backend=False`: the checks here send nothing)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    assert not dist.is_initialized(), "a process group is already up in this process"
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1, "a process group of several processes is up in pytest's process"
+        yield DeviceMesh("cuda", torch.arange(1).reshape(shape), mesh_dim_names=names, _init_backend=False)
+        return
     dist.init_process_group("cpu:gloo,cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield DeviceMesh("cuda", torch.arange(1).reshape(shape), mesh_dim_names=names)

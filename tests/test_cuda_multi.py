@@ -204,28 +204,6 @@ def _offload_runs(root: Path, offload: str) -> dict[str, Any]:
     return {"straight": _cpu(straight), "resumed": _cpu(resumed)}
 
 
-def _plain(steps: int, n: int, batch: int) -> W.Trained:
-    """W.plain_reference on the device (one plain process, the checkpoint loop's global batches)."""
-    model = W.build("tiny").to(DEVICE)
-    opt = W.make_optimizer(model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    data, losses = W.Tokens(n).data.to(DEVICE), []
-    for epoch in range(2):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(W.SEED + epoch)).tolist()
-        for k in range(n // batch):
-            loss = W.lm_loss(model, data[order[k * batch : (k + 1) * batch]])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if len(losses) == steps:
-                return W.Trained(losses, state=_cpu(model.state_dict()))
-    raise AssertionError(f"{steps} steps need more than two epochs of {n} samples")
-
-
-
 @pytest.fixture(scope="module")
 def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     return spawn(_offload, 2, str(tmp_path_factory.mktemp("offload")), timeout=TIMEOUT)
@@ -233,7 +211,7 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
 
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_offloaded_state_resumes_bit_identical(offload_runs: list[Any], offload: str) -> None:
-    ref = _plain(6, CA.N, 4)
+    ref = W.plain_reference(6, CA.N, 4, DEVICE)
     for rank, res in enumerate(offload_runs):
         run = _ran(res[offload])
         straight, resumed = run["straight"], run["resumed"]

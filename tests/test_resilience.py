@@ -231,22 +231,32 @@ def _stuck(folder: Path, planted_fault: str | None = None) -> tuple[int | None, 
     completes, then SIGTERM to the launcher alone: (its exit code, stderr, seconds to exit)."""
     config = _config(folder, strategy="zero3", preempt_grace_s=GRACE, collective_timeout_s=STUCK_TIMEOUT)
     env = fault_env(planted_fault, _env("stuck:3")) if planted_fault else _env("stuck:3")
+    return _blocked(config, folder, env, "stuck", STUCK_TIMEOUT + 60, "SIGTERM", signal.SIGTERM)
+
+
+def _blocked(config: Path, folder: Path, env: dict[str, str], marker: str, limit: float, after: str,
+             signum: int | None = None) -> tuple[int | None, str, float]:
+    """Launch the script, wait until every rank wrote `<marker>.<rank>` (it is blocked), send
+    `signum` to the launcher if any, and wait up to `limit` s for the run to end (killed after
+    it, saying so): (exit code, stderr, seconds from the block or the signal to the exit)."""
     proc = subprocess.Popen(_command(config, folder), env=env, cwd=folder, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all((folder / f"stuck.{r}").is_file() for r in range(2)):
+    while time.monotonic() < deadline and not all((folder / f"{marker}.{r}").is_file() for r in range(2)):
         time.sleep(0.1)
-    time.sleep(1.0)  # (inside the collective)
+    if signum is not None:
+        time.sleep(1.0)  # (inside the collective)
     start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    if signum is not None:
+        proc.send_signal(signum)
     try:
-        _, err = proc.communicate(timeout=STUCK_TIMEOUT + 60)
+        _, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         from spawn import kill_tree
 
         kill_tree(proc.pid)
         _, err = proc.communicate()
-        err = f"(still running {STUCK_TIMEOUT + 60} s after SIGTERM)\n{err}"
+        err = f"(still running {limit} s after {after})\n{err}"
     return proc.returncode, err, time.monotonic() - start
 
 
@@ -497,21 +507,7 @@ def _device_stuck(folder: Path, planted_fault: str | None = None) -> tuple[int |
     config = _config(folder, strategy="zero3", checkpoint_every_steps=1, collective_timeout_s=HANG_TIMEOUT,
                      supervision={"hang_watch": True})
     env = fault_env(planted_fault, _env("device:3")) if planted_fault else _env("device:3")
-    proc = subprocess.Popen(_command(config, folder), env=env, cwd=folder, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all((folder / f"device.{r}").is_file() for r in range(2)):
-        time.sleep(0.1)
-    start = time.monotonic()
-    try:
-        _, err = proc.communicate(timeout=HANG_TIMEOUT + 30)
-    except subprocess.TimeoutExpired:
-        from spawn import kill_tree
-
-        kill_tree(proc.pid)
-        _, err = proc.communicate()
-        err = f"(still running {HANG_TIMEOUT + 30} s after every rank blocked)\n{err}"
-    return proc.returncode, err, time.monotonic() - start
+    return _blocked(config, folder, env, "device", HANG_TIMEOUT + 30, "every rank blocked")
 
 
 def check_device_hang_ended(code: int | None, err: str, took: float, folder: Path) -> None:

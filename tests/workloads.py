@@ -380,14 +380,15 @@ def clone_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})
 
 
-def plain_reference(steps: int, n: int, batch: int) -> Trained:
+def plain_reference(steps: int, n: int, batch: int, device: torch.device | str = "cpu") -> Trained:
     """One plain process over the global batches a seeded loader of `n` samples serves in
     batches of `batch` (the permutation `randperm(n, SEED + epoch)`), clipping at 1.0 and an LR
-    decayed 0.9 per step: the checkpoint tests' reference (losses and final weights; no norms)."""
-    model = build("tiny")
+    decayed 0.9 per step: the checkpoint tests' reference (losses and final weights, on the host;
+    no norms), computed on `device`."""
+    model = build("tiny").to(device)
     opt = make_optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    data, losses = Tokens(n).data, []
+    data, losses = Tokens(n).data.to(device), []
     for epoch in range(2):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
         for k in range(n // batch):
@@ -399,7 +400,7 @@ def plain_reference(steps: int, n: int, batch: int) -> Trained:
             opt.zero_grad()
             losses.append(loss.item())
             if len(losses) == steps:
-                return Trained(losses, state=model.state_dict())
+                return Trained(losses, state={k: v.cpu() for k, v in model.state_dict().items()})
     raise AssertionError(f"{steps} steps need more than two epochs of {n} samples")
 
 
