@@ -2102,3 +2102,83 @@ def _hang_watch_ignores_the_device() -> None:
     from shardwise.runtime import hang
 
     _patch(hang, "device_busy", lambda device: True)
+
+
+# -- transformers' Trainer on shardwise (tests/test_trainer.py: launched scripts) ----------------
+TRAINER_ROW = "a transformers `Trainer` script, unchanged, under `shardwise launch --config`"
+
+
+@fault("trainer_left_on_accelerate", row=TRAINER_ROW,
+       test="tests/test_trainer.py::test_planted_trainer_faults_are_caught")
+def _trainer_left_on_accelerate() -> None:
+    """The regression the issue found: the launched Trainer builds Accelerate's own Accelerator
+    (the import hooks do nothing: no install, no guard on Accelerate's class), so the config is
+    silently ignored and DDP trains."""
+    from shardwise.trainer import routes
+
+    _patch(routes, "install", lambda **config: None)
+    _patch(routes, "on_accelerate_import", lambda module: None)
+
+
+@fault("trainer_accumulates_twice", row=TRAINER_ROW,
+       test="tests/test_trainer.py::test_planted_trainer_faults_are_caught")
+def _trainer_accumulates_twice() -> None:
+    """The engine keeps the accumulation a DeepSpeed JSON's "auto" carried (the Trainer's 2) and
+    divides the Trainer's already divided loss again."""
+    from shardwise.trainer import methods
+
+    _patch(methods, "own_accumulation", lambda acc, args: None)
+
+
+@fault("trainer_resume_without_scheduler", row="a Trainer checkpoint resumed",
+       test="tests/test_trainer.py::test_planted_trainer_faults_are_caught")
+def _trainer_resume_without_scheduler() -> None:
+    """A resume that restores the sharded state but not the Trainer's scheduler (its warmup
+    starts again)."""
+    from shardwise.trainer import methods
+
+    def load(trainer: Any, original: Any, checkpoint: Any) -> None:
+        if checkpoint is not None:
+            trainer.accelerator.load_state(methods._checked(checkpoint))
+
+    methods.REPLACED["_load_optimizer_and_scheduler"] = load
+
+
+@fault("trainer_own_accelerator_allowed",
+       row="a script's own `accelerate.Accelerator` under `shardwise launch`",
+       test="tests/test_trainer.py::test_planted_trainer_faults_are_caught")
+def _trainer_own_accelerator_allowed() -> None:
+    """A script's own accelerate.Accelerator runs (Accelerate's engine, the config ignored)."""
+    from shardwise.trainer import routes
+
+    _patch(routes, "on_accelerate_import", lambda module: None)
+
+
+@fault("trainer_adapters_merged", row="peft adapters under the Trainer",
+       test="tests/test_trainer.py::test_planted_trainer_faults_are_caught")
+def _trainer_adapters_merged() -> None:
+    """`save_model` writes the merged model (base weights and adapters folded in) instead of the
+    adapters peft loads."""
+    from shardwise.trainer import methods
+
+    def save_model(trainer: Any, original: Any, output_dir: Any = None,
+                   _internal_call: bool = False) -> None:
+        if not _internal_call:
+            trainer.accelerator.save_model(trainer.model, output_dir or trainer.args.output_dir,
+                                           merge_adapters=True)
+
+    methods.REPLACED["save_model"] = save_model
+
+
+@fault("trl_reference_left_whole", row="TRL's trainers, unchanged, under `shardwise launch --config`",
+       test="tests/test_trainer_trl.py::test_planted_trl_reference_left_whole_is_caught")
+def _trl_reference_left_whole() -> None:
+    """A model prepared for evaluation only (`prepare_model(evaluation_mode=True)`: DPO's frozen
+    reference) comes back as it was: whole on every rank, not sharded beside the policy."""
+    from shardwise.accelerate.accelerator import Accelerator
+
+    def prepare_model(self: Any, model: Any, device_placement: Any = None,
+                      evaluation_mode: bool = False) -> Any:
+        return model if evaluation_mode else self.prepare(model)
+
+    _patch(Accelerator, "prepare_model", prepare_model)

@@ -165,10 +165,42 @@ def test_logging_dir_of_project_configuration_holds_the_runs(tmp_path: Path) -> 
         acc.end_training()
         assert PartialState().num_processes == 1 and PartialState().is_main_process
     finally:
-        PartialState._shared_state.clear()  # this test process's: no other test sees it
+        _forget_accelerate_state()
     assert acc.logging_dir == str(tmp_path / "l")
     assert json.loads((tmp_path / "l" / "r" / "metrics.jsonl").read_text())["x"] == 1.0
     assert not list(tmp_path.rglob("logs"))
+
+
+def _forget_accelerate_state() -> None:
+    """Accelerate's shared states as shardwise filled them in this test process: cleared, so no
+    other test sees them."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    PartialState._shared_state.clear()
+    AcceleratorState._shared_state.clear()
+
+
+def test_accelerate_helpers_that_read_accelerator_state_work() -> None:
+    """Accelerate's helpers that build `AcceleratorState()` (which refuses to be built but by
+    Accelerate's own Accelerator) find shardwise's: `set_seed(seed, device_specific=True)`, as
+    TRL's GRPOTrainer calls it, adds this process's index; the state holds no engine plugin."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import set_seed
+
+    import shardwise
+
+    try:
+        acc = shardwise.Accelerator(cpu=True, mixed_precision="bf16")
+        state = AcceleratorState()
+        assert (state.process_index, state.num_processes, state.mixed_precision) == (0, 1, "bf16")
+        assert state.deepspeed_plugin is None and state.fsdp_plugin is None
+        set_seed(3, device_specific=True)  # seed 3 + process 0
+        drawn = torch.rand(2)
+        torch.manual_seed(3)
+        assert torch.equal(drawn, torch.rand(2))
+        acc.end_training()
+    finally:
+        _forget_accelerate_state()
 
 
 @pytest.fixture(scope="module")

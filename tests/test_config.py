@@ -324,7 +324,7 @@ def test_launch_builds_torchrun_argv_from_file_and_flags(no_torchrun: list, tmp_
     (argv,) = no_torchrun
     assert argv == [
         "--nproc-per-node", "2", "--standalone", "--max-restarts", "2", "--log-dir", "logs", "--tee", "3",
-        str(script), "--lr", "1",
+        "--module", "shardwise.trainer.run", str(script), "--lr", "1",
     ]
 
 
@@ -336,7 +336,7 @@ def test_torchrun_argv_multi_node() -> None:
     assert torchrun_argv(launch, "train.py", ["--x"]) == [
         "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "10.0.0.1:29555", "--rdzv-id", "shardwise", "--rdzv-conf", "is_host=false",
-        "--max-restarts", "0", "train.py", "--x",
+        "--max-restarts", "0", "--module", "shardwise.trainer.run", "train.py", "--x",
     ]
     static = LaunchConfig(num_processes=1, num_nodes=2, node_rank=0, rdzv_backend="static")
     assert "--master-addr" in torchrun_argv(static, "t.py")

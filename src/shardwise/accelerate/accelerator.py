@@ -134,7 +134,7 @@ class Accelerator(ProcessHelpers):
         self.profile_handler: Any = read_handlers(kwargs_handlers or [], kwargs)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
-        self.engine = Engine(rules=self._rules(), **kwargs)
+        self.engine = Engine(rules=self.loop_rules(), **kwargs)
         self.engine.noun = "accelerator"  # messages name the verbs of the object the script holds
         if self.plugin_settings:  # the start-up line: where the settings came from
             said = ", ".join(f"{k}={v!r}" for k, v in self.plugin_settings.items())
@@ -147,7 +147,8 @@ class Accelerator(ProcessHelpers):
         self.engine.set_logging_root(extras.logging_root(self.project_configuration))
         self.engine.save_policy_checkpoints_with(self.save_state)  # policy checkpoints: Accelerate's naming
         extras.share_process_state(self.device, self.distributed_type.value, self.num_processes,  # for
-                                   self.process_index, self.local_process_index)  # accelerate.logging
+                                   self.process_index, self.local_process_index,  # accelerate.logging
+                                   self.mixed_precision)  # and AcceleratorState() readers
         self._state_hooks = StateHooks()
         self._saves: dict[int, int] = {}  # save_state calls at the current step (arrival keys)
         # Accelerate's `parallelism_config` and `torch_device_mesh`: made here, on every process
@@ -203,7 +204,7 @@ class Accelerator(ProcessHelpers):
         """Accelerate's: the index along dp_shard."""
         return self.engine.parallel_dims.coordinates(self.process_index)["dp_shard"]
 
-    def _rules(self) -> LoopRules:
+    def loop_rules(self) -> LoopRules:
         """Accelerate's rules with the script's configuration objects as they are now."""
         return accelerate_rules(self.dataloader_config, self._plugin, self.step_scheduler_with_optimizer)
 
@@ -343,7 +344,7 @@ class Accelerator(ProcessHelpers):
     def prepare(self, *objects: Any, device_placement: Any = None) -> Any:
         """As `Engine.prepare`, under Accelerate's rules (read from the configuration objects now);
         a sharded model refuses a no-grad forward run on one process alone (`SoloForwardCheck`)."""
-        self.engine.set_rules(self._rules())
+        self.engine.set_rules(self.loop_rules())
         out = self.engine.prepare(*objects)
         for obj in out if isinstance(out, tuple) else (out,):
             sharded = isinstance(obj, FSDPModule) or (isinstance(obj, nn.Module) and holds_partitions(obj))
@@ -576,6 +577,6 @@ class Accelerator(ProcessHelpers):
         if input_dir is not None:
             self._state_hooks.before_load(self._hook_models(), str(input_dir))
             self.engine.reshard_emas()  # (a load hook may have given a prepared EMA whole shadows)
-        self.engine.set_rules(self._rules())
+        self.engine.set_rules(self.loop_rules())
         return self.engine.load_state(input_dir)
 

@@ -87,41 +87,60 @@ def logging_root(pc: Any) -> Path | None:
     return Path(folder) if folder is not None else None
 
 
-def _partial_state_shared_dict() -> dict[str, Any]:
-    """accelerate's private `PartialState._shared_state`: the one dict every `PartialState()`
-    adopts (a Borg singleton). The only accelerate-private name shardwise touches; checked
-    against accelerate 1.15.0 (the installed version when this was written)."""
-    state = importlib.import_module("accelerate.state").PartialState
+def _shared_dict(name: str) -> dict[str, Any]:
+    """accelerate's private `PartialState._shared_state` / `AcceleratorState._shared_state`: the
+    one dict every `PartialState()` (`AcceleratorState()`) adopts (a Borg singleton). The only
+    accelerate-private name shardwise touches; checked against accelerate 1.15.0 and 1.16.0."""
+    state = getattr(importlib.import_module("accelerate.state"), name)
     return cast(dict[str, Any], state._shared_state)
 
 
+def _partial_state_shared_dict() -> dict[str, Any]:
+    return _shared_dict("PartialState")
+
+
+def _accelerator_state_shared_dict() -> dict[str, Any]:
+    return _shared_dict("AcceleratorState")
+
+
 def share_process_state(device: torch.device, distributed_type: str, num_processes: int, process_index: int,
-                        local_process_index: int) -> None:
+                        local_process_index: int, mixed_precision: str = "no") -> None:
     """Fill Accelerate's `PartialState` shared state with where this process sits, so that
     `accelerate.logging.get_logger(...)` loggers (which read `PartialState()`) log on the main
-    process only and tag `[RANK r]` with the real rank.
+    process only and tag `[RANK r]` with the real rank; and `AcceleratorState`'s, so that
+    Accelerate's helpers that read `AcceleratorState()` (`accelerate.utils.set_seed(seed,
+    device_specific=True)`, which TRL's GRPOTrainer calls, adds its `process_index`) find it
+    built, with no engine plugin (shardwise runs the engine).
 
     `PartialState()` itself is not called: it would read Accelerate's launcher environment and
-    start a process group of its own. Its shared dict is what every `PartialState()` adopts
-    (a Borg singleton), so writing the fields it reads is enough; a state Accelerate itself
-    built (a script that made `PartialState()` first) is left alone."""
+    start a process group of its own; nor `AcceleratorState()`, which refuses to be built but
+    by Accelerate's `Accelerator`. Their shared dicts are what every instance adopts (Borg
+    singletons), so writing the fields they read is enough; a state Accelerate itself built (a
+    script that made `PartialState()` or an Accelerate `Accelerator` first) is left alone."""
     if "accelerate" not in sys.modules and importlib.util.find_spec("accelerate") is None:
         return
     shared = _partial_state_shared_dict()
     types = importlib.import_module("accelerate.utils").DistributedType
-    if shared and not shared.get(_OURS):
+    if not shared or shared.get(_OURS):
+        shared.clear()
+        shared.update({
+            _OURS: True,
+            "_cpu": device.type == "cpu",
+            # the backend of this run's device (Accelerate's "nccl" on a GPU), not the group's string
+            "backend": backends_of().get(device.type) if dist.is_initialized() else None,
+            "device": device,
+            "debug": False,
+            "distributed_type": types(distributed_type),
+            "num_processes": num_processes,
+            "process_index": process_index,
+            "local_process_index": local_process_index,
+            "fork_launched": False,
+        })
+    accelerator = _accelerator_state_shared_dict()
+    if accelerator and not accelerator.get(_OURS):
         return
-    shared.clear()
-    shared.update({
-        _OURS: True,
-        "_cpu": device.type == "cpu",
-        # the backend of this run's device (Accelerate's "nccl" on a GPU), not the group's string
-        "backend": backends_of().get(device.type) if dist.is_initialized() else None,
-        "device": device,
-        "debug": False,
-        "distributed_type": types(distributed_type),
-        "num_processes": num_processes,
-        "process_index": process_index,
-        "local_process_index": local_process_index,
-        "fork_launched": False,
-    })
+    accelerator.clear()
+    # AcceleratorState counts as built while its dict differs from PartialState's (these keys)
+    accelerator.update({**shared, _OURS: True, "_mixed_precision": mixed_precision, "dynamo_plugin": None,
+                        "deepspeed_plugins": None, "fsdp_plugin": None, "megatron_lm_plugin": None,
+                        "torch_tp_plugin": None, "parallelism_config": None, "device_mesh": None})

@@ -153,6 +153,10 @@ class ParallelSizes:
     def non_data_parallel_size(self) -> int:
         return self.tp_size * self.cp_size * self.sp_size
 
+    # Accelerate's names for its implementations: shardwise's cp splits at the model's door (its
+    # Ulysses is a cp mode); there is no DeepSpeed sequence parallelism (transformers' Trainer reads both)
+    cp_backend = "torch"
+    sp_backend = "none"
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
     tp_enabled = property(lambda self: self.tp_size > 1)

@@ -24,6 +24,7 @@ from ..config.tree import LaunchConfig
 from ..runtime.supervision import PREEMPTED_EXIT, RUN_RECORD_ENV, read_run_record
 
 CONFIG_ENV = "SHARDWISE_CONFIG"
+RUNNER = "shardwise.trainer.run"  # every launched script runs through it (docs/trainer.md)
 
 
 def torchrun_argv(
@@ -31,8 +32,13 @@ def torchrun_argv(
     script: str,
     script_args: Sequence[str] = (),
     extra: Sequence[str] = (),
+    *,
+    runner: str | None = RUNNER,
 ) -> list[str]:
-    """torchrun's arguments for `launch`; `extra` holds further torchrun flags, passed as given."""
+    """torchrun's arguments for `launch`; `extra` holds further torchrun flags, passed as given.
+    A script runs through the `runner` module (`python -m shardwise.trainer.run SCRIPT ARGS`: the
+    script as Python runs it, with transformers' Trainer put on shardwise if it imports it); None
+    runs it as torchrun would (`--module` / `--no-python` launches)."""
     argv = ["--nproc-per-node", str(launch.num_processes)]
     if launch.num_nodes == 1:
         argv.append("--standalone")
@@ -53,7 +59,9 @@ def torchrun_argv(
             # node 0 hosts the rendezvous store; the others only connect to it
             "--rdzv-conf", f"is_host={'true' if launch.node_rank == 0 else 'false'}",
         ]
-    argv += ["--max-restarts", str(launch.max_restarts), *extra, script, *script_args]
+    argv += ["--max-restarts", str(launch.max_restarts), *extra]
+    argv += ["--module", runner] if runner is not None else []
+    argv += [script, *script_args]
     return argv
 
 

@@ -220,7 +220,7 @@ def _scheduler_settings(ns: argparse.Namespace,
 
 
 def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
-    from .launch import requeue_slurm, run_torchrun, torchrun_argv
+    from .launch import RUNNER, requeue_slurm, run_torchrun, torchrun_argv
 
     folded: dict[str, Any] = {}
     for dest, field in _TORCHRUN_FOLDED.items():
@@ -249,7 +249,8 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
         raise ConfigError(f"training script {script!r} not found")
     if isinstance(cfg.training.micro_batch_size, int):
         check_train_batch(cfg, cfg.training.micro_batch_size, cfg.launch.num_processes * cfg.launch.num_nodes)
-    argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, torchrun))
+    argv = torchrun_argv(cfg.launch, script, ns.training_script_args or [], _torchrun_extra(ns, torchrun),
+                         runner=None if module_mode else RUNNER)
     after_save = None
     if scheduler is not None:
         print(f"shardwise launch: {scheduler.describe(derived)}; running torchrun {' '.join(argv)}",
@@ -260,7 +261,8 @@ def _cmd_launch(ns: argparse.Namespace, torchrun: list[argparse.Action]) -> int:
     fd, path = tempfile.mkstemp(prefix="shardwise-", suffix=".yaml")
     os.close(fd)
     try:
-        write_yaml(cfg, path, header="# resolved by shardwise launch\n")
+        source = _config_path(ns)
+        write_yaml(cfg, path, header=f"# resolved by shardwise launch from {source or 'its flags'}\n")
         # stopped, the workers get up to preempt_grace_s to reach a boundary, then their save's
         # collectives time out after collective_timeout_s: the launcher waits that long for them
         sup = cfg.supervision

@@ -49,6 +49,11 @@ Process groups and the launcher
 - FSDP2's per-module state, `module._get_fsdp_state()._fsdp_param_groups[*].fsdp_params`, and an
   FSDPParam's `_unsharded_param`: the gathered parameter, counted by `shardwise.runtime.memory`.
 
+Autograd
+- `torch._C._current_graph_task_id()`: the backward autograd's engine is running on this thread
+  (-1: none); a non-reentrant activation checkpoint recomputes its forward inside one. DeepSpeed
+  ZeRO-3 tells a recompute by it too (`partitioned_param_coordinator`).
+
 Compilation (`torch._dynamo`)
 - `torch._dynamo.utils.counters`: dynamo's per-process counters; `["stats"]["unique_graphs"]`
   counts the graphs compiled (`strategies.compile` tells a recompilation by it).
@@ -80,13 +85,20 @@ Hook = Callable[..., Any]
 
 __all__ = [
     "FSDPReduceScatter", "allow_amp_scaling", "ddp_ignore", "default_store", "dynamo_graphs",
-    "graph_break_error", "holds_partitions", "holds_shards", "is_fake", "is_sharded", "is_strided",
-    "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
+    "graph_break_error", "holds_partitions", "holds_shards", "in_backward", "is_fake", "is_sharded",
+    "is_strided", "is_strided_shard", "local_part", "local_tensor", "mark_stepped",
     "member_groups", "no_grad_trunc_normal", "one_block_placements", "shard_box", "shard_like",
     "step_post_hooks",
     "step_pre_hooks", "storage_ref", "strided_shard", "terminate_handler", "tree_map", "version_of",
     "view_base", "with_local",
 ]
+
+
+# -- autograd --------------------------------------------------------------------------------------
+def in_backward() -> bool:
+    """A backward is running on this thread: a module called now is an activation checkpoint's
+    recompute (non-reentrant), not a forward of its own."""
+    return torch._C._current_graph_task_id() != -1
 
 
 # -- tensors ---------------------------------------------------------------------------------------

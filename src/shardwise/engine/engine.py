@@ -191,6 +191,18 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         """True on the micro-step that ends an accumulation (gradients are communicated)."""
         return self._session is None or self._session.step_state.sync
 
+    def set_micro_step(self, sync: bool) -> None:
+        """For a loop that counts its own accumulation (transformers' Trainer, which prefetches a
+        step's batches, so no loader can say where a step ends): the coming micro-step ends an
+        accumulation iff `sync` (the backward communicates and the optimizers step then)."""
+        if self._session is not None:
+            self._session.step_state.set_sync(sync)
+
+    @property
+    def prepared_models(self) -> list[nn.Module]:
+        """The models prepared so far (none before the first prepare)."""
+        return list(self._session.models) if self._session is not None else []
+
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return self._session is not None and any(o.step_was_skipped for o in self._session.optimizers)
@@ -578,7 +590,7 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
         if loaded is None:
             return None
         state, path = loaded
-        restore_loop_state(state, path, self.session, self._loaders.loaders, self._registered,
+        restore_loop_state(state, path, self.session, self._checkpointed_loaders(), self._registered,
                            self.num_processes, loader_positions=self._rules.restore_loader_position)
         self._boundary_hooks.passed(self.step)  # no checkpoint of the step just restored
         say(self._info, f"resumed from {path} at step {self.step}")
@@ -605,8 +617,11 @@ class Engine(ProcessVerbs, TrackerVerbs, ModelVerbs):
                         "shadows are sharded like its parameters (as if passed to prepare)")
         return True
 
+    def _checkpointed_loaders(self) -> list[PreparedDataLoader]:
+        return self._loaders.loaders if self._rules.loaders_in_checkpoint else []
+
     def _checkpoint_parts(self) -> Any:
-        return checkpoint_parts(self.session, self._loaders.loaders, self._registered, self.config,
+        return checkpoint_parts(self.session, self._checkpointed_loaders(), self._registered, self.config,
                                 self.process_index, self.num_processes)
 
     def memory_report(self) -> MemoryReport:

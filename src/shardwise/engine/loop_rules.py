@@ -41,6 +41,11 @@ class LoopRules:
     restore_loader_position: bool = True
     """`load_state` restores where each DataLoader stood in its epoch (Accelerate: only with
     use_stateful_dataloader; its scripts skip the seen batches themselves)."""
+    loaders_in_checkpoint: bool = True
+    """A checkpoint holds each prepared DataLoader's state (its pass, epoch, place). False: the
+    loop owns its data position (transformers' Trainer: it skips the seen batches and sets each
+    pass's epoch itself, and prepares a new evaluation loader at every evaluation, so the count of
+    prepared loaders is no property of the run)."""
     scheduler_steps_per_process: bool = False
     """An LR scheduler steps once per process per optimizer step (once with split_batches), as
     Accelerate's; the Engine's steps once per optimizer step."""

@@ -66,6 +66,13 @@ class StepState:
         if loader_at_end:
             self.micro_step = 0
 
+    def set_sync(self, sync: bool) -> None:
+        """A loop that counts its own accumulation (transformers' Trainer) starts a micro-step and
+        says whether it ends one: the optimizers step, and gradients are communicated, iff `sync`."""
+        self.clipped = False
+        self._stepped.clear()
+        self.sync = sync
+
     def record_step(self, optimizer_id: int) -> bool:
         """An optimizer steps on a boundary: the first of a boundary counts one optimizer step
         (returns True). (Without `accumulate()`, the same optimizer stepping again starts a new

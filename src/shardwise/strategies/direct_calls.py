@@ -17,7 +17,8 @@ op that meets it fails (`aten.embedding.default got mixed torch.Tensor and DTens
   as a forward of the root: gathered first, resharded after (FSDP2's own pre/post-forward, so
   a training call gets its backward hooks too), and under no_grad every unit is resharded after
   it, as after the root's own evaluation forward. Inside the root's forward the wrapper only
-  checks a counter.
+  checks a counter. In a backward (an activation checkpoint recomputing a block) it runs the
+  call as it is: that call is the recompute of a forward of the root, not a direct call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+from ..distributed.internals import in_backward
 
 _ENTRY = "_shardwise_entry"  # the root's forward method that runs one direct call
 _ROUTED = "_shardwise_routed"  # on the root: its `_Depth`; on a submodule: its forward is wrapped
@@ -110,7 +113,11 @@ def _routed(forward: Callable[..., Any], depth: _Depth, run: Run,
             after: Callable[[], None]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if depth.n:  # inside a forward of the root (or generate): nothing to add
+        if depth.n or in_backward():
+            # inside a forward of the root (or generate), or an activation checkpoint's recompute
+            # in the backward (the root's forward ran; the backend's backward hooks hold what it
+            # gathers, and a release here would leave a partitioned weight to take a full
+            # gradient): nothing to add
             return forward(*args, **kwargs)
         depth.enter()
         try:

@@ -124,6 +124,13 @@ def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _head_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The output head's own parameters (a transformers model's `get_output_embeddings()`)."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return list(head.parameters(recurse=False)) if isinstance(head, nn.Module) else []
+
+
 def _nothing() -> None:
     return None
 
@@ -218,6 +225,14 @@ class DeepSpeedStrategy(Strategy):
             # after DeepSpeed's own hooks: a no-grad forward has no backward to release for it
             engine.module.register_forward_hook(
                 lambda *_: None if torch.is_grad_enabled() else model.release_gathered())
+            # The output head, whole through the model's forward and backward (as FSDP2's root unit
+            # holds it on the torch backend): TRL's fused LM head projects with `lm_head.weight`
+            # itself, never calling the head. DeepSpeed registers such a read for the backward
+            # only when it finds the weight partitioned; after a `generate` (which ran the head)
+            # its prefetcher has gathered it, the read goes unregistered, and the backward meets
+            # the partition (GRPO's first backward).
+            for p in _head_parameters(model.module):
+                self.ds.zero.register_external_parameter(model.module, p)
         return engine
 
     def unwrap(self, model: nn.Module) -> nn.Module:
