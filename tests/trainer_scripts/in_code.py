@@ -28,3 +28,8 @@ else:
 
     train_clm.Trainer = ShardwiseTrainer  # the script as if written `ShardwiseTrainer(model=..., ...)`
     train_clm.main()
+# the script's end: `trainer.end()` in a script that keeps its trainer; here, each open one (the
+# launch route does this itself after the script)
+from shardwise.trainer.routes import end_open  # noqa: E402
+
+end_open()

@@ -191,7 +191,8 @@ def test_launch_in_a_slurm_step_builds_torchrun_from_the_job(
     assert cli.main(["launch", "train.py", "--lr", "1"]) == 0
     (argv, kw), = started
     assert argv == ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "gpu07",
-                    "--master-port", "24242", "--max-restarts", "0", "train.py", "--lr", "1"]
+                    "--master-port", "24242", "--max-restarts", "0", "--module", "shardwise.trainer.run",
+                    "train.py", "--lr", "1"]
     assert kw["after_save"].args == ("4242",)  # node 0 requeues the job after a preempted stop
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("shardwise launch: SLURM job 4242: nodes 2 (SLURM_NNODES)")

@@ -51,6 +51,16 @@ class TrainerAccelerator(Accelerator):
         super().__init__(**kwargs)
         self.gradient_state = TrainerGradientState(self.engine)
         self.scaler = None  # fp16's loss scale is the engine's (its state is in the checkpoint)
+        self.ended = False  # end_training() was called (`trainer.end()`, or the launch route's end)
+        self.built.append(self)
+
+    built: ClassVar[list[TrainerAccelerator]] = []  # `routes.end_open` takes them (the launch route)
+
+    def end_training(self) -> None:
+        """Once: `trainer.end()` in the script, else the launch route after the script."""
+        if not self.ended:
+            self.ended = True
+            super().end_training()
 
     def loop_rules(self) -> LoopRules:
         """Accelerate's, with the data position the Trainer's own (`LoopRules.loaders_in_checkpoint`)."""

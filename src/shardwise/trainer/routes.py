@@ -72,6 +72,21 @@ def on_accelerate_import(module: ModuleType) -> None:
     cls.__init__ = refuse
 
 
+def end_open() -> None:
+    """The launch route, after the script returned: each Trainer's Accelerator that the script
+    did not end (`trainer.end()`, which most Trainer scripts never call) ends its run, every
+    process alike: the last checkpoint complete, the trackers closed, the process group left with
+    a last barrier. (Left to the interpreter's teardown, gloo's threads can abort a finished run
+    with SIGABRT: `distributed.world.leave_process_groups`.)"""
+    import torch.distributed as dist
+
+    built = TrainerAccelerator.built
+    while built:
+        acc = built.pop(0)
+        if not acc.ended and dist.is_initialized():
+            acc.end_training()
+
+
 def uninstall() -> None:
     """transformers.Trainer's own methods back (tests; a notebook switching back)."""
     from transformers import Trainer

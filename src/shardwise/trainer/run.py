@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as err:  # torchrun's error file, as its `@record` would write (the launcher's line)
         tell_the_launcher(err)
         raise
+    routes.end_open()  # the runs a Trainer script left open (it seldom calls trainer.end())
 
 
 if __name__ == "__main__":
